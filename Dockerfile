@@ -1,0 +1,70 @@
+# Container image for the rate-limiting gateway.
+#
+#   docker build -t ratelimit-gateway:0.1.0 .
+#   docker run --rm -p 8080:8080 -p 9901:9901 \
+#     -v "$PWD/gateway.toml:/etc/gateway/gateway.toml:ro" ratelimit-gateway:0.1.0
+#
+# The image ships no config: mount one at /etc/gateway/gateway.toml (in
+# Kubernetes the ConfigMap in k8s/gateway-configmap.yaml does it). Its
+# server.listen and server.admin_listen must bind 0.0.0.0, not 127.0.0.1, to be
+# reachable from outside the container.
+#
+# Build stage and runtime stage share one Debian release so the binary links
+# against the same glibc it runs with. The apt pins below are that release's
+# versions: bump them together with DEBIAN_RELEASE.
+ARG RUST_VERSION=1.95
+ARG DEBIAN_RELEASE=bookworm
+
+FROM rust:${RUST_VERSION}-slim-${DEBIAN_RELEASE} AS build
+
+# Pingora's zlib-ng (libz-ng-sys) is built with cmake, which needs make; the
+# rust slim image has only gcc and libc6-dev.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        cmake=3.25.1-1 \
+        g++=4:12.2.0-3 \
+        make=4.3-4.1 \
+        pkg-config=1.8.1-1 \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+
+# Dependency layer: build every dependency against stub sources, so that a
+# change under src/ rebuilds only this crate. Every target Cargo.toml declares
+# must exist here, benches included, or cargo refuses to read the manifest.
+COPY Cargo.toml Cargo.lock ./
+RUN mkdir -p src/bin benches \
+    && echo 'fn main() {}' > src/main.rs \
+    && echo 'fn main() {}' > src/bin/mock_upstream.rs \
+    && echo 'fn main() {}' > benches/algorithms.rs \
+    && touch src/lib.rs \
+    && cargo build --release --locked --bin gateway \
+    && cargo clean --release --package ratelimit-gateway \
+    && rm -rf src benches
+
+# Cleaning this crate's artifacts above matters: COPY keeps the sources' own
+# mtimes, which may be older than the stubs', and cargo would then keep the
+# stub binary.
+COPY src ./src
+COPY benches ./benches
+# The stub binary prints nothing: a version string proves the real one was built.
+RUN cargo build --release --locked --bin gateway \
+    && test -n "$(./target/release/gateway --version)"
+
+FROM debian:${DEBIAN_RELEASE}-slim AS runtime
+
+COPY --from=build /src/target/release/gateway /usr/local/bin/gateway
+
+# A numeric user that exists in no passwd file: Kubernetes' runAsNonRoot can
+# only verify a numeric UID. The Deployment's preStop hook runs /bin/sleep,
+# which this base image has (distroless would not).
+USER 65532:65532
+
+# 8080: proxy (server.listen); 9901: admin (server.admin_listen: /healthz,
+# /readyz, /metrics).
+EXPOSE 8080 9901
+
+# SIGTERM (the default stop signal) drains in-flight requests for
+# server.grace_period_secs, then exits.
+ENTRYPOINT ["/usr/local/bin/gateway"]
+CMD ["run", "--config", "/etc/gateway/gateway.toml"]

@@ -1,0 +1,318 @@
+//! Admission: from a request's facts to its fate, without touching a socket.
+//!
+//! `classify` runs everything that needs no limiter: deny list, path, route,
+//! API key. It either refuses the request or returns a `Plan` with the tier
+//! checks to decide. `conclude` turns the limiter's outcome into the response
+//! the client sees: admitted (with headers and perhaps a shaping delay), 429,
+//! or 503 when Redis is down and the operator chose "deny".
+
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Algorithm, Config, HeaderStyle, Scope};
+use crate::identity::{self, ClientAddr, KeyError, KeyTable};
+use crate::limiter::keys::bucket_key;
+use crate::limiter::{Check, Decision, Outcome, Tier};
+use crate::metrics::DecisionLabel;
+use crate::routing::{normalize_path, PathError, RouteMatch, RouteTable};
+
+/// A config snapshot with the lookups the request path needs, built once per load.
+pub struct Policy {
+    pub config: Arc<Config>,
+    routes: RouteTable,
+    keys: KeyTable,
+    key_prefix: String,
+}
+
+impl Policy {
+    pub fn new(config: Arc<Config>) -> Self {
+        Policy {
+            routes: RouteTable::new(&config.routes),
+            keys: KeyTable::new(&config.api_keys),
+            key_prefix: config
+                .redis
+                .as_ref()
+                .map_or_else(|| "rl".to_string(), |r| r.key_prefix.clone()),
+            config,
+        }
+    }
+}
+
+/// What admission needs to know about a request.
+#[derive(Debug, Clone)]
+pub struct RequestView<'a> {
+    pub method: &'a str,
+    /// The path as sent, without the query.
+    pub path: &'a str,
+    pub peer: IpAddr,
+    /// `X-Forwarded-For` values, in order.
+    pub xff: Vec<&'a str>,
+    /// Values of the configured API-key header.
+    pub api_key: Vec<&'a [u8]>,
+    pub authorization: Vec<&'a [u8]>,
+}
+
+/// A request answered before any limiter work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    BadPath(PathError),
+    Forbidden,
+    NotFound,
+    MethodNotAllowed(Vec<String>),
+    UnknownKey,
+    KeyRequired,
+    ConflictingKeys,
+}
+
+/// A request that may proceed once its checks admit it.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub route: usize,
+    /// The normalised path: what was matched and what the upstream receives.
+    pub path: String,
+    pub client_ip: IpAddr,
+    pub client: ClientAddr,
+    pub key_id: Option<String>,
+    pub checks: Vec<Check>,
+}
+
+pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal> {
+    let cfg = &policy.config;
+    let client_ip = identity::client_ip(
+        req.peer,
+        req.xff.iter().copied(),
+        &cfg.clients.trusted_proxies,
+    );
+    if cfg.clients.deny.iter().any(|n| n.contains(&client_ip)) {
+        return Err(Refusal::Forbidden);
+    }
+    let path = normalize_path(req.path).map_err(Refusal::BadPath)?;
+    let route = match policy.routes.find(&path, req.method) {
+        RouteMatch::Found(i) => i,
+        RouteMatch::MethodNotAllowed(allowed) => return Err(Refusal::MethodNotAllowed(allowed)),
+        RouteMatch::NotFound => return Err(Refusal::NotFound),
+    };
+    let r = &cfg.routes[route];
+    let presented = identity::presented_key(
+        req.api_key.iter().copied(),
+        req.authorization.iter().copied(),
+    )
+    .map_err(|KeyError::Conflicting| Refusal::ConflictingKeys)?;
+    let key = match presented {
+        Some(secret) => Some(policy.keys.lookup(secret).ok_or(Refusal::UnknownKey)?),
+        None if r.require_api_key => return Err(Refusal::KeyRequired),
+        None => None,
+    };
+    let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
+    let mut checks = Vec::with_capacity(3);
+    if !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
+        let ip_identity = format!("ip:{client}");
+        let p = &policy.key_prefix;
+        if let Some(t) = &cfg.ip_tier {
+            checks.push(Check {
+                tier: Tier::Ip,
+                key: bucket_key(p, "ip", "ip", &t.algorithm, &ip_identity),
+                algorithm: t.algorithm,
+                shadow: t.shadow,
+            });
+        }
+        if let Some(k) = key {
+            if let Some(plan) = cfg.plans.get(&k.plan) {
+                let algorithm = Algorithm::TokenBucket {
+                    capacity: plan.capacity,
+                    refill_per_sec: plan.refill_per_sec,
+                };
+                checks.push(Check {
+                    tier: Tier::Key,
+                    key: bucket_key(p, "key", &k.plan, &algorithm, &format!("k:{}", k.id)),
+                    algorithm,
+                    shadow: false,
+                });
+            }
+        }
+        if let Some(l) = &r.limit {
+            let identity = match (l.scope, key) {
+                (Scope::Global, _) => "global".to_string(),
+                (Scope::Client, Some(k)) => format!("k:{}", k.id),
+                (Scope::Client, None) => ip_identity,
+            };
+            checks.push(Check {
+                tier: Tier::Route,
+                key: bucket_key(p, "route", &r.name, &l.algorithm, &identity),
+                algorithm: l.algorithm,
+                shadow: l.shadow,
+            });
+        }
+    }
+    Ok(Plan {
+        route,
+        path,
+        client_ip,
+        client,
+        key_id: key.map(|k| k.id.clone()),
+        checks,
+    })
+}
+
+/// The fate of a planned request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Conclusion {
+    Admit {
+        headers: Vec<(&'static str, String)>,
+        /// Leaky-bucket shaping: wait this long, then go upstream.
+        delay: Duration,
+    },
+    Reject {
+        headers: Vec<(&'static str, String)>,
+        /// Exact wait until a retry can succeed, in ms (rounded up).
+        retry_after_ms: u64,
+        violated: Vec<Tier>,
+    },
+    /// Redis failed and the operator chose to deny.
+    Unavailable,
+}
+
+/// Per-tier results for metrics and the access log.
+pub fn tier_labels(checks: &[Check], decisions: &[Decision]) -> Vec<(Tier, DecisionLabel)> {
+    checks
+        .iter()
+        .zip(decisions)
+        .map(|(c, d)| {
+            let label = match (d.allowed, c.shadow) {
+                (true, _) => DecisionLabel::Allowed,
+                (false, true) => DecisionLabel::ShadowRejected,
+                (false, false) => DecisionLabel::Rejected,
+            };
+            (c.tier, label)
+        })
+        .collect()
+}
+
+/// Turns the limiter's outcome into what the client sees. `jitter_us` is the
+/// random spread added to Retry-After (never making it earlier).
+pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclusion {
+    let (verdict, checks) = match outcome {
+        Outcome::Decided {
+            verdict, checks, ..
+        } => (verdict, checks),
+        Outcome::FailOpen => {
+            return Conclusion::Admit {
+                headers: Vec::new(),
+                delay: Duration::ZERO,
+            }
+        }
+        Outcome::FailClosed => return Conclusion::Unavailable,
+    };
+    let decisions = &verdict.decisions;
+    if checks.is_empty() {
+        return Conclusion::Admit {
+            headers: Vec::new(),
+            delay: Duration::ZERO,
+        };
+    }
+    let pairs = || checks.iter().zip(decisions.iter());
+    if verdict.admitted(checks) {
+        // Most restrictive: least remaining, then the longest until reset.
+        let (c, d) = pairs()
+            .min_by_key(|(_, d)| (d.remaining, std::cmp::Reverse(d.reset_after_us)))
+            .expect("checks is not empty");
+        let delay = pairs()
+            .filter(|(_, d)| d.allowed)
+            .map(|(_, d)| d.delay_us)
+            .max()
+            .unwrap_or(0);
+        Conclusion::Admit {
+            headers: headers(style, checks, c, d, d.reset_after_us, verdict.now_us),
+            delay: Duration::from_micros(delay),
+        }
+    } else {
+        let rejecting = || pairs().filter(|(c, d)| !d.allowed && !c.shadow);
+        let (c, d) = rejecting()
+            .max_by_key(|(_, d)| d.retry_after_us)
+            .expect("a rejected verdict has a rejecting tier");
+        let wait_us = d.retry_after_us;
+        let mut hs = headers(style, checks, c, d, wait_us, verdict.now_us);
+        hs.push((
+            "retry-after",
+            (wait_us + jitter_us).div_ceil(1_000_000).max(1).to_string(),
+        ));
+        Conclusion::Reject {
+            headers: hs,
+            retry_after_ms: wait_us.div_ceil(1000),
+            violated: rejecting().map(|(c, _)| c.tier).collect(),
+        }
+    }
+}
+
+/// The rate-limit headers for the most restrictive tier `(c, d)`.
+fn headers(
+    style: HeaderStyle,
+    checks: &[Check],
+    c: &Check,
+    d: &Decision,
+    reset_us: u64,
+    now_us: i64,
+) -> Vec<(&'static str, String)> {
+    let mut out = Vec::with_capacity(5);
+    if style.x_ratelimit() {
+        let reset_at = (now_us.max(0) as u64 + reset_us).div_ceil(1_000_000);
+        out.push(("x-ratelimit-limit", d.limit.to_string()));
+        out.push(("x-ratelimit-remaining", d.remaining.to_string()));
+        out.push(("x-ratelimit-reset", reset_at.to_string()));
+    }
+    if style.ietf() {
+        let mut policy = String::new();
+        for (i, check) in checks.iter().enumerate() {
+            if i > 0 {
+                policy.push_str(", ");
+            }
+            let (q, w) = quota_window(&check.algorithm);
+            let _ = write!(policy, "\"{}\";q={q};w={w}", check.tier);
+        }
+        out.push(("ratelimit-policy", policy));
+        out.push((
+            "ratelimit",
+            format!(
+                "\"{}\";r={};t={}",
+                c.tier,
+                d.remaining,
+                reset_us.div_ceil(1_000_000)
+            ),
+        ));
+    }
+    out
+}
+
+/// A rule as an IETF quota policy: q requests per w seconds.
+fn quota_window(alg: &Algorithm) -> (u64, u64) {
+    match *alg {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        } => (
+            capacity,
+            ((capacity as f64 / refill_per_sec).ceil() as u64).max(1),
+        ),
+        Algorithm::LeakyBucket {
+            rate_per_sec,
+            max_delay_ms,
+        } => {
+            let burst = ((max_delay_ms as f64 / 1000.0) * rate_per_sec).floor() as u64 + 1;
+            (burst, ((burst as f64 / rate_per_sec).ceil() as u64).max(1))
+        }
+        Algorithm::FixedWindow { limit, window_secs }
+        | Algorithm::SlidingWindow { limit, window_secs }
+        | Algorithm::SlidingLog { limit, window_secs } => (limit, window_secs),
+    }
+}
+
+/// Which backend decided, for the access log.
+pub fn backend_of(outcome: &Outcome) -> &'static str {
+    match outcome {
+        Outcome::Decided { backend, .. } => backend.as_str(),
+        Outcome::FailOpen => "fail-open",
+        Outcome::FailClosed => "fail-closed",
+    }
+}

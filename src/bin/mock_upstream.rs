@@ -1,0 +1,235 @@
+//! `mock-upstream`: the stand-in for the services the gateway protects.
+//!
+//! Up to `--capacity-rps` it answers at once. Past it, requests queue for a
+//! slot the way a saturated service's do: latency climbs, and a request that
+//! would wait longer than `--max-queue-ms` waits that long and then fails with
+//! 503, like a service timing out under load. It counts every request it
+//! receives per path and serves the counts at `GET /stats`.
+//!
+//! Special paths (not counted): `GET /healthz`, `GET /stats`, `POST /stats/reset`.
+//! A request header `x-mock-delay-ms: N` adds N ms before answering.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
+use tokio::net::TcpListener;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mock-upstream",
+    version,
+    about = "A capacity-limited test upstream that counts what it receives"
+)]
+struct Args {
+    /// Address to listen on, e.g. 127.0.0.1:9001.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Requests per second served before queueing starts (0: unlimited).
+    #[arg(long, default_value_t = 0.0)]
+    capacity_rps: f64,
+    /// Longest a request queues for a slot before it fails with 503.
+    #[arg(long, default_value_t = 2000)]
+    max_queue_ms: u64,
+    /// Base service time of every request.
+    #[arg(long, default_value_t = 0)]
+    service_ms: u64,
+    /// Worker threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+/// Distinct paths tracked before the rest are counted as "(other)".
+const MAX_PATHS: usize = 10_000;
+
+struct Stats {
+    started: Instant,
+    total: AtomicU64,
+    ok: AtomicU64,
+    failed: AtomicU64,
+    paths: Mutex<HashMap<String, u64>>,
+}
+
+struct Upstream {
+    args: Args,
+    stats: Stats,
+    /// Microseconds since start at which the next slot is free.
+    next_free_us: Mutex<f64>,
+}
+
+impl Upstream {
+    fn count(&self, path: &str) {
+        self.stats.total.fetch_add(1, Ordering::Relaxed);
+        let mut paths = self.stats.paths.lock();
+        if let Some(n) = paths.get_mut(path) {
+            *n += 1;
+        } else if paths.len() < MAX_PATHS {
+            paths.insert(path.to_string(), 1);
+        } else {
+            *paths.entry("(other)".to_string()).or_insert(0) += 1;
+        }
+    }
+
+    /// How long this request waits for its slot, or `None` if the queue is
+    /// already longer than `max_queue_ms` (the request will fail).
+    fn reserve(&self) -> Option<Duration> {
+        if self.args.capacity_rps <= 0.0 {
+            return Some(Duration::ZERO);
+        }
+        let now = self.stats.started.elapsed().as_secs_f64() * 1e6;
+        let interval = 1e6 / self.args.capacity_rps;
+        let mut next = self.next_free_us.lock();
+        let slot = next.max(now);
+        let wait = slot - now;
+        if wait > self.args.max_queue_ms as f64 * 1000.0 {
+            return None;
+        }
+        *next = slot + interval;
+        Some(Duration::from_micros(wait as u64))
+    }
+
+    fn stats_json(&self) -> String {
+        let paths = self.stats.paths.lock().clone();
+        serde_json::json!({
+            "total": self.stats.total.load(Ordering::Relaxed),
+            "ok": self.stats.ok.load(Ordering::Relaxed),
+            "failed": self.stats.failed.load(Ordering::Relaxed),
+            "paths": paths,
+            "capacity_rps": self.args.capacity_rps,
+            "uptime_secs": self.stats.started.elapsed().as_secs_f64(),
+        })
+        .to_string()
+    }
+
+    fn reset(&self) {
+        self.stats.total.store(0, Ordering::Relaxed);
+        self.stats.ok.store(0, Ordering::Relaxed);
+        self.stats.failed.store(0, Ordering::Relaxed);
+        self.stats.paths.lock().clear();
+    }
+}
+
+fn respond(status: u16, body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+}
+
+async fn handle(
+    up: Arc<Upstream>,
+    req: Request<Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let path = req.uri().path().to_string();
+    match (req.method().as_str(), path.as_str()) {
+        ("GET", "/healthz") => return Ok(respond(200, r#"{"ok":true}"#.into())),
+        ("GET", "/stats") => return Ok(respond(200, up.stats_json())),
+        ("POST", "/stats/reset") => {
+            up.reset();
+            return Ok(respond(200, r#"{"reset":true}"#.into()));
+        }
+        _ => {}
+    }
+    up.count(&path);
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let extra_ms: u64 = header("x-mock-delay-ms").parse().unwrap_or(0);
+    let echo = serde_json::json!({
+        "method": req.method().as_str(),
+        "path": path,
+        "query": req.uri().query().unwrap_or(""),
+        "x_forwarded_for": header("x-forwarded-for"),
+        "x_request_id": header("x-request-id"),
+        "host": header("host"),
+    })
+    .to_string();
+    // Read the whole body, as a real service would.
+    let _ = req.into_body().collect().await;
+
+    let service = Duration::from_millis(up.args.service_ms + extra_ms);
+    match up.reserve() {
+        Some(wait) => {
+            if !(wait + service).is_zero() {
+                tokio::time::sleep(wait + service).await;
+            }
+            up.stats.ok.fetch_add(1, Ordering::Relaxed);
+            Ok(respond(200, echo))
+        }
+        None => {
+            // Saturated: the caller waits the full queue time, then fails.
+            tokio::time::sleep(Duration::from_millis(up.args.max_queue_ms) + service).await;
+            up.stats.failed.fetch_add(1, Ordering::Relaxed);
+            Ok(respond(503, r#"{"error":"overloaded"}"#.into()))
+        }
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| {
+            eprintln!("mock-upstream: cannot start runtime: {e}");
+            std::process::exit(1)
+        });
+    runtime.block_on(serve(args));
+}
+
+async fn serve(args: Args) {
+    let listener = match TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("mock-upstream: cannot listen on {}: {e}", args.listen);
+            std::process::exit(1);
+        }
+    };
+    eprintln!(
+        "mock-upstream listening on {} (capacity {} rps, max queue {} ms)",
+        args.listen, args.capacity_rps, args.max_queue_ms
+    );
+    let up = Arc::new(Upstream {
+        args,
+        stats: Stats {
+            started: Instant::now(),
+            total: AtomicU64::new(0),
+            ok: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            paths: Mutex::new(HashMap::new()),
+        },
+        next_free_us: Mutex::new(0.0),
+    });
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let up = up.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| handle(up.clone(), req));
+            let _ = http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}

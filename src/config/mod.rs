@@ -1,0 +1,181 @@
+//! Configuration: the file (`file`, read through `reader`), the validated model
+//! (`model`), and the live handle the proxy reads one snapshot from per request.
+
+mod file;
+mod handle;
+pub mod model;
+mod reader;
+
+use std::fmt::{self, Write as _};
+use std::path::{Path, PathBuf};
+
+pub use handle::ConfigHandle;
+pub use model::*;
+
+/// One problem in a config file: where it is and what was expected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Dotted key path, e.g. `routes[2].limit.capacity`.
+    pub path: String,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{} (line {}): {}", self.path, line, self.message),
+            None => write!(f, "{}: {}", self.path, self.message),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} has {} problem(s):\n{}", path.display(), errors.len(), list(errors))]
+    Invalid {
+        path: PathBuf,
+        errors: Vec<ConfigError>,
+    },
+}
+
+fn list(errors: &[ConfigError]) -> String {
+    errors.iter().fold(String::new(), |mut s, e| {
+        let _ = writeln!(s, "  {e}");
+        s
+    })
+}
+
+/// Reads and validates a config file.
+pub fn load(path: &Path) -> Result<Config, LoadError> {
+    let src = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&src).map_err(|errors| LoadError::Invalid {
+        path: path.to_path_buf(),
+        errors,
+    })
+}
+
+/// Validates config text; every problem is returned at once, ordered by line.
+pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
+    file::parse(src)
+}
+
+impl Config {
+    /// What `gateway check` prints: the effective values, never a secret.
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        let srv = &self.server;
+        let _ = writeln!(s, "listeners: {}", srv.listen.join(", "));
+        let _ = writeln!(
+            s,
+            "admin: {}",
+            srv.admin_listen.as_deref().unwrap_or("(disabled)")
+        );
+        let _ = writeln!(
+            s,
+            "server: threads={} grace_period_secs={} max_request_header_bytes={} header_read_timeout_ms={}",
+            srv.threads, srv.grace_period_secs, srv.max_request_header_bytes, srv.header_read_timeout_ms
+        );
+        let l = &self.limiter;
+        let _ = writeln!(
+            s,
+            "limiter: backend={:?} on_redis_failure={:?} instances={} headers={:?} retry_after_jitter_ms={} local_max_entries={}",
+            l.backend, l.on_redis_failure, l.instances, l.headers, l.retry_after_jitter_ms, l.local_max_entries
+        );
+        match &self.redis {
+            Some(r) => {
+                let _ = writeln!(
+                    s,
+                    "redis: mode={:?} urls={} timeout_ms={} probe_interval_ms={} key_prefix={}",
+                    r.mode,
+                    r.urls.len(),
+                    r.timeout_ms,
+                    r.probe_interval_ms,
+                    r.key_prefix
+                );
+            }
+            None => {
+                let _ = writeln!(s, "redis: (none)");
+            }
+        }
+        let c = &self.clients;
+        let _ = writeln!(
+            s,
+            "clients: trusted_proxies={} allow={} deny={} ipv6_prefix_len={} api_key_header={}",
+            c.trusted_proxies.len(),
+            c.allow.len(),
+            c.deny.len(),
+            c.ipv6_prefix_len,
+            c.api_key_header
+        );
+        let _ = writeln!(s, "tiers:");
+        match &self.ip_tier {
+            Some(t) => {
+                let _ = writeln!(s, "  ip: {}{}", t.algorithm, shadow(t));
+            }
+            None => {
+                let _ = writeln!(s, "  ip: (off)");
+            }
+        }
+        for (name, p) in &self.plans {
+            let keys = self.api_keys.iter().filter(|k| &k.plan == name).count();
+            let _ = writeln!(
+                s,
+                "  key plan {name}: token_bucket capacity={} refill_per_sec={} ({keys} key(s))",
+                p.capacity, p.refill_per_sec
+            );
+        }
+        let _ = writeln!(s, "api keys: {}", self.api_keys.len());
+        let _ = writeln!(s, "upstreams:");
+        for u in &self.upstreams {
+            let _ = writeln!(
+                s,
+                "  {}: {} (health check: {}; connect {} ms, read {} ms)",
+                u.name,
+                u.servers.join(", "),
+                u.health_check_path.as_deref().unwrap_or("off"),
+                u.connect_timeout_ms,
+                u.read_timeout_ms
+            );
+        }
+        let _ = writeln!(s, "routes:");
+        for r in &self.routes {
+            let methods = r.methods.as_ref().map_or("*".to_string(), |m| m.join(","));
+            let limit = match &r.limit {
+                Some(l) => format!("{} scope={:?}{}", l.algorithm, l.scope, shadow(l)),
+                None => "no route limit".to_string(),
+            };
+            let _ = writeln!(
+                s,
+                "  {} {} {} -> {}{}: {}",
+                r.name,
+                methods,
+                r.path_prefix,
+                r.upstream,
+                if r.require_api_key {
+                    " (api key required)"
+                } else {
+                    ""
+                },
+                limit
+            );
+        }
+        s
+    }
+}
+
+fn shadow(l: &Limit) -> &'static str {
+    if l.shadow {
+        " shadow"
+    } else {
+        ""
+    }
+}

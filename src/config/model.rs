@@ -1,0 +1,228 @@
+//! The validated configuration: what the rest of the gateway reads.
+//!
+//! Everything here has passed validation: references resolve, ranges hold,
+//! CIDRs parse. Nothing downstream re-checks these invariants.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use ipnet::IpNet;
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: Server,
+    pub limiter: LimiterSettings,
+    pub redis: Option<RedisSettings>,
+    pub clients: Clients,
+    /// Tier 1, per client IP (or IPv6 prefix). `None`: the tier is off.
+    pub ip_tier: Option<Limit>,
+    /// Tier 2 plans by name; each is a token bucket.
+    pub plans: BTreeMap<String, Plan>,
+    pub api_keys: Vec<ApiKey>,
+    pub upstreams: Vec<Upstream>,
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Server {
+    pub listen: Vec<String>,
+    pub admin_listen: Option<String>,
+    pub threads: usize,
+    pub grace_period_secs: u64,
+    pub max_request_header_bytes: usize,
+    pub header_read_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Redis,
+    Local,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnRedisFailure {
+    Local,
+    Allow,
+    Deny,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderStyle {
+    XRateLimit,
+    Ietf,
+    Both,
+    None,
+}
+
+impl HeaderStyle {
+    pub fn x_ratelimit(self) -> bool {
+        matches!(self, HeaderStyle::XRateLimit | HeaderStyle::Both)
+    }
+    pub fn ietf(self) -> bool {
+        matches!(self, HeaderStyle::Ietf | HeaderStyle::Both)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LimiterSettings {
+    pub backend: Backend,
+    pub on_redis_failure: OnRedisFailure,
+    pub instances: u32,
+    pub headers: HeaderStyle,
+    pub retry_after_jitter_ms: u64,
+    pub local_max_entries: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedisMode {
+    Standalone,
+    Sentinel,
+    Cluster,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedisSettings {
+    pub mode: RedisMode,
+    pub urls: Vec<String>,
+    pub sentinel_master: Option<String>,
+    pub timeout_ms: u64,
+    pub probe_interval_ms: u64,
+    pub key_prefix: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Clients {
+    pub trusted_proxies: Vec<IpNet>,
+    pub ipv6_prefix_len: u8,
+    pub allow: Vec<IpNet>,
+    pub deny: Vec<IpNet>,
+    /// Lower-cased header name.
+    pub api_key_header: String,
+}
+
+/// One limiting algorithm with its parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Algorithm {
+    TokenBucket {
+        capacity: u64,
+        refill_per_sec: f64,
+    },
+    /// GCRA: requests early for their slot wait up to `max_delay_ms`.
+    LeakyBucket {
+        rate_per_sec: f64,
+        max_delay_ms: u64,
+    },
+    FixedWindow {
+        limit: u64,
+        window_secs: u64,
+    },
+    SlidingWindow {
+        limit: u64,
+        window_secs: u64,
+    },
+    SlidingLog {
+        limit: u64,
+        window_secs: u64,
+    },
+}
+
+impl Algorithm {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket { .. } => "token_bucket",
+            Algorithm::LeakyBucket { .. } => "leaky_bucket",
+            Algorithm::FixedWindow { .. } => "fixed_window",
+            Algorithm::SlidingWindow { .. } => "sliding_window",
+            Algorithm::SlidingLog { .. } => "sliding_log",
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Algorithm::TokenBucket {
+                capacity,
+                refill_per_sec,
+            } => write!(
+                f,
+                "token_bucket capacity={capacity} refill_per_sec={refill_per_sec}"
+            ),
+            Algorithm::LeakyBucket {
+                rate_per_sec,
+                max_delay_ms,
+            } => write!(
+                f,
+                "leaky_bucket rate_per_sec={rate_per_sec} max_delay_ms={max_delay_ms}"
+            ),
+            Algorithm::FixedWindow { limit, window_secs } => {
+                write!(f, "fixed_window limit={limit} window_secs={window_secs}")
+            }
+            Algorithm::SlidingWindow { limit, window_secs } => {
+                write!(f, "sliding_window limit={limit} window_secs={window_secs}")
+            }
+            Algorithm::SlidingLog { limit, window_secs } => {
+                write!(f, "sliding_log limit={limit} window_secs={window_secs}")
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// One bucket per client (API key id if present, else IP).
+    Client,
+    /// One bucket for everyone.
+    Global,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limit {
+    pub algorithm: Algorithm,
+    pub scope: Scope,
+    /// Decide and report, never reject.
+    pub shadow: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub capacity: u64,
+    pub refill_per_sec: f64,
+}
+
+#[derive(Clone, PartialEq)]
+pub struct ApiKey {
+    pub id: String,
+    /// SHA-256 of the secret; the secret itself is never kept.
+    pub digest: [u8; 32],
+    pub plan: String,
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApiKey")
+            .field("id", &self.id)
+            .field("plan", &self.plan)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Upstream {
+    pub name: String,
+    pub servers: Vec<String>,
+    pub health_check_path: Option<String>,
+    pub connect_timeout_ms: u64,
+    pub read_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    pub name: String,
+    pub path_prefix: String,
+    /// `None`: every method.
+    pub methods: Option<Vec<String>>,
+    pub upstream: String,
+    pub require_api_key: bool,
+    pub limit: Option<Limit>,
+}

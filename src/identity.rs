@@ -1,0 +1,312 @@
+//! Who the client is: its address (behind trusted proxies), the bucket that
+//! address falls in, and its API key.
+//!
+//! Everything here is pure: it works on strings and addresses handed in, so it
+//! is tested without sockets.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::{IpAddr, Ipv6Addr};
+
+use ipnet::{IpNet, Ipv6Net};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::config::ApiKey;
+
+/// `::ffff:a.b.c.d` is the IPv4 client a.b.c.d.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+fn in_any(ip: IpAddr, nets: &[IpNet]) -> bool {
+    nets.iter().any(|n| n.contains(&ip))
+}
+
+/// One `X-Forwarded-For` entry: a bare address, `[v6]`, `[v6]:port` or
+/// `v4:port`. Anything else (zone ids, names, `unknown`) is malformed.
+fn parse_xff_entry(s: &str) -> Option<IpAddr> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    if let Some(rest) = s.strip_prefix('[') {
+        let (addr, after) = rest.split_once(']')?;
+        if !(after.is_empty() || after.strip_prefix(':')?.parse::<u16>().is_ok()) {
+            return None;
+        }
+        return addr.parse::<Ipv6Addr>().ok().map(IpAddr::V6);
+    }
+    let (addr, port) = s.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    addr.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4)
+}
+
+/// The client address: the socket peer, unless the peer is a trusted proxy;
+/// then the rightmost `X-Forwarded-For` address that is not itself trusted.
+/// Several XFF headers are read as one list, in order. Malformed entries are
+/// skipped, never believed.
+pub fn client_ip<'a>(
+    peer: IpAddr,
+    xff_headers: impl DoubleEndedIterator<Item = &'a str>,
+    trusted: &[IpNet],
+) -> IpAddr {
+    let peer = canonical(peer);
+    if !in_any(peer, trusted) {
+        return peer;
+    }
+    let mut leftmost_trusted = peer;
+    for header in xff_headers.rev() {
+        for entry in header.rsplit(',') {
+            let Some(ip) = parse_xff_entry(entry).map(canonical) else {
+                continue;
+            };
+            if !in_any(ip, trusted) {
+                return ip;
+            }
+            leftmost_trusted = ip;
+        }
+    }
+    // Every hop is a trusted proxy: the request started at the first of them.
+    leftmost_trusted
+}
+
+/// The unit a client is limited as: an IPv4 address or an IPv6 prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientAddr {
+    V4(std::net::Ipv4Addr),
+    V6(Ipv6Net),
+}
+
+impl ClientAddr {
+    pub fn new(ip: IpAddr, ipv6_prefix_len: u8) -> Self {
+        match canonical(ip) {
+            IpAddr::V4(v4) => ClientAddr::V4(v4),
+            IpAddr::V6(v6) => ClientAddr::V6(
+                Ipv6Net::new(v6, ipv6_prefix_len.min(128))
+                    .map(|n| n.trunc())
+                    .unwrap_or_else(|_| Ipv6Net::from(v6)),
+            ),
+        }
+    }
+}
+
+impl fmt::Display for ClientAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientAddr::V4(v4) => write!(f, "{v4}"),
+            ClientAddr::V6(net) => write!(f, "{net}"),
+        }
+    }
+}
+
+/// Where a request's API key came from, for error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyError {
+    /// Two different keys in one request (header and bearer, or a repeated header).
+    Conflicting,
+}
+
+/// The API key presented by a request, if any: the configured header or
+/// `Authorization: Bearer`. Other `Authorization` schemes are left alone.
+pub fn presented_key<'a>(
+    key_headers: impl Iterator<Item = &'a [u8]>,
+    authorization: impl Iterator<Item = &'a [u8]>,
+) -> Result<Option<&'a [u8]>, KeyError> {
+    let mut found: Option<&[u8]> = None;
+    let bearer = authorization.filter_map(|v| {
+        let v = trim(v);
+        (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| trim(&v[7..]))
+    });
+    for k in key_headers.map(trim).chain(bearer) {
+        if k.is_empty() {
+            continue;
+        }
+        match found {
+            Some(prev) if prev != k => return Err(KeyError::Conflicting),
+            _ => found = Some(k),
+        }
+    }
+    Ok(found)
+}
+
+fn trim(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &v[start..end]
+}
+
+/// The configured keys, looked up by SHA-256 of the presented secret.
+#[derive(Debug, Clone, Default)]
+pub struct KeyTable {
+    by_digest: HashMap<[u8; 32], usize>,
+    keys: Vec<ApiKey>,
+}
+
+impl KeyTable {
+    pub fn new(keys: &[ApiKey]) -> Self {
+        KeyTable {
+            by_digest: keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| (k.digest, i))
+                .collect(),
+            keys: keys.to_vec(),
+        }
+    }
+
+    /// The key entry for a presented secret. The secret is hashed first, so
+    /// the map only ever compares digests; the final comparison is constant
+    /// time, so a near miss and a far miss cost the same.
+    pub fn lookup(&self, secret: &[u8]) -> Option<&ApiKey> {
+        let digest: [u8; 32] = Sha256::digest(secret).into();
+        let key = self.keys.get(*self.by_digest.get(&digest)?)?;
+        bool::from(key.digest.ct_eq(&digest)).then_some(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nets(s: &[&str]) -> Vec<IpNet> {
+        s.iter().map(|n| n.parse().unwrap()).collect()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn xff_only_from_trusted_peers() {
+        let trusted = nets(&["127.0.0.1/32", "10.0.0.0/8"]);
+        // Untrusted peer: XFF ignored.
+        assert_eq!(
+            client_ip(ip("198.51.100.1"), ["1.2.3.4"].into_iter(), &trusted),
+            ip("198.51.100.1")
+        );
+        // Trusted peer: rightmost untrusted.
+        assert_eq!(
+            client_ip(
+                ip("127.0.0.1"),
+                ["6.6.6.6, 1.2.3.4, 10.0.0.2"].into_iter(),
+                &trusted
+            ),
+            ip("1.2.3.4")
+        );
+        // Several headers read as one list.
+        assert_eq!(
+            client_ip(
+                ip("127.0.0.1"),
+                ["6.6.6.6", "1.2.3.4"].into_iter(),
+                &trusted
+            ),
+            ip("1.2.3.4")
+        );
+        // Garbage skipped, never trusted.
+        assert_eq!(
+            client_ip(
+                ip("127.0.0.1"),
+                ["1.2.3.4, garbage, fe80::1%eth0, unknown"].into_iter(),
+                &trusted
+            ),
+            ip("1.2.3.4")
+        );
+        // Ports and brackets.
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), ["1.2.3.4:555"].into_iter(), &trusted),
+            ip("1.2.3.4")
+        );
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), ["[2001:db8::1]:80"].into_iter(), &trusted),
+            ip("2001:db8::1")
+        );
+        // Mapped forms are IPv4, including a mapped trusted proxy.
+        assert_eq!(
+            client_ip(
+                ip("::ffff:127.0.0.1"),
+                ["::ffff:1.2.3.4"].into_iter(),
+                &trusted
+            ),
+            ip("1.2.3.4")
+        );
+        // All trusted: the leftmost.
+        assert_eq!(
+            client_ip(
+                ip("127.0.0.1"),
+                ["10.0.0.9, 10.0.0.2"].into_iter(),
+                &trusted
+            ),
+            ip("10.0.0.9")
+        );
+        // No header: the peer.
+        assert_eq!(
+            client_ip(ip("127.0.0.1"), std::iter::empty(), &trusted),
+            ip("127.0.0.1")
+        );
+    }
+
+    #[test]
+    fn ipv6_prefix_buckets() {
+        let a = ClientAddr::new(ip("2001:db8:1:2:aaaa::1"), 64);
+        let b = ClientAddr::new(ip("2001:db8:1:2:ffff::9"), 64);
+        let c = ClientAddr::new(ip("2001:db8:1:3::1"), 64);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a.to_string(), "2001:db8:1:2::/64");
+        assert_eq!(
+            ClientAddr::new(ip("::ffff:9.9.9.9"), 64).to_string(),
+            "9.9.9.9"
+        );
+    }
+
+    #[test]
+    fn presented_keys() {
+        let none: [&[u8]; 0] = [];
+        assert_eq!(
+            presented_key([&b" k1 "[..]].into_iter(), none.into_iter()),
+            Ok(Some(&b"k1"[..]))
+        );
+        assert_eq!(
+            presented_key(none.into_iter(), [&b"Bearer k2"[..]].into_iter()),
+            Ok(Some(&b"k2"[..]))
+        );
+        assert_eq!(
+            presented_key(none.into_iter(), [&b"Basic abc"[..]].into_iter()),
+            Ok(None)
+        );
+        assert_eq!(
+            presented_key([&b"k1"[..]].into_iter(), [&b"bearer k1"[..]].into_iter()),
+            Ok(Some(&b"k1"[..]))
+        );
+        assert_eq!(
+            presented_key([&b"k1"[..], &b"k3"[..]].into_iter(), none.into_iter()),
+            Err(KeyError::Conflicting)
+        );
+    }
+
+    #[test]
+    fn key_lookup_by_digest() {
+        let keys = vec![ApiKey {
+            id: "demo".into(),
+            digest: Sha256::digest(b"secret").into(),
+            plan: "free".into(),
+        }];
+        let t = KeyTable::new(&keys);
+        assert_eq!(t.lookup(b"secret").map(|k| k.id.as_str()), Some("demo"));
+        assert!(t.lookup(b"secreT").is_none());
+        assert!(t.lookup(b"").is_none());
+    }
+}

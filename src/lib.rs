@@ -1,0 +1,13 @@
+//! A rate-limiting API gateway on Pingora.
+//!
+//! Data flows one way: `proxy` → `admission` → {`identity`, `routing`,
+//! `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
+
+pub mod admission;
+pub mod clock;
+pub mod config;
+pub mod identity;
+pub mod limiter;
+pub mod metrics;
+pub mod proxy;
+pub mod routing;

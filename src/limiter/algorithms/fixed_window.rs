@@ -1,0 +1,49 @@
+//! Fixed window: at most `limit` admissions per aligned window of
+//! `window_secs` (windows start at multiples of the window since the epoch, so
+//! every replica agrees where one ends).
+
+use super::{Decision, Evaluation, Micros, Update};
+
+pub fn check(limit: u64, window_secs: u64, state: Option<(i64, u64)>, now: Micros) -> Evaluation {
+    let w = window_secs as i64 * 1_000_000;
+    let mut n = now.div_euclid(w);
+    // Time never moves a bucket backwards: a stale clock stays in the newer window.
+    if let Some((win, _)) = state {
+        n = n.max(win);
+    }
+    let count = match state {
+        Some((win, count)) if win == n => count,
+        _ => 0,
+    };
+    let until_end = ((n + 1) * w - now).max(0) as u64;
+    if count < limit {
+        Evaluation {
+            decision: Decision {
+                allowed: true,
+                limit,
+                remaining: limit - count - 1,
+                retry_after_us: 0,
+                reset_after_us: until_end,
+                delay_us: 0,
+            },
+            update: Update::Window {
+                window: n,
+                count: count + 1,
+            },
+            ttl_us: until_end,
+        }
+    } else {
+        Evaluation {
+            decision: Decision {
+                allowed: false,
+                limit,
+                remaining: 0,
+                retry_after_us: until_end,
+                reset_after_us: until_end,
+                delay_us: 0,
+            },
+            update: Update::None,
+            ttl_us: until_end,
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The five algorithms as pure functions of (parameters, state, now).
+//!
+//! Each algorithm is split in two steps so several tiers can be decided all or
+//! nothing: `check` reads the state and says what would happen, `commit` writes
+//! the update only once every tier has admitted. Time is microseconds since the
+//! Unix epoch, handed in by the caller; nothing here reads a clock.
+//!
+//! `limiter.lua` implements the same arithmetic, operation for operation, in
+//! IEEE doubles, so both backends reach the same decisions (the conformance
+//! suite in `tests/limiter_conformance.rs` holds them to it).
+
+mod fixed_window;
+mod gcra;
+mod sliding_log;
+mod sliding_window;
+
+use std::collections::VecDeque;
+
+use crate::config::Algorithm;
+
+/// Microseconds since the Unix epoch.
+pub type Micros = i64;
+
+/// What a backend keeps per bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub enum State {
+    /// Token and leaky bucket: the theoretical arrival time of the next request.
+    Gcra {
+        tat: f64,
+    },
+    Window {
+        window: i64,
+        count: u64,
+    },
+    Sliding {
+        window: i64,
+        prev: u64,
+        cur: u64,
+    },
+    /// Admission times, oldest first.
+    Log(VecDeque<Micros>),
+}
+
+/// One tier's verdict, as the client will be told it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub allowed: bool,
+    /// The quota a client sees (capacity, limit, or the leaky bucket's burst).
+    pub limit: u64,
+    pub remaining: u64,
+    /// When rejected: how long until the same request would be admitted.
+    pub retry_after_us: u64,
+    /// When the quota is whole again (admitted) or the retry time (rejected).
+    pub reset_after_us: u64,
+    /// Leaky bucket: how long the admitted request waits for its slot.
+    pub delay_us: u64,
+}
+
+/// The state change a `check` prepared, applied by `commit` if all tiers admit.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Update {
+    Gcra { tat: f64 },
+    Window { window: i64, count: u64 },
+    Sliding { window: i64, prev: u64, cur: u64 },
+    LogPush { at: Micros, window_us: Micros },
+    None,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    pub decision: Decision,
+    pub update: Update,
+    /// How long the state must be kept to remember this decision (until full).
+    pub ttl_us: u64,
+}
+
+/// Decides one request against one bucket without changing it.
+pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros) -> Evaluation {
+    match *alg {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        } => gcra::token_bucket(capacity, refill_per_sec, gcra_tat(state), now),
+        Algorithm::LeakyBucket {
+            rate_per_sec,
+            max_delay_ms,
+        } => gcra::leaky_bucket(rate_per_sec, max_delay_ms, gcra_tat(state), now),
+        Algorithm::FixedWindow { limit, window_secs } => {
+            let s = match state {
+                Some(State::Window { window, count }) => Some((*window, *count)),
+                _ => None,
+            };
+            fixed_window::check(limit, window_secs, s, now)
+        }
+        Algorithm::SlidingWindow { limit, window_secs } => {
+            let s = match state {
+                Some(State::Sliding { window, prev, cur }) => Some((*window, *prev, *cur)),
+                _ => None,
+            };
+            sliding_window::check(limit, window_secs, s, now)
+        }
+        Algorithm::SlidingLog { limit, window_secs } => {
+            let empty = VecDeque::new();
+            let log = match state {
+                Some(State::Log(l)) => l,
+                _ => &empty,
+            };
+            sliding_log::check(limit, window_secs, log, now)
+        }
+    }
+}
+
+fn gcra_tat(state: Option<&State>) -> Option<f64> {
+    match state {
+        Some(State::Gcra { tat }) => Some(*tat),
+        _ => None,
+    }
+}
+
+/// Applies an admitted request's update to the bucket.
+pub fn commit(state: &mut Option<State>, update: &Update) {
+    match update {
+        Update::Gcra { tat } => *state = Some(State::Gcra { tat: *tat }),
+        Update::Window { window, count } => {
+            *state = Some(State::Window {
+                window: *window,
+                count: *count,
+            })
+        }
+        Update::Sliding { window, prev, cur } => {
+            *state = Some(State::Sliding {
+                window: *window,
+                prev: *prev,
+                cur: *cur,
+            })
+        }
+        Update::LogPush { at, window_us } => {
+            if !matches!(state, Some(State::Log(_))) {
+                *state = Some(State::Log(VecDeque::new()));
+            }
+            if let Some(State::Log(log)) = state {
+                sliding_log::push(log, *at, *window_us);
+            }
+        }
+        Update::None => {}
+    }
+}
+
+/// Rounds a non-negative microsecond span up to whole microseconds.
+pub(crate) fn ceil_us(x: f64) -> u64 {
+    if x <= 0.0 {
+        0
+    } else {
+        x.ceil() as u64
+    }
+}

@@ -1,0 +1,59 @@
+//! Sliding log: exact. One timestamp per admitted request; a request is
+//! admitted iff fewer than `limit` admissions happened in the last window.
+//! An entry admitted at `t` stops counting at `t + W`.
+
+use std::collections::VecDeque;
+
+use super::{Decision, Evaluation, Micros, Update};
+
+pub fn check(limit: u64, window_secs: u64, log: &VecDeque<Micros>, now: Micros) -> Evaluation {
+    let w = window_secs as i64 * 1_000_000;
+    let lower = now - w;
+    // Entries at or before `lower` have expired.
+    let first_live = log.partition_point(|&t| t <= lower);
+    let count = (log.len() - first_live) as u64;
+    if count < limit {
+        let oldest = log.get(first_live).copied().unwrap_or(now);
+        Evaluation {
+            decision: Decision {
+                allowed: true,
+                limit,
+                remaining: limit - count - 1,
+                retry_after_us: 0,
+                reset_after_us: (oldest + w - now).max(0) as u64,
+                delay_us: 0,
+            },
+            update: Update::LogPush {
+                at: now,
+                window_us: w,
+            },
+            ttl_us: w as u64,
+        }
+    } else {
+        // Enough entries must expire to leave limit - 1: the (count - limit)th live one.
+        let idx = first_live + (count - limit) as usize;
+        let retry = (log[idx] + w - now).max(1) as u64;
+        Evaluation {
+            decision: Decision {
+                allowed: false,
+                limit,
+                remaining: 0,
+                retry_after_us: retry,
+                reset_after_us: retry,
+                delay_us: 0,
+            },
+            update: Update::None,
+            ttl_us: w as u64,
+        }
+    }
+}
+
+/// Records an admission at `at`, dropping what has expired by then.
+pub fn push(log: &mut VecDeque<Micros>, at: Micros, w: Micros) {
+    while log.front().is_some_and(|&t| t <= at - w) {
+        log.pop_front();
+    }
+    // Keep the log sorted even if a clock steps back.
+    let pos = log.partition_point(|&t| t <= at);
+    log.insert(pos, at);
+}

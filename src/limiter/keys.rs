@@ -1,0 +1,68 @@
+//! Bucket names: the one place a Redis key (or local map key) is built.
+//!
+//! Shape: `{prefix}:{tier}:{rule}:{fingerprint}:{identity}`. Every part but the
+//! identity comes from validated config names ([A-Za-z0-9._-]); the identity
+//! is escaped so it can never add a separator or a cluster hash tag. The
+//! fingerprint encodes the algorithm and its parameters: a reload that keeps a
+//! rule's parameters keeps its counters, one that changes them starts fresh
+//! instead of misreading old state.
+
+use std::fmt::Write;
+
+use crate::config::Algorithm;
+
+pub fn bucket_key(prefix: &str, tier: &str, rule: &str, alg: &Algorithm, identity: &str) -> String {
+    let mut k = String::with_capacity(prefix.len() + rule.len() + identity.len() + 32);
+    let _ = write!(k, "{prefix}:{tier}:{rule}:{}:", fingerprint(alg));
+    escape_into(&mut k, identity);
+    k
+}
+
+fn fingerprint(alg: &Algorithm) -> String {
+    match *alg {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        } => format!("tb-{capacity}-{refill_per_sec}"),
+        Algorithm::LeakyBucket {
+            rate_per_sec,
+            max_delay_ms,
+        } => format!("lb-{rate_per_sec}-{max_delay_ms}"),
+        Algorithm::FixedWindow { limit, window_secs } => format!("fw-{limit}-{window_secs}"),
+        Algorithm::SlidingWindow { limit, window_secs } => format!("sw-{limit}-{window_secs}"),
+        Algorithm::SlidingLog { limit, window_secs } => format!("sl-{limit}-{window_secs}"),
+    }
+}
+
+/// Percent-escapes everything outside [A-Za-z0-9._-] except the `:`, `/` and
+/// `.` of addresses, which are kept readable; `{`, `}` and `%` are always escaped.
+fn escape_into(out: &mut String, identity: &str) {
+    for b in identity.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':' | b'/') {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_shape_and_escaping() {
+        let alg = Algorithm::TokenBucket {
+            capacity: 20,
+            refill_per_sec: 10.0,
+        };
+        assert_eq!(
+            bucket_key("rl", "ip", "ip", &alg, "ip:2001:db8::/64"),
+            "rl:ip:ip:tb-20-10:ip:2001:db8::/64"
+        );
+        assert_eq!(
+            bucket_key("rl", "route", "r", &alg, "k:a{b}%"),
+            "rl:route:r:tb-20-10:k:a%7Bb%7D%25"
+        );
+    }
+}

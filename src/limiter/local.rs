@@ -1,0 +1,148 @@
+//! The in-process backend: the same algorithms over a bounded, sharded map.
+//!
+//! Used alone (`limiter.backend = "local"`) and as the Redis fallback. Memory
+//! is capped at `local_max_entries`: a full shard evicts the entry that expires
+//! soonest among a random sample, preferring expired ones. An entry past its
+//! TTL is full again anyway, so eviction never hands a busy client a fresh
+//! bucket it had not already earned back.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use indexmap::IndexMap;
+use parking_lot::Mutex;
+
+use super::algorithms::{self, State};
+use super::{Backend, Check, LimiterError, Verdict};
+use crate::clock::Clock;
+
+const SHARDS: usize = 64;
+const EVICTION_SAMPLE: usize = 8;
+
+struct Entry {
+    state: Option<State>,
+    expires_at: i64,
+}
+
+type Shard = IndexMap<String, Entry, std::hash::RandomState>;
+
+pub struct LocalBackend {
+    shards: Vec<Mutex<Shard>>,
+    per_shard: usize,
+    clock: Arc<dyn Clock>,
+    hasher: std::hash::RandomState,
+}
+
+impl LocalBackend {
+    pub fn new(max_entries: usize, clock: Arc<dyn Clock>) -> Self {
+        LocalBackend {
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(IndexMap::default()))
+                .collect(),
+            per_shard: max_entries.div_ceil(SHARDS).max(1),
+            clock,
+            hasher: std::hash::RandomState::new(),
+        }
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        use std::hash::BuildHasher;
+        (self.hasher.hash_one(key) as usize) % SHARDS
+    }
+
+    /// Entries currently held, expired or not.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Decides at an explicit time (the conformance suite drives this).
+    pub fn decide_at(&self, checks: &[Check], now: i64) -> Verdict {
+        // Lock every shard involved, in index order, so concurrent requests
+        // touching the same buckets cannot deadlock.
+        let mut idx: Vec<usize> = checks.iter().map(|c| self.shard_of(&c.key)).collect();
+        let mut order = idx.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, parking_lot::MutexGuard<'_, Shard>)> =
+            order.iter().map(|&i| (i, self.shards[i].lock())).collect();
+        let slot = |guards: &[(usize, parking_lot::MutexGuard<'_, Shard>)], i: usize| {
+            guards.iter().position(|(s, _)| *s == i).unwrap_or(0)
+        };
+        for i in idx.iter_mut() {
+            *i = slot(&guards, *i);
+        }
+
+        let evals: Vec<_> = checks
+            .iter()
+            .zip(&idx)
+            .map(|(c, &g)| {
+                let state = guards[g]
+                    .1
+                    .get(&c.key)
+                    .filter(|e| e.expires_at > now)
+                    .and_then(|e| e.state.as_ref());
+                algorithms::check(&c.algorithm, state, now)
+            })
+            .collect();
+        let verdict = Verdict {
+            decisions: evals.iter().map(|e| e.decision).collect(),
+            now_us: now,
+        };
+        if verdict.admitted(checks) {
+            for ((c, &g), e) in checks.iter().zip(&idx).zip(&evals) {
+                if !e.decision.allowed {
+                    continue; // a shadow tier that would have rejected
+                }
+                let shard = &mut guards[g].1;
+                let expires_at = now + e.ttl_us as i64;
+                if let Some(entry) = shard.get_mut(&c.key) {
+                    if entry.expires_at <= now {
+                        entry.state = None;
+                    }
+                    algorithms::commit(&mut entry.state, &e.update);
+                    entry.expires_at = entry.expires_at.max(expires_at);
+                    continue;
+                }
+                if shard.len() >= self.per_shard {
+                    evict_one(shard, now);
+                }
+                let mut state = None;
+                algorithms::commit(&mut state, &e.update);
+                shard.insert(c.key.clone(), Entry { state, expires_at });
+            }
+        }
+        verdict
+    }
+}
+
+/// Removes the soonest-expiring of a random sample (an expired one if seen).
+fn evict_one(shard: &mut Shard, now: i64) {
+    let n = shard.len();
+    if n == 0 {
+        return;
+    }
+    let mut victim = fastrand::usize(..n);
+    let mut soonest = shard[victim].expires_at;
+    for _ in 1..EVICTION_SAMPLE.min(n) {
+        let i = fastrand::usize(..n);
+        if shard[i].expires_at < soonest {
+            victim = i;
+            soonest = shard[i].expires_at;
+        }
+        if soonest <= now {
+            break;
+        }
+    }
+    shard.swap_remove_index(victim);
+}
+
+#[async_trait]
+impl Backend for LocalBackend {
+    async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
+        Ok(self.decide_at(checks, self.clock.now_us()))
+    }
+}

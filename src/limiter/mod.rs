@@ -1,0 +1,94 @@
+//! Rate limiting: the algorithms, the two backends that keep their state, and
+//! the fallback wrapper that moves between them when Redis fails.
+//!
+//! A request's tiers arrive as a list of `Check`s and are decided together:
+//! either every enforcing tier admits and all are charged, or none is.
+
+pub mod algorithms;
+mod fallback;
+pub mod keys;
+mod local;
+mod redis;
+
+use std::fmt;
+
+use async_trait::async_trait;
+
+pub use algorithms::{Decision, Micros};
+pub use fallback::{Fallback, FallbackState, Outcome};
+pub use local::LocalBackend;
+pub use redis::RedisBackend;
+
+use crate::config::Algorithm;
+
+/// Which tier a check belongs to; a closed set, safe as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Ip,
+    Key,
+    Route,
+}
+
+impl Tier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Ip => "ip",
+            Tier::Key => "key",
+            Tier::Route => "route",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One tier of one request: which bucket, by which rule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Check {
+    pub tier: Tier,
+    /// The bucket's name, from `keys::bucket_key`.
+    pub key: String,
+    pub algorithm: Algorithm,
+    /// Decide and report, but never reject on this tier's account.
+    pub shadow: bool,
+}
+
+/// What the backend said about a whole request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    /// One decision per check, in order.
+    pub decisions: Vec<Decision>,
+    /// The time the decision was made at (Redis's clock for the Redis backend).
+    pub now_us: Micros,
+}
+
+impl Verdict {
+    /// Admitted iff every enforcing (non-shadow) tier admitted.
+    pub fn admitted(&self, checks: &[Check]) -> bool {
+        checks
+            .iter()
+            .zip(&self.decisions)
+            .all(|(c, d)| d.allowed || c.shadow)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LimiterError {
+    #[error("redis call exceeded its {0} ms budget")]
+    Timeout(u64),
+    #[error("redis is not connected")]
+    NotConnected,
+    #[error("redis error: {0}")]
+    Redis(String),
+    #[error("limiter script returned {0}")]
+    BadReply(String),
+}
+
+/// Where bucket state lives. Decides all checks of one request atomically.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError>;
+}

@@ -1,0 +1,79 @@
+//! `gateway`: CLI and wiring only.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use ratelimit_gateway::{config, metrics, proxy};
+
+#[derive(Parser)]
+#[command(
+    name = "gateway",
+    version,
+    about = "A rate-limiting API gateway on Pingora"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start serving.
+    Run {
+        #[arg(short, long, default_value = "gateway.toml")]
+        config: PathBuf,
+    },
+    /// Validate a config and print what it sets, like `nginx -t`.
+    Check {
+        #[arg(short, long, default_value = "gateway.toml")]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Check { config } => match config::load(&config) {
+            Ok(cfg) => {
+                println!("{}: ok", config.display());
+                print!("{}", cfg.summary());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Run { config } => {
+            init_tracing();
+            let cfg = match config::load(&config) {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            metrics::install();
+            // Returns only if start-up failed; serving exits the process itself.
+            if let Err(e) = proxy::server::run(cfg) {
+                eprintln!("gateway: {e}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("GATEWAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = std::env::var("GATEWAY_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,346 @@
+//! The only module that touches Pingora's proxy: the `ProxyHttp` phases, each
+//! a few lines calling into admission, the limiter and the upstream pools.
+//!
+//! A request's life, top to bottom:
+//! 1. `request_filter`: one config snapshot; header size; `admission::classify`
+//!    (deny list, path, route, API key); the limiter decides every tier at once;
+//!    `admission::conclude` says admit (maybe after a shaping delay), 429 or 503.
+//! 2. `upstream_peer`: round-robin over the route's healthy servers.
+//! 3. `upstream_request_filter`: the normalised path, X-Forwarded-For, X-Request-Id.
+//! 4. `response_filter`: the rate-limit headers on the upstream's response.
+//! 5. `logging`: metrics and the access log line.
+
+pub mod admin;
+mod responses;
+pub mod server;
+pub mod upstreams;
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::HttpPeer;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::{Error, ErrorSource, ErrorType, Result};
+
+use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
+use crate::limiter::{Fallback, Outcome, Tier};
+use crate::metrics::{self, DecisionLabel};
+use responses::Reply;
+use upstreams::Pools;
+
+pub struct Gateway {
+    pub policy: Arc<ArcSwap<Policy>>,
+    pub limiter: Arc<Fallback>,
+    pub pools: Arc<Pools>,
+}
+
+/// Per-request state, made by `new_ctx`.
+pub struct Ctx {
+    started: Instant,
+    request_id: String,
+    policy: Option<Arc<Policy>>,
+    plan: Option<Plan>,
+    /// Rate-limit headers to add to the upstream's response.
+    ratelimit_headers: Vec<(&'static str, String)>,
+    tiers: Vec<(Tier, DecisionLabel)>,
+    backend: &'static str,
+    upstream_sent: Option<Instant>,
+}
+
+impl Gateway {
+    async fn reply(&self, session: &mut Session, ctx: &Ctx, reply: Reply) -> Result<bool> {
+        responses::send(session, reply, &ctx.request_id).await?;
+        Ok(true)
+    }
+
+    fn route_name<'a>(ctx: &'a Ctx) -> &'a str {
+        match (&ctx.policy, &ctx.plan) {
+            (Some(p), Some(plan)) => &p.config.routes[plan.route].name,
+            _ => "(none)",
+        }
+    }
+}
+
+fn request_id(req: &RequestHeader) -> String {
+    // Keep the caller's id only if it is short, printable and unambiguous.
+    if let Some(v) = req.headers.get("x-request-id") {
+        if let Ok(s) = v.to_str() {
+            if !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()) {
+                return s.to_string();
+            }
+        }
+    }
+    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
+fn header_bytes(req: &RequestHeader) -> usize {
+    req.headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + req.uri.to_string().len()
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx {
+            started: Instant::now(),
+            request_id: String::new(),
+            policy: None,
+            plan: None,
+            ratelimit_headers: Vec::new(),
+            tiers: Vec::new(),
+            backend: "none",
+            upstream_sent: None,
+        }
+    }
+
+    /// Admission. Runs once the request header is read; returning `true`
+    /// means a response was written and nothing goes upstream.
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        let policy = self.policy.load_full();
+        ctx.request_id = request_id(session.req_header());
+        ctx.policy = Some(policy.clone());
+        let cfg = &policy.config;
+        let limit = cfg.server.max_request_header_bytes;
+        if header_bytes(session.req_header()) > limit {
+            return self
+                .reply(session, ctx, responses::headers_too_large(limit))
+                .await;
+        }
+
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
+        let req = session.req_header();
+        let all = |name: &str| {
+            req.headers
+                .get_all(name)
+                .iter()
+                .map(|v| v.as_bytes())
+                .collect::<Vec<_>>()
+        };
+        let view = RequestView {
+            method: req.method.as_str(),
+            path: req.uri.path(),
+            peer,
+            xff: req
+                .headers
+                .get_all("x-forwarded-for")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect(),
+            api_key: all(&cfg.clients.api_key_header),
+            authorization: all("authorization"),
+        };
+        let plan = match admission::classify(&policy, &view) {
+            Ok(plan) => plan,
+            Err(refusal) => return self.reply(session, ctx, responses::refusal(&refusal)).await,
+        };
+        let checks = plan.checks.clone();
+        ctx.plan = Some(plan);
+        if checks.is_empty() {
+            return Ok(false);
+        }
+
+        let outcome = self.limiter.decide(&checks).await;
+        ctx.backend = admission::backend_of(&outcome);
+        if let Outcome::Decided {
+            verdict, checks, ..
+        } = &outcome
+        {
+            ctx.tiers = admission::tier_labels(checks, &verdict.decisions);
+        }
+        let jitter_us = match cfg.limiter.retry_after_jitter_ms {
+            0 => 0,
+            ms => fastrand::u64(..=ms * 1000),
+        };
+        match admission::conclude(&outcome, cfg.limiter.headers, jitter_us) {
+            Conclusion::Admit { headers, delay } => {
+                ctx.ratelimit_headers = headers;
+                if delay > Duration::ZERO {
+                    tokio::time::sleep(delay).await;
+                }
+                Ok(false)
+            }
+            Conclusion::Reject {
+                headers,
+                retry_after_ms,
+                violated,
+            } => {
+                let reply = responses::too_many_requests(headers, retry_after_ms, &violated);
+                self.reply(session, ctx, reply).await
+            }
+            Conclusion::Unavailable => {
+                self.reply(session, ctx, responses::reduced_capacity())
+                    .await
+            }
+        }
+    }
+
+    /// The next healthy server of the route's upstream pool.
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let (Some(policy), Some(plan)) = (&ctx.policy, &ctx.plan) else {
+            return Err(Error::explain(
+                ErrorType::InternalError,
+                "no admission plan",
+            ));
+        };
+        let route = &policy.config.routes[plan.route];
+        let Some(upstream) = policy
+            .config
+            .upstreams
+            .iter()
+            .find(|u| u.name == route.upstream)
+        else {
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(502),
+                "route's upstream is not configured",
+            ));
+        };
+        let Some(addr) = self.pools.select(&upstream.name) else {
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(502),
+                "no healthy upstream server",
+            ));
+        };
+        let mut peer = HttpPeer::new(addr, false, String::new());
+        peer.options.connection_timeout = Some(Duration::from_millis(upstream.connect_timeout_ms));
+        peer.options.read_timeout = Some(Duration::from_millis(upstream.read_timeout_ms));
+        peer.options.idle_timeout = Some(Duration::from_secs(60));
+        Ok(Box::new(peer))
+    }
+
+    /// The upstream sees exactly the path that was routed and limited.
+    async fn upstream_request_filter(
+        &self,
+        session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(plan) = &ctx.plan {
+            let uri = match upstream_request.uri.query() {
+                Some(q) => format!("{}?{}", plan.path, q),
+                None => plan.path.clone(),
+            };
+            let uri = uri.parse::<http::Uri>().map_err(|e| {
+                Error::because(ErrorType::InternalError, "normalised path is not a URI", e)
+            })?;
+            upstream_request.set_uri(uri);
+        }
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip().to_string());
+        if let Some(peer) = peer {
+            let prior: Vec<String> = upstream_request
+                .headers
+                .get_all("x-forwarded-for")
+                .iter()
+                .filter_map(|v| v.to_str().ok().map(str::to_string))
+                .collect();
+            let xff = if prior.is_empty() {
+                peer
+            } else {
+                format!("{}, {peer}", prior.join(", "))
+            };
+            upstream_request.insert_header("x-forwarded-for", xff)?;
+        }
+        upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
+        ctx.upstream_sent = Some(Instant::now());
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(sent) = ctx.upstream_sent {
+            metrics::upstream(Self::route_name(ctx), sent.elapsed());
+        }
+        for (name, value) in ctx.ratelimit_headers.drain(..) {
+            resp.insert_header(name, value)?;
+        }
+        resp.insert_header("x-request-id", ctx.request_id.as_str())?;
+        Ok(())
+    }
+
+    /// Upstream failures: 504 for a timeout, 502 for anything else.
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        let code = match e.etype() {
+            ErrorType::HTTPStatus(code) => *code,
+            ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout
+                if e.esource() == &ErrorSource::Upstream =>
+            {
+                504
+            }
+            _ => match e.esource() {
+                ErrorSource::Upstream => 502,
+                ErrorSource::Downstream => match e.etype() {
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => 0,
+                    _ => 400,
+                },
+                ErrorSource::Internal | ErrorSource::Unset => 500,
+            },
+        };
+        if code > 0 && session.response_written().is_none() {
+            let reply = match code {
+                502 | 504 => responses::upstream_failure(code),
+                400 => Reply {
+                    status: 400,
+                    content_type: "application/json",
+                    body: r#"{"error":"bad_request","message":"malformed request"}"#.to_string(),
+                    headers: Vec::new(),
+                },
+                _ => responses::internal(),
+            };
+            if let Err(err) = responses::send(session, reply, &ctx.request_id).await {
+                tracing::debug!(error = %err, "could not send error response");
+            }
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    /// Metrics and one access-log line per request.
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+        let status = session.response_written().map_or(0, |r| r.status.as_u16());
+        let route = Self::route_name(ctx);
+        metrics::request(route, status);
+        for (tier, decision) in &ctx.tiers {
+            metrics::decision(*tier, route, *decision);
+        }
+        let rejected_by = ctx
+            .tiers
+            .iter()
+            .filter(|(_, d)| *d == DecisionLabel::Rejected)
+            .map(|(t, _)| t.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        let req = session.req_header();
+        tracing::info!(
+            target: "access",
+            request_id = %ctx.request_id,
+            route,
+            method = %req.method,
+            status,
+            client = %ctx.plan.as_ref().map(|p| p.client.to_string()).unwrap_or_default(),
+            key_id = ctx.plan.as_ref().and_then(|p| p.key_id.as_deref()).unwrap_or("-"),
+            rejected_by = if rejected_by.is_empty() { "-" } else { rejected_by.as_str() },
+            backend = ctx.backend,
+            latency_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
+        );
+    }
+}

@@ -1,0 +1,130 @@
+//! Every response the gateway writes itself, built in one place: small JSON
+//! (problem+json for limits) bodies that name what was wrong, never echoing a
+//! secret or the raw request.
+
+use bytes::Bytes;
+use pingora::http::ResponseHeader;
+use pingora::proxy::Session;
+use pingora::Result;
+
+use crate::admission::Refusal;
+use crate::limiter::Tier;
+
+pub struct Reply {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: String,
+    pub headers: Vec<(&'static str, String)>,
+}
+
+fn json(status: u16, error: &str, message: &str) -> Reply {
+    Reply {
+        status,
+        content_type: "application/json",
+        body: serde_json::json!({ "error": error, "message": message }).to_string(),
+        headers: Vec::new(),
+    }
+}
+
+pub fn refusal(r: &Refusal) -> Reply {
+    match r {
+        Refusal::BadPath(e) => json(400, "bad_request", &e.to_string()),
+        Refusal::Forbidden => json(403, "forbidden", "client address is denied"),
+        Refusal::NotFound => json(404, "not_found", "no route matches this path"),
+        Refusal::MethodNotAllowed(allowed) => {
+            let mut reply = json(
+                405,
+                "method_not_allowed",
+                "this route does not accept the method",
+            );
+            reply.headers.push(("allow", allowed.join(", ")));
+            reply
+        }
+        Refusal::UnknownKey => json(401, "unauthorized", "API key not recognised"),
+        Refusal::KeyRequired => json(401, "unauthorized", "this route requires an API key"),
+        Refusal::ConflictingKeys => {
+            json(400, "bad_request", "more than one API key in the request")
+        }
+    }
+}
+
+pub fn too_many_requests(
+    headers: Vec<(&'static str, String)>,
+    retry_after_ms: u64,
+    violated: &[Tier],
+) -> Reply {
+    let violated: Vec<&str> = violated.iter().map(|t| t.as_str()).collect();
+    Reply {
+        status: 429,
+        content_type: "application/problem+json",
+        body: serde_json::json!({
+            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
+            "title": "Too Many Requests",
+            "status": 429,
+            "detail": format!("rate limit exceeded on tier(s): {}", violated.join(", ")),
+            "violated-policies": violated,
+            "retry_after_ms": retry_after_ms,
+        })
+        .to_string(),
+        headers,
+    }
+}
+
+pub fn reduced_capacity() -> Reply {
+    Reply {
+        status: 503,
+        content_type: "application/problem+json",
+        body: serde_json::json!({
+            "type": "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
+            "title": "Service Unavailable",
+            "status": 503,
+            "detail": "the rate limiter is unavailable and this gateway is configured to deny",
+        })
+        .to_string(),
+        headers: vec![("retry-after", "1".to_string())],
+    }
+}
+
+pub fn headers_too_large(limit: usize) -> Reply {
+    json(
+        431,
+        "request_header_fields_too_large",
+        &format!("request headers exceed {limit} bytes"),
+    )
+}
+
+pub fn upstream_failure(status: u16) -> Reply {
+    match status {
+        504 => json(
+            504,
+            "gateway_timeout",
+            "the upstream did not answer in time",
+        ),
+        _ => json(502, "bad_gateway", "the upstream could not be reached"),
+    }
+}
+
+pub fn internal() -> Reply {
+    json(500, "internal", "internal error")
+}
+
+/// Writes a reply; the connection stays open for the next request.
+pub async fn send(session: &mut Session, reply: Reply, request_id: &str) -> Result<()> {
+    let mut h = ResponseHeader::build(reply.status, Some(4 + reply.headers.len()))?;
+    h.insert_header("content-type", reply.content_type)?;
+    h.insert_header("content-length", reply.body.len().to_string())?;
+    h.insert_header("x-request-id", request_id)?;
+    for (name, value) in reply.headers {
+        h.insert_header(name, value)?;
+    }
+    let head_only = session.req_header().method == http::Method::HEAD;
+    session
+        .write_response_header(Box::new(h), head_only)
+        .await?;
+    if !head_only {
+        session
+            .write_response_body(Some(Bytes::from(reply.body)), true)
+            .await?;
+    }
+    Ok(())
+}

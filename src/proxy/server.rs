@@ -1,0 +1,129 @@
+//! Builds the Pingora server from a config: listeners, worker threads, the
+//! admin listener, upstream health checks, the Redis probe, graceful shutdown.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use pingora::server::configuration::{Opt, ServerConf};
+use pingora::server::{Server, ShutdownWatch};
+use pingora::services::background::{background_service, BackgroundService};
+use pingora::services::listening::Service;
+
+use super::admin::Admin;
+use super::upstreams::Pools;
+use super::Gateway;
+use crate::admission::Policy;
+use crate::clock::SystemClock;
+use crate::config::{Backend, Config, RedisMode};
+use crate::limiter::{Fallback, LocalBackend, RedisBackend};
+
+/// Runs the Redis failback probe until shutdown.
+struct Prober {
+    limiter: Arc<Fallback>,
+    interval: Duration,
+}
+
+#[async_trait]
+impl BackgroundService for Prober {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        tokio::select! {
+            _ = self.limiter.clone().probe_loop(self.interval) => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
+/// Starts serving; returns only on a start-up error.
+pub fn run(config: Config) -> Result<(), String> {
+    let config = Arc::new(config);
+    let srv = &config.server;
+
+    let mut conf = ServerConf {
+        threads: srv.threads,
+        // Pingora waits the grace period, then gives runtimes a last second:
+        // together they stay within grace_period_secs.
+        grace_period_seconds: Some(srv.grace_period_secs.saturating_sub(1)),
+        graceful_shutdown_timeout_seconds: Some(srv.grace_period_secs.min(1)),
+        max_retries: 2,
+        upstream_keepalive_pool_size: 1024,
+        ..ServerConf::default()
+    };
+    conf.pid_file = std::env::temp_dir()
+        .join(format!("gateway-{}.pid", std::process::id()))
+        .display()
+        .to_string();
+    conf.upgrade_sock = std::env::temp_dir()
+        .join(format!("gateway-upgrade-{}.sock", std::process::id()))
+        .display()
+        .to_string();
+    let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
+    server.bootstrap();
+
+    let limiter = build_limiter(&config)?;
+    let (pools, health_checks) = Pools::build(&config.upstreams)?;
+    let gateway = Gateway {
+        policy: Arc::new(ArcSwap::from_pointee(Policy::new(config.clone()))),
+        limiter: limiter.clone(),
+        pools: Arc::new(pools),
+    };
+    let mut proxy =
+        pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "gateway");
+    for addr in &srv.listen {
+        proxy.add_tcp(addr);
+    }
+    server.add_service(proxy);
+
+    if let Some(admin_addr) = &srv.admin_listen {
+        let mut admin = Service::new(
+            "admin".to_string(),
+            Admin {
+                limiter: limiter.clone(),
+            },
+        );
+        admin.add_tcp(admin_addr);
+        server.add_service(admin);
+    }
+    for hc in health_checks {
+        server.add_service(hc);
+    }
+    if let Some(redis) = &config.redis {
+        if limiter.has_redis() {
+            server.add_service(background_service(
+                "redis probe",
+                Prober {
+                    limiter: limiter.clone(),
+                    interval: Duration::from_millis(redis.probe_interval_ms),
+                },
+            ));
+        }
+    }
+    tracing::info!(listen = ?srv.listen, admin = ?srv.admin_listen, threads = srv.threads, "gateway starting");
+    server.run_forever();
+}
+
+fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
+    let clock = Arc::new(SystemClock);
+    let local = LocalBackend::new(config.limiter.local_max_entries, clock);
+    let redis = match (config.limiter.backend, &config.redis) {
+        (Backend::Redis, Some(r)) => {
+            if r.mode != RedisMode::Standalone {
+                return Err(format!(
+                    "redis.mode = {:?} is not supported yet; use \"standalone\"",
+                    r.mode
+                ));
+            }
+            let backend = RedisBackend::new(&r.urls[0], Duration::from_millis(r.timeout_ms), None)
+                .map_err(|e| format!("redis.urls[0]: {e}"))?;
+            Some(backend)
+        }
+        _ => None,
+    };
+    Ok(Fallback::new(
+        redis,
+        local,
+        config.limiter.on_redis_failure,
+        config.limiter.instances,
+    ))
+}
