@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
-use toml::de::DeTable;
+use toml::de::{DeTable, DeValue};
 
 use super::model::*;
 use super::reader::{join, Reader, Value};
@@ -61,15 +61,28 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     });
     let plans_t = section(&mut r, root, "plans", false);
     let plans = plans(&mut r, plans_t);
+    // Names as written, even in entries that have other errors, so that one
+    // mistake does not hide (or invent) a reference error elsewhere.
+    let plan_names: Vec<String> = plans_t
+        .map(|t| t.iter().map(|(k, _)| k.get_ref().to_string()).collect())
+        .unwrap_or_default();
+    let upstream_names: Vec<String> = raw_names(&mut r, root, "upstreams", "name")
+        .into_iter()
+        .map(|(_, n)| n)
+        .collect();
+    raw_names(&mut r, root, "routes", "name");
+    raw_names(&mut r, root, "api_keys", "id");
+
     let api_keys = array_of_tables(&mut r, root, "api_keys", false, |r, p, t, s| {
-        api_key(r, p, t, s)
+        api_key(r, p, t, s, &plan_names)
     });
     let upstreams = array_of_tables(&mut r, root, "upstreams", true, |r, p, t, s| {
         upstream(r, p, t, s)
     });
-    let routes = array_of_tables(&mut r, root, "routes", true, |r, p, t, s| route(r, p, t, s));
+    let routes = array_of_tables(&mut r, root, "routes", true, |r, p, t, s| {
+        route(r, p, t, s, &upstream_names)
+    });
 
-    // Cross-references, reported against the referring key's line.
     if let Some(limiter) = &limiter {
         if limiter.backend == Backend::Redis && redis.is_none() {
             r.error(
@@ -79,55 +92,27 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
             );
         }
     }
-    check_unique(&mut r, "upstreams", "name", &upstreams, |u| &u.0.name);
-    check_unique(&mut r, "api_keys", "id", &api_keys, |k| &k.0.id);
-    check_unique(&mut r, "routes", "name", &routes, |k| &k.0.name);
-    for (i, (key, span)) in api_keys.iter().enumerate() {
-        if let Some(plans) = &plans {
-            if !plans.contains_key(&key.plan) {
-                let known: Vec<&str> = plans.keys().map(String::as_str).collect();
-                r.error(
-                    &format!("api_keys[{i}].plan"),
-                    Some(span),
-                    format!(
-                        "plan \"{}\" is not defined; defined plans: [{}]",
-                        key.plan,
-                        known.join(", ")
-                    ),
-                );
-            }
-        }
-    }
     let mut digests: HashMap<[u8; 32], usize> = HashMap::new();
-    for (i, (key, span)) in api_keys.iter().enumerate() {
-        if let Some(first) = digests.insert(key.digest, i) {
+    for (i, key) in &api_keys {
+        if let Some(first) = digests.insert(key.digest, *i) {
+            let span = r.spans.get(&format!("api_keys[{i}].id")).cloned();
             r.error(
                 &format!("api_keys[{i}]"),
-                Some(span),
+                span.as_ref(),
                 format!("the same key as api_keys[{first}]"),
             );
         }
     }
-    for (i, (route, span)) in routes.iter().enumerate() {
-        if !upstreams.iter().any(|(u, _)| u.name == route.upstream) {
-            let known: Vec<&str> = upstreams.iter().map(|(u, _)| u.name.as_str()).collect();
-            r.error(
-                &format!("routes[{i}].upstream"),
-                Some(span),
-                format!(
-                    "upstream \"{}\" is not defined; defined upstreams: [{}]",
-                    route.upstream,
-                    known.join(", ")
-                ),
-            );
-        }
-        for (j, (other, _)) in routes.iter().enumerate().take(i) {
+    for (n, (i, route)) in routes.iter().enumerate() {
+        for (j, other) in routes.iter().take(n).map(|(j, o)| (j, o)) {
             if other.path_prefix == route.path_prefix
                 && methods_overlap(&other.methods, &route.methods)
             {
+                let path = format!("routes[{i}].path_prefix");
+                let span = r.spans.get(&path).cloned();
                 r.error(
-                    &format!("routes[{i}].path_prefix"),
-                    Some(span),
+                    &path,
+                    span.as_ref(),
                     format!(
                         "\"{}\" with overlapping methods is already routed by routes[{j}] (\"{}\")",
                         route.path_prefix, other.name
@@ -150,9 +135,9 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
         clients: clients.expect("clients read without error"),
         ip_tier,
         plans: plans.expect("plans read without error"),
-        api_keys: api_keys.into_iter().map(|(k, _)| k).collect(),
-        upstreams: upstreams.into_iter().map(|(u, _)| u).collect(),
-        routes: routes.into_iter().map(|(r, _)| r).collect(),
+        api_keys: api_keys.into_iter().map(|(_, k)| k).collect(),
+        upstreams: upstreams.into_iter().map(|(_, u)| u).collect(),
+        routes: routes.into_iter().map(|(_, r)| r).collect(),
     })
 }
 
@@ -163,26 +148,36 @@ fn methods_overlap(a: &Option<Vec<String>>, b: &Option<Vec<String>>) -> bool {
     }
 }
 
-fn check_unique<T>(
+/// The `field` of every entry of an array of tables, as written, reporting
+/// duplicates at the duplicate's line.
+fn raw_names(
     r: &mut Reader<'_>,
+    root: &DeTable<'_>,
     section: &str,
     field: &str,
-    items: &[(T, Range<usize>)],
-    name: impl Fn(&(T, Range<usize>)) -> &String,
-) {
-    let mut seen: HashMap<&String, usize> = HashMap::new();
+) -> Vec<(usize, String)> {
+    let mut out: Vec<(usize, String)> = Vec::new();
+    let Some(DeValue::Array(items)) = root.get(section).map(|v| v.get_ref()) else {
+        return out;
+    };
     for (i, item) in items.iter().enumerate() {
-        if let Some(first) = seen.insert(name(item), i) {
+        let DeValue::Table(t) = item.get_ref() else {
+            continue;
+        };
+        let Some(v) = t.get(field) else { continue };
+        let DeValue::String(name) = v.get_ref() else {
+            continue;
+        };
+        if let Some((first, _)) = out.iter().find(|(_, n)| n == name.as_ref()) {
             r.error(
                 &format!("{section}[{i}].{field}"),
-                Some(&item.1),
-                format!(
-                    "duplicate {field} \"{}\" (first at {section}[{first}])",
-                    name(item)
-                ),
+                Some(&v.span()),
+                format!("duplicate {field} \"{name}\" (first at {section}[{first}])"),
             );
         }
+        out.push((i, name.to_string()));
     }
+    out
 }
 
 /// A top-level table, or an error if it is required and missing or not a table.
@@ -209,7 +204,7 @@ fn array_of_tables<T>(
     key: &str,
     required: bool,
     mut read: impl FnMut(&mut Reader<'_>, &str, &DeTable<'_>, &Range<usize>) -> Option<T>,
-) -> Vec<(T, Range<usize>)> {
+) -> Vec<(usize, T)> {
     let mut out = Vec::new();
     let Some(v) = root.get(key) else {
         if required {
@@ -235,7 +230,7 @@ fn array_of_tables<T>(
         let path = format!("{key}[{i}]");
         if let Some(t) = r.table(&path, item) {
             if let Some(x) = read(r, &path, t, &item.span()) {
-                out.push((x, item.span()));
+                out.push((i, x));
             }
         }
     }
@@ -253,7 +248,10 @@ fn opt<T>(
     read: impl FnOnce(&mut Reader<'_>, &str, &Value<'_>) -> Option<T>,
 ) -> Option<T> {
     match t.get(key) {
-        Some(v) => read(r, &join(path, key), v),
+        Some(v) => {
+            r.spans.insert(join(path, key), v.span());
+            read(r, &join(path, key), v)
+        }
         None => Some(default),
     }
 }
@@ -268,7 +266,10 @@ fn req<T>(
     read: impl FnOnce(&mut Reader<'_>, &str, &Value<'_>) -> Option<T>,
 ) -> Option<T> {
     match t.get(key) {
-        Some(v) => read(r, &join(path, key), v),
+        Some(v) => {
+            r.spans.insert(join(path, key), v.span());
+            read(r, &join(path, key), v)
+        }
         None => {
             r.error(&join(path, key), span, "missing required key");
             None
@@ -797,10 +798,31 @@ fn plans(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<BTreeMap<String,
     ok.then_some(out)
 }
 
-fn api_key(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> Option<ApiKey> {
+fn api_key(
+    r: &mut Reader<'_>,
+    p: &str,
+    t: &DeTable<'_>,
+    span: &Range<usize>,
+    plans: &[String],
+) -> Option<ApiKey> {
     r.only_keys(p, t, &["id", "key", "sha256", "plan"]);
     let id = req(r, t, p, Some(span), "id", name);
-    let plan = req(r, t, p, Some(span), "plan", |r, path, v| r.string(path, v));
+    let plan = req(r, t, p, Some(span), "plan", |r, path, v| {
+        let plan = r.string(path, v)?;
+        if plans.contains(&plan) {
+            Some(plan)
+        } else {
+            r.error(
+                path,
+                Some(&v.span()),
+                format!(
+                    "plan \"{plan}\" is not defined; defined plans: [{}]",
+                    plans.join(", ")
+                ),
+            );
+            None
+        }
+    });
     let digest = match (t.get("key"), t.get("sha256")) {
         (Some(k), None) => {
             let path = join(p, "key");
@@ -906,7 +928,13 @@ const METHODS: &[&str] = &[
     "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
 ];
 
-fn route(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> Option<Route> {
+fn route(
+    r: &mut Reader<'_>,
+    p: &str,
+    t: &DeTable<'_>,
+    span: &Range<usize>,
+    upstreams: &[String],
+) -> Option<Route> {
     r.only_keys(
         p,
         t,
@@ -971,7 +999,20 @@ fn route(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> O
         ok.then_some(Some(out))
     });
     let upstream = req(r, t, p, Some(span), "upstream", |r, path, v| {
-        r.string(path, v)
+        let name = r.string(path, v)?;
+        if upstreams.contains(&name) {
+            Some(name)
+        } else {
+            r.error(
+                path,
+                Some(&v.span()),
+                format!(
+                    "upstream \"{name}\" is not defined; defined upstreams: [{}]",
+                    upstreams.join(", ")
+                ),
+            );
+            None
+        }
     });
     let require_key = opt(r, t, p, "require_api_key", false, |r, path, v| {
         r.boolean(path, v)

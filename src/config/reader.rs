@@ -5,6 +5,7 @@
 //! parsed into toml's spanned tree and read key by key here: every getter either
 //! returns a value or records why not, and every table reports its unknown keys.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use toml::de::{DeTable, DeValue};
@@ -18,6 +19,8 @@ pub type Value<'i> = Spanned<DeValue<'i>>;
 pub struct Reader<'s> {
     src: &'s str,
     pub errors: Vec<ConfigError>,
+    /// Where each key that was read sits, for errors found after reading.
+    pub spans: HashMap<String, Range<usize>>,
 }
 
 impl<'s> Reader<'s> {
@@ -25,6 +28,7 @@ impl<'s> Reader<'s> {
         Reader {
             src,
             errors: Vec::new(),
+            spans: HashMap::new(),
         }
     }
 

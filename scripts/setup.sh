@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the gateway needs to build and test, if missing: cmake (Pingora
+# builds zlib-ng with it), redis-server and redis-tools (the limiter's shared
+# backend, used by the tests), python3-venv (load tests, manifest checks).
+# Debian/Ubuntu packages via apt-get; Rust itself is assumed (rustup).
+set -euo pipefail
+
+missing=()
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
+command -v c++ >/dev/null 2>&1 || missing+=(g++)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]} (apt-get)"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# A redis-server installed by the package may start as a system service on
+# :6379; nothing here uses that one: tests and demos start their own.
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo not found; install Rust with rustup (https://rustup.rs) first" >&2
+  exit 1
+fi

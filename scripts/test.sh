@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, then runs every check the
+# project has: format, lints, the whole test suite (real Redis, real gateway
+# processes), config checks, deployment-file checks, the load-test smoke run
+# and the demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+steps=0
+step() { echo; echo "==> $*"; steps=$((steps + 1)); }
+
+scripts/setup.sh
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+# One release profile for everything, so clippy, the tests and the demo share
+# one build of Pingora and its C dependencies.
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --release --all-targets -- -D warnings
+
+step "cargo test (unit, property, conformance and integration tests)"
+cargo test --release --all-targets
+
+step "gateway check: gateway.toml and the contract"
+target/release/gateway check -c gateway.toml
+if [ -f ../shared/spec/gateway.contract.toml ]; then
+  target/release/gateway check -c ../shared/spec/gateway.contract.toml >/dev/null
+  echo "../shared/spec/gateway.contract.toml: ok"
+fi
+
+if [ -x scripts/check_deploy.sh ]; then
+  step "deployment files (hadolint, kubernetes-validate, embedded config)"
+  scripts/check_deploy.sh target/release/gateway
+fi
+
+if [ -x loadtest/surge.sh ]; then
+  step "surge load test (smoke)"
+  loadtest/surge.sh --smoke
+fi
+
+step "demo (scripts/demo.sh --once)"
+scripts/demo.sh --once
+
+echo
+echo "test.sh: $steps passed, 0 failed"

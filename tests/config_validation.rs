@@ -1,0 +1,218 @@
+//! `gateway check` through the real binary: good files pass with a summary;
+//! bad files list every problem with its key path and line, never panic.
+
+use std::path::Path;
+use std::process::Command;
+
+fn check_file(path: &Path) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
+        .args(["check", "--config"])
+        .arg(path)
+        .output()
+        .expect("run gateway check");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn check(src: &str) -> (bool, String, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, src).expect("write");
+    check_file(&path)
+}
+
+const MINIMAL: &str = r#"[server]
+listen = ["127.0.0.1:8080"]
+
+[[upstreams]]
+name = "a"
+servers = ["127.0.0.1:9001"]
+
+[[routes]]
+name = "all"
+path_prefix = "/"
+upstream = "a"
+"#;
+
+#[test]
+fn the_contract_and_the_demo_config_pass() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for file in [
+        root.join("gateway.toml"),
+        root.join("../shared/spec/gateway.contract.toml"),
+    ] {
+        if !file.exists() {
+            assert!(
+                !file.ends_with("gateway.toml"),
+                "{} is missing",
+                file.display()
+            );
+            continue; // shared/ sits beside the checkout; CI has it too
+        }
+        let (ok, out, err) = check_file(&file);
+        assert!(ok, "{}: {err}", file.display());
+        assert!(
+            out.contains("routes:") && out.contains("ride-request"),
+            "{out}"
+        );
+        assert!(
+            !out.contains("demo-key-123"),
+            "the summary never shows a key: {out}"
+        );
+    }
+}
+
+#[test]
+fn a_minimal_file_passes_and_prints_its_defaults() {
+    let (ok, out, err) = check(MINIMAL);
+    assert!(ok, "{err}");
+    for expected in [
+        "backend=Local",
+        "on_redis_failure=Local",
+        "grace_period_secs=10",
+        "max_request_header_bytes=65536",
+        "ip: (off)",
+        "api keys: 0",
+        "all * / -> a: no route limit",
+    ] {
+        assert!(out.contains(expected), "missing {expected:?} in:\n{out}");
+    }
+}
+
+#[test]
+fn wrong_type_unknown_key_and_dangling_upstream_are_all_reported() {
+    let src = r#"[server]
+listen = ["127.0.0.1:8080"]
+threads = "two"
+
+[[upstreams]]
+name = "a"
+servers = ["127.0.0.1:9001"]
+colour = "blue"
+
+[[routes]]
+name = "r1"
+path_prefix = "/"
+upstream = "nope"
+limit = { algorithm = "token_bucket", capacity = "fast", refill_per_sec = 1 }
+"#;
+    let (ok, _, err) = check(src);
+    assert!(!ok);
+    for expected in [
+        "server.threads (line 3): expected an integer from 1 to 1024, found \"two\"",
+        "upstreams[0].colour (line 8): unknown key",
+        "routes[0].upstream (line 13): upstream \"nope\" is not defined; defined upstreams: [a]",
+        "routes[0].limit.capacity (line 14): expected an integer from 1 to 1099511627776, found \"fast\"",
+    ] {
+        assert!(err.contains(expected), "missing {expected:?} in:\n{err}");
+    }
+    assert!(err.contains("4 problem(s)"), "{err}");
+}
+
+#[test]
+fn every_rule_of_the_contract_is_enforced() {
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "[limiter]\nbackend = \"redis\"\n",
+            "redis",
+            "limiter.backend = \"redis\" needs a [redis] section",
+        ),
+        (
+            "[limiter]\nheaders = \"all\"\n",
+            "limiter.headers (line 14)",
+            "expected one of \"x-ratelimit\", \"ietf\", \"both\", \"none\", found \"all\"",
+        ),
+        (
+            "[clients]\ndeny = [\"10.0.0.0/33\"]\n",
+            "clients.deny[0] (line 14)",
+            "expected a CIDR like \"10.0.0.0/8\" or an IP address, found \"10.0.0.0/33\"",
+        ),
+        (
+            "[plans.free]\ncapacity = 0\nrefill_per_sec = 1\n",
+            "plans.free.capacity (line 14)",
+            "expected an integer from 1 to",
+        ),
+        (
+            "[plans.free]\ncapacity = 5\nrefill_per_sec = 0\n",
+            "plans.free.refill_per_sec (line 15)",
+            "expected a positive number, found 0",
+        ),
+        (
+            "[[api_keys]]\nid = \"k\"\nsha256 = \"abc\"\nplan = \"free\"\n",
+            "api_keys[0].sha256 (line 15)",
+            "expected 64 hex digits (a SHA-256 digest), found 3 characters",
+        ),
+        (
+            "[plans.free]\ncapacity = 5\nrefill_per_sec = 1\n[[api_keys]]\nid = \"k\"\nkey = \"s\"\nplan = \"gold\"\n",
+            "api_keys[0].plan (line 19)",
+            "plan \"gold\" is not defined; defined plans: [free]",
+        ),
+        (
+            "[[routes]]\nname = \"all\"\npath_prefix = \"/x\"\nupstream = \"a\"\n",
+            "routes[1].name (line 14)",
+            "duplicate name \"all\" (first at routes[0])",
+        ),
+        (
+            "[[routes]]\nname = \"two\"\npath_prefix = \"/\"\nmethods = [\"GET\"]\nupstream = \"a\"\n",
+            "routes[1].path_prefix (line 15)",
+            "\"/\" with overlapping methods is already routed by routes[0] (\"all\")",
+        ),
+        (
+            "[[routes]]\nname = \"w\"\npath_prefix = \"/w\"\nupstream = \"a\"\nlimit = { algorithm = \"fixed_window\", limit = 5, window_secs = 0 }\n",
+            "routes[1].limit.window_secs (line 17)",
+            "expected an integer from 1 to",
+        ),
+        (
+            "[[routes]]\nname = \"w\"\npath_prefix = \"/w/../x\"\nupstream = \"a\"\n",
+            "routes[1].path_prefix (line 15)",
+            "expected a normalised path, found \"/w/../x\" (write \"/x\")",
+        ),
+        (
+            "[[routes]]\nname = \"w\"\npath_prefix = \"/w\"\nupstream = \"a\"\nlimit = { algorithm = \"token_bucket\", limit = 5, window_secs = 1 }\n",
+            "routes[1].limit.limit (line 17)",
+            "unknown key; expected one of: algorithm, shadow, scope, capacity, refill_per_sec",
+        ),
+        (
+            "[redis]\nmode = \"sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\n",
+            "redis.sentinel_master",
+            "required when redis.mode = \"sentinel\"",
+        ),
+        ("[server2]\nx = 1\n", "server2 (line 13)", "unknown key"),
+    ];
+    for (extra, path, message) in cases {
+        let (ok, _, err) = check(&format!("{MINIMAL}\n{extra}"));
+        assert!(!ok, "should fail: {extra}");
+        assert!(
+            err.contains(path) && err.contains(message),
+            "for {extra:?} expected `{path}` and `{message}` in:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn syntax_errors_missing_files_and_secrets() {
+    let (ok, _, err) = check("[server\nlisten = 1\n");
+    assert!(!ok);
+    assert!(err.contains("(syntax) (line 1)"), "{err}");
+
+    let (ok, _, err) = check_file(Path::new("/nonexistent/gateway.toml"));
+    assert!(!ok);
+    assert!(
+        err.contains("cannot read /nonexistent/gateway.toml"),
+        "{err}"
+    );
+
+    // A Redis URL with a password is never echoed back.
+    let (ok, _, err) = check(&format!(
+        "{MINIMAL}\n[redis]\nurls = [\"http://user:hunter2@host\"]\n"
+    ));
+    assert!(!ok);
+    assert!(
+        err.contains("redis.urls[0]") && !err.contains("hunter2"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -1,0 +1,381 @@
+//! Real processes for integration tests: a `redis-server`, the mock upstream
+//! and the gateway binary, each on free loopback ports, each owned by a guard
+//! that stops it by PID and waits for it. A test that panics prints the logs
+//! of the processes it started.
+#![allow(dead_code)]
+
+pub mod http;
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+pub use http::{Client, Response};
+
+/// A port nothing listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral loopback port")
+}
+
+/// Polls `f` until it returns `Some`, or panics after `timeout` naming `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .args(["-s", sig, &pid.to_string()])
+        .status();
+}
+
+/// Waits for a child to exit, up to `timeout`; kills it (SIGKILL) past that.
+fn reap(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn print_log(name: &str, path: &PathBuf) {
+    if let Ok(log) = fs::read_to_string(path) {
+        let tail: Vec<&str> = log.lines().rev().take(60).collect();
+        eprintln!("----- {name} log ({}) -----", path.display());
+        for line in tail.into_iter().rev() {
+            eprintln!("{line}");
+        }
+    }
+}
+
+/// A `redis-server` of our own.
+pub struct RedisGuard {
+    pub port: u16,
+    child: Child,
+    dir: TempDir,
+}
+
+impl RedisGuard {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let log = dir.path().join("redis.log");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .arg("--logfile")
+            .arg(&log)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (is it installed? scripts/test.sh installs it)");
+        let guard = RedisGuard { port, child, dir };
+        wait_for(
+            "redis-server to answer PING",
+            Duration::from_secs(10),
+            || (guard.cmd(&["PING"]).trim() == "PONG").then_some(()),
+        );
+        guard
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs a command through `redis-cli`, returning its raw output.
+    pub fn cmd(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    pub fn dbsize(&self) -> u64 {
+        self.cmd(&["DBSIZE"]).trim().parse().unwrap_or(u64::MAX)
+    }
+
+    /// `INFO commandstats` calls of one command (e.g. "evalsha").
+    pub fn calls(&self, command: &str) -> u64 {
+        let info = self.cmd(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{command}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for RedisGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            print_log("redis", &self.dir.path().join("redis.log"));
+        }
+        signal(self.child.id(), "KILL");
+        let _ = self.child.wait();
+    }
+}
+
+/// The mock upstream binary.
+pub struct UpstreamGuard {
+    pub addr: SocketAddr,
+    child: Option<Child>,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl UpstreamGuard {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let log = dir.path().join("upstream.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_mock-upstream"))
+            .args(["--listen", &addr.to_string()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("start mock-upstream");
+        let guard = UpstreamGuard {
+            addr,
+            child: Some(child),
+            log,
+            _dir: dir,
+        };
+        wait_for("mock-upstream /healthz", Duration::from_secs(10), || {
+            Client::connect(addr)
+                .ok()?
+                .get("/healthz")
+                .ok()
+                .filter(|r| r.status == 200)
+        });
+        guard
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        let r = Client::connect(self.addr)
+            .and_then(|mut c| c.get("/stats"))
+            .expect("GET /stats");
+        serde_json::from_slice(&r.body).expect("stats JSON")
+    }
+
+    /// Requests the upstream received for one path.
+    pub fn count(&self, path: &str) -> u64 {
+        self.stats()["paths"][path].as_u64().unwrap_or(0)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.stats()["total"].as_u64().unwrap_or(0)
+    }
+
+    /// Stops it now (a dead upstream).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "KILL");
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for UpstreamGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            print_log("mock-upstream", &self.log);
+        }
+        self.kill();
+    }
+}
+
+/// The gateway binary running a config.
+pub struct GatewayGuard {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    child: Option<Child>,
+    pub config_path: PathBuf,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+/// Ports for a gateway config: fill `{listen}` and `{admin}` in a template.
+pub struct GatewayPorts {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl GatewayPorts {
+    pub fn new() -> Self {
+        GatewayPorts {
+            listen: format!("127.0.0.1:{}", free_port()).parse().expect("addr"),
+            admin: format!("127.0.0.1:{}", free_port()).parse().expect("addr"),
+        }
+    }
+}
+
+impl Default for GatewayPorts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GatewayGuard {
+    /// Starts the gateway with `config` (`{listen}` and `{admin}` are filled
+    /// in) and waits until it is ready; with Redis configured, until Redis is
+    /// the backend in use.
+    pub fn start(config: &str) -> Self {
+        Self::start_opts(config, true)
+    }
+
+    pub fn start_opts(config: &str, wait_for_redis: bool) -> Self {
+        let ports = GatewayPorts::new();
+        let config = config
+            .replace("{listen}", &ports.listen.to_string())
+            .replace("{admin}", &ports.admin.to_string());
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config_path = dir.path().join("gateway.toml");
+        fs::write(&config_path, &config).expect("write config");
+        let log = dir.path().join("gateway.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .env("GATEWAY_LOG", "info")
+            .stdout(fs::File::create(dir.path().join("stdout.log")).expect("log"))
+            .stderr(fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start gateway");
+        let mut g = GatewayGuard {
+            addr: ports.listen,
+            admin: ports.admin,
+            child: Some(child),
+            config_path,
+            log,
+            _dir: dir,
+        };
+        let wants_redis =
+            wait_for_redis && config.contains("[redis]") && !config.contains("backend = \"local\"");
+        let admin = g.admin;
+        let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_for("gateway /readyz", Duration::from_secs(20), || {
+                let r = Client::connect(admin).ok()?.get("/readyz").ok()?;
+                let body = String::from_utf8_lossy(&r.body).to_string();
+                (r.status == 200 && (!wants_redis || body.contains("\"redis\""))).then_some(())
+            })
+        }));
+        if ready.is_err() {
+            print_log("gateway", &g.log);
+            g.stop_now();
+            panic!("gateway did not become ready");
+        }
+        // The listener is bound by the time admin answers, but be sure.
+        wait_for("gateway listener", Duration::from_secs(10), || {
+            TcpStream::connect(g.addr).ok()
+        });
+        g
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(self.addr).expect("connect to gateway")
+    }
+
+    pub fn admin_get(&self, path: &str) -> Response {
+        Client::connect(self.admin)
+            .and_then(|mut c| c.get(path))
+            .expect("admin request")
+    }
+
+    pub fn metrics(&self) -> String {
+        String::from_utf8_lossy(&self.admin_get("/metrics").body).to_string()
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
+    /// SIGTERM, then waits for the exit; returns the status and how long it took.
+    pub fn terminate(&mut self, timeout: Duration) -> (Option<ExitStatus>, Duration) {
+        let started = Instant::now();
+        let Some(mut child) = self.child.take() else {
+            return (None, Duration::ZERO);
+        };
+        signal(child.id(), "TERM");
+        let status = reap(&mut child, timeout);
+        (status, started.elapsed())
+    }
+
+    /// SIGINT (fast shutdown), then waits.
+    pub fn stop_now(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "INT");
+            reap(&mut child, Duration::from_secs(10));
+        }
+    }
+}
+
+impl Drop for GatewayGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            print_log("gateway", &self.log);
+        }
+        self.stop_now();
+    }
+}
+
+/// Sends raw bytes on a fresh connection and returns everything read until
+/// the peer closes or `timeout` passes (for malformed-request tests).
+pub fn raw_exchange(addr: SocketAddr, bytes: &[u8], timeout: Duration) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(timeout)).expect("timeout");
+    s.write_all(bytes).expect("write");
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).to_string()
+}
