@@ -13,6 +13,8 @@ mod fixed_window;
 mod gcra;
 mod sliding_log;
 mod sliding_window;
+#[cfg(test)]
+mod tests;
 
 use std::collections::VecDeque;
 

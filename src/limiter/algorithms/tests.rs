@@ -1,0 +1,233 @@
+//! The algorithms on a fake clock: worked scenarios, then properties over
+//! random parameters and request times. Every assert prints the clock.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::config::Algorithm;
+
+const S: i64 = 1_000_000;
+/// An arbitrary epoch-aligned start, far from zero like real time.
+const T0: i64 = 1_700_000_000 * S;
+
+/// A bucket under test: state plus the algorithm.
+struct Bucket {
+    alg: Algorithm,
+    state: Option<State>,
+}
+
+impl Bucket {
+    fn new(alg: Algorithm) -> Self {
+        Bucket { alg, state: None }
+    }
+    /// One request at `now`: decide and, if admitted, commit.
+    fn hit(&mut self, now: i64) -> Decision {
+        let e = check(&self.alg, self.state.as_ref(), now);
+        if e.decision.allowed {
+            commit(&mut self.state, &e.update);
+        }
+        e.decision
+    }
+    fn peek(&self, now: i64) -> Decision {
+        check(&self.alg, self.state.as_ref(), now).decision
+    }
+}
+
+fn tb(capacity: u64, rate: f64) -> Algorithm {
+    Algorithm::TokenBucket {
+        capacity,
+        refill_per_sec: rate,
+    }
+}
+
+#[test]
+fn token_bucket_bursts_to_capacity_then_refills_at_rate() {
+    let mut b = Bucket::new(tb(20, 10.0));
+    for i in 0..20 {
+        let d = b.hit(T0);
+        assert!(d.allowed, "request {i} at t0");
+        assert_eq!(d.remaining, 19 - i, "remaining after request {i} at t0");
+    }
+    let d = b.hit(T0);
+    assert!(!d.allowed, "21st request at t0");
+    assert_eq!(d.retry_after_us, 100_000, "one token every 100 ms");
+    assert!(!b.hit(T0 + 99_999).allowed, "at t0+99.999ms");
+    assert!(b.hit(T0 + 100_000).allowed, "at t0+100ms");
+    // Idle for the full refill: the bucket is whole again, and not more.
+    let later = T0 + 10 * S;
+    for i in 0..20 {
+        assert!(b.hit(later).allowed, "request {i} at t0+10s");
+    }
+    assert!(!b.hit(later).allowed, "21st at t0+10s");
+}
+
+#[test]
+fn token_bucket_reports_time_until_full() {
+    let mut b = Bucket::new(tb(10, 5.0));
+    let d = b.hit(T0);
+    assert_eq!(d.reset_after_us, 200_000, "one token spent refills in 200 ms");
+    assert_eq!(d.limit, 10);
+}
+
+#[test]
+fn leaky_bucket_delays_to_a_constant_rate_then_rejects() {
+    let alg = Algorithm::LeakyBucket {
+        rate_per_sec: 10.0,
+        max_delay_ms: 250,
+    };
+    let mut b = Bucket::new(alg);
+    let delays: Vec<u64> = (0..3).map(|_| b.hit(T0).delay_us).collect();
+    assert_eq!(delays, vec![0, 100_000, 200_000], "slots 100 ms apart at t0");
+    let d = b.hit(T0);
+    assert!(!d.allowed, "a 300 ms wait exceeds max_delay_ms = 250");
+    assert_eq!(d.retry_after_us, 50_000, "at t0+50ms the wait is back to 250 ms");
+    let d = b.hit(T0 + 50_000);
+    assert!(d.allowed, "at t0+50ms");
+    assert_eq!(d.delay_us, 250_000, "at t0+50ms it waits for the slot at t0+300ms");
+    assert_eq!(d.limit, 3, "burst = floor(250/100) + 1");
+}
+
+#[test]
+fn fixed_window_counts_per_aligned_window() {
+    let alg = Algorithm::FixedWindow {
+        limit: 3,
+        window_secs: 60,
+    };
+    let mut b = Bucket::new(alg);
+    let start = (T0 / (60 * S)) * 60 * S; // a window boundary
+    for i in 0..3 {
+        assert!(b.hit(start + 59 * S).allowed, "request {i} at second 59");
+    }
+    let d = b.hit(start + 59 * S);
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after_us, S as u64, "the window ends a second later");
+    assert!(b.hit(start + 60 * S).allowed, "a new window at second 60");
+}
+
+#[test]
+fn sliding_window_weights_the_previous_window() {
+    let alg = Algorithm::SlidingWindow {
+        limit: 10,
+        window_secs: 10,
+    };
+    let mut b = Bucket::new(alg);
+    let start = (T0 / (10 * S)) * 10 * S;
+    for i in 0..10 {
+        assert!(b.hit(start + i * S / 2).allowed, "request {i} in window 0");
+    }
+    // At the start of window 1 the previous window still weighs 10 * 1.0.
+    let d = b.hit(start + 10 * S);
+    assert!(!d.allowed, "at window 1 start");
+    assert_eq!(d.retry_after_us, S as u64, "10 * (1 - f) + 1 <= 10 once f >= 0.1");
+    assert!(b.hit(start + 11 * S).allowed, "at 11 s");
+    assert!(!b.hit(start + 11 * S).allowed, "estimate 9 + 1 + 1 > 10 at 11 s");
+}
+
+#[test]
+fn sliding_log_is_exact() {
+    let alg = Algorithm::SlidingLog {
+        limit: 3,
+        window_secs: 10,
+    };
+    let mut b = Bucket::new(alg);
+    for t in [0, S, 2 * S] {
+        assert!(b.hit(T0 + t).allowed, "at +{t}us");
+    }
+    let d = b.hit(T0 + 5 * S);
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after_us, 5 * S as u64, "the first entry expires at +10 s");
+    assert!(!b.hit(T0 + 10 * S - 1).allowed, "one microsecond before");
+    assert!(b.hit(T0 + 10 * S).allowed, "at +10 s");
+    assert!(!b.hit(T0 + 10 * S).allowed, "still three in the window at +10 s");
+}
+
+#[test]
+fn a_clock_stepping_back_never_mints_quota() {
+    for alg in all_algorithms(5, 1.0, 10) {
+        let mut b = Bucket::new(alg);
+        let now = T0 + 20 * S;
+        let drained = (0..100).take_while(|_| b.hit(now).allowed).count();
+        assert!(drained < 100, "{alg}: drained at {now}");
+        for back in 1..5 {
+            let earlier = now - back * S;
+            assert!(!b.hit(earlier).allowed, "{alg}: admitted at {earlier} after draining at {now}");
+        }
+    }
+}
+
+fn all_algorithms(limit: u64, rate: f64, window_secs: u64) -> Vec<Algorithm> {
+    vec![
+        tb(limit, rate),
+        Algorithm::LeakyBucket {
+            rate_per_sec: rate,
+            max_delay_ms: 1000,
+        },
+        Algorithm::FixedWindow { limit, window_secs },
+        Algorithm::SlidingWindow { limit, window_secs },
+        Algorithm::SlidingLog { limit, window_secs },
+    ]
+}
+
+fn arb_algorithm() -> impl Strategy<Value = Algorithm> {
+    prop_oneof![
+        (1u64..50, 0.1f64..500.0).prop_map(|(c, r)| tb(c, r)),
+        (0.1f64..500.0, 0u64..3000).prop_map(|(r, d)| Algorithm::LeakyBucket {
+            rate_per_sec: r,
+            max_delay_ms: d
+        }),
+        (1u64..50, 1u64..120).prop_map(|(limit, window_secs)| Algorithm::FixedWindow { limit, window_secs }),
+        (1u64..50, 1u64..120).prop_map(|(limit, window_secs)| Algorithm::SlidingWindow { limit, window_secs }),
+        (1u64..50, 1u64..120).prop_map(|(limit, window_secs)| Algorithm::SlidingLog { limit, window_secs }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// The reported retry time is exact: rejected one microsecond before it,
+    /// admitted at it.
+    #[test]
+    fn retry_time_is_exact(alg in arb_algorithm(), gaps in prop::collection::vec(0i64..300_000, 1..120)) {
+        let mut b = Bucket::new(alg);
+        let mut now = T0;
+        for gap in gaps {
+            now += gap;
+            let d = b.hit(now);
+            if !d.allowed {
+                let at = now + d.retry_after_us as i64;
+                prop_assert!(d.retry_after_us > 0, "{alg} at {now}: rejected with no wait");
+                prop_assert!(!b.peek(at - 1).allowed, "{alg}: rejected at {now}, retry {at}, but admitted at {}", at - 1);
+                prop_assert!(b.peek(at).allowed, "{alg}: rejected at {now}, but still rejected at the retry time {at}");
+            }
+        }
+    }
+
+    /// A token bucket never admits more than capacity + rate x elapsed.
+    #[test]
+    fn token_bucket_never_exceeds_its_bound(cap in 1u64..40, rate in 0.5f64..200.0, gaps in prop::collection::vec(0i64..50_000, 1..300)) {
+        let mut b = Bucket::new(tb(cap, rate));
+        let mut now = T0;
+        let mut admitted = 0u64;
+        for gap in gaps {
+            now += gap;
+            admitted += u64::from(b.hit(now).allowed);
+            let bound = cap as f64 + rate * (now - T0) as f64 / 1e6;
+            prop_assert!(admitted as f64 <= bound + 1e-6, "at {now}: {admitted} admitted > bound {bound}");
+        }
+    }
+
+    /// Remaining never exceeds the limit and is zero on rejection.
+    #[test]
+    fn remaining_is_sane(alg in arb_algorithm(), gaps in prop::collection::vec(0i64..100_000, 1..60)) {
+        let mut b = Bucket::new(alg);
+        let mut now = T0;
+        for gap in gaps {
+            now += gap;
+            let d = b.hit(now);
+            prop_assert!(d.remaining < d.limit.max(1), "{alg} at {now}: remaining {} limit {}", d.remaining, d.limit);
+            if !d.allowed {
+                prop_assert_eq!(d.remaining, 0);
+            }
+        }
+    }
+}
