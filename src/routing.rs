@@ -150,7 +150,7 @@ impl RouteTable {
             .map(|(i, r)| (r.path_prefix.clone(), r.methods.clone(), i))
             .collect();
         // Stable: among equal prefixes, config order.
-        entries.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        entries.sort_by_key(|e| std::cmp::Reverse(e.0.len()));
         RouteTable { entries }
     }
 

@@ -30,7 +30,8 @@ impl Pair {
         let clock = Arc::new(ManualClock::new(T0));
         Pair {
             local: LocalBackend::new(100_000, clock.clone()),
-            redis: RedisBackend::new(&server.url(), Duration::from_secs(2), Some(clock.clone())).expect("client"),
+            redis: RedisBackend::new(&server.url(), Duration::from_secs(2), Some(clock.clone()))
+                .expect("client"),
             clock,
             _server: server,
         }
@@ -41,7 +42,12 @@ impl Pair {
         let now = ratelimit_gateway::clock::Clock::now_us(&*self.clock);
         let local = self.local.decide(checks).await.expect("local").decisions;
         let redis = self.redis.decide(checks).await.expect("redis").decisions;
-        assert_eq!(local, redis, "backends disagree at t0+{}us for {checks:?}", now - T0);
+        assert_eq!(
+            local,
+            redis,
+            "backends disagree at t0+{}us for {checks:?}",
+            now - T0
+        );
         local
     }
 }
@@ -77,7 +83,10 @@ async fn bursts_and_refills() {
     let c = [check(Tier::Key, "free", tb(5, 2.5), "k:a")];
     assert_eq!(run(&p, &c, 6).await, [true, true, true, true, true, false]);
     let d = p.decide(&c).await;
-    assert_eq!(d[0].retry_after_us, 400_000, "2.5 tokens/s: one every 400 ms");
+    assert_eq!(
+        d[0].retry_after_us, 400_000,
+        "2.5 tokens/s: one every 400 ms"
+    );
     p.clock.advance(399_999);
     assert_eq!(run(&p, &c, 1).await, [false]);
     p.clock.advance(1);
@@ -97,7 +106,11 @@ async fn leaky_bucket_shapes() {
     let mut delays = Vec::new();
     for _ in 0..8 {
         let d = p.decide(&c).await;
-        delays.push(if d[0].allowed { d[0].delay_us as i64 } else { -(d[0].retry_after_us as i64) });
+        delays.push(if d[0].allowed {
+            d[0].delay_us as i64
+        } else {
+            -(d[0].retry_after_us as i64)
+        });
     }
     // 333.33 us apart (TAT is an f64 near 1.7e15 us, a quarter-microsecond
     // grid, hence 1333); the 8th would wait 2333 us > 2 ms.
@@ -129,10 +142,20 @@ async fn windows() {
     assert_eq!(run(&p, &s, 5).await, [true, true, true, true, false]);
     assert_eq!(run(&p, &l, 3).await, [true, true, false]);
     p.clock.set(boundary);
-    assert_eq!(run(&p, &f, 4).await, [true, true, true, false], "a new fixed window");
+    assert_eq!(
+        run(&p, &f, 4).await,
+        [true, true, true, false],
+        "a new fixed window"
+    );
     let d = p.decide(&s).await;
-    assert!(!d[0].allowed, "the previous sliding window still weighs 4 * 1.0");
-    assert_eq!(d[0].retry_after_us, 2_500_000, "4 * (1 - f) + 1 <= 4 once f >= 0.25 of the 10 s window");
+    assert!(
+        !d[0].allowed,
+        "the previous sliding window still weighs 4 * 1.0"
+    );
+    assert_eq!(
+        d[0].retry_after_us, 2_500_000,
+        "4 * (1 - f) + 1 <= 4 once f >= 0.25 of the 10 s window"
+    );
     p.clock.advance(3 * S); // log entries from boundary-2s expire at boundary+3s
     assert_eq!(run(&p, &l, 3).await, [true, true, false]);
 }
@@ -177,9 +200,16 @@ async fn shadow_tiers_report_but_never_block() {
     assert!(first[1].allowed);
     for _ in 0..3 {
         let d = p.decide(&c).await;
-        assert!(d[0].allowed && !d[1].allowed, "the shadow tier would reject, the key tier admits");
+        assert!(
+            d[0].allowed && !d[1].allowed,
+            "the shadow tier would reject, the key tier admits"
+        );
     }
-    assert_eq!(p.decide(&c[..1]).await[0].remaining, 5, "the key tier was charged all 5 times");
+    assert_eq!(
+        p.decide(&c[..1]).await[0].remaining,
+        5,
+        "the key tier was charged all 5 times"
+    );
 }
 
 /// Random sequences over every algorithm: both backends stay in lock-step.

@@ -57,7 +57,7 @@ impl Gateway {
         Ok(true)
     }
 
-    fn route_name<'a>(ctx: &'a Ctx) -> &'a str {
+    fn route_name(ctx: &Ctx) -> &str {
         match (&ctx.policy, &ctx.plan) {
             (Some(p), Some(plan)) => &p.config.routes[plan.route].name,
             _ => "(none)",

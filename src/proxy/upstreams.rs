@@ -12,6 +12,9 @@ use pingora::services::background::{background_service, GenBackgroundService};
 
 use crate::config::Upstream;
 
+/// A health-check service the server must run for a pool.
+pub type HealthCheck = GenBackgroundService<LoadBalancer<RoundRobin>>;
+
 pub struct Pools {
     by_name: HashMap<String, Arc<LoadBalancer<RoundRobin>>>,
 }
@@ -19,9 +22,7 @@ pub struct Pools {
 impl Pools {
     /// Builds every pool (resolving host names once, at start) and returns the
     /// health-check services the server must run.
-    pub fn build(
-        upstreams: &[Upstream],
-    ) -> Result<(Self, Vec<GenBackgroundService<LoadBalancer<RoundRobin>>>), String> {
+    pub fn build(upstreams: &[Upstream]) -> Result<(Self, Vec<HealthCheck>), String> {
         let mut by_name = HashMap::new();
         let mut services = Vec::new();
         for u in upstreams {

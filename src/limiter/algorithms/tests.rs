@@ -65,7 +65,10 @@ fn token_bucket_bursts_to_capacity_then_refills_at_rate() {
 fn token_bucket_reports_time_until_full() {
     let mut b = Bucket::new(tb(10, 5.0));
     let d = b.hit(T0);
-    assert_eq!(d.reset_after_us, 200_000, "one token spent refills in 200 ms");
+    assert_eq!(
+        d.reset_after_us, 200_000,
+        "one token spent refills in 200 ms"
+    );
     assert_eq!(d.limit, 10);
 }
 
@@ -77,13 +80,23 @@ fn leaky_bucket_delays_to_a_constant_rate_then_rejects() {
     };
     let mut b = Bucket::new(alg);
     let delays: Vec<u64> = (0..3).map(|_| b.hit(T0).delay_us).collect();
-    assert_eq!(delays, vec![0, 100_000, 200_000], "slots 100 ms apart at t0");
+    assert_eq!(
+        delays,
+        vec![0, 100_000, 200_000],
+        "slots 100 ms apart at t0"
+    );
     let d = b.hit(T0);
     assert!(!d.allowed, "a 300 ms wait exceeds max_delay_ms = 250");
-    assert_eq!(d.retry_after_us, 50_000, "at t0+50ms the wait is back to 250 ms");
+    assert_eq!(
+        d.retry_after_us, 50_000,
+        "at t0+50ms the wait is back to 250 ms"
+    );
     let d = b.hit(T0 + 50_000);
     assert!(d.allowed, "at t0+50ms");
-    assert_eq!(d.delay_us, 250_000, "at t0+50ms it waits for the slot at t0+300ms");
+    assert_eq!(
+        d.delay_us, 250_000,
+        "at t0+50ms it waits for the slot at t0+300ms"
+    );
     assert_eq!(d.limit, 3, "burst = floor(250/100) + 1");
 }
 
@@ -118,9 +131,15 @@ fn sliding_window_weights_the_previous_window() {
     // At the start of window 1 the previous window still weighs 10 * 1.0.
     let d = b.hit(start + 10 * S);
     assert!(!d.allowed, "at window 1 start");
-    assert_eq!(d.retry_after_us, S as u64, "10 * (1 - f) + 1 <= 10 once f >= 0.1");
+    assert_eq!(
+        d.retry_after_us, S as u64,
+        "10 * (1 - f) + 1 <= 10 once f >= 0.1"
+    );
     assert!(b.hit(start + 11 * S).allowed, "at 11 s");
-    assert!(!b.hit(start + 11 * S).allowed, "estimate 9 + 1 + 1 > 10 at 11 s");
+    assert!(
+        !b.hit(start + 11 * S).allowed,
+        "estimate 9 + 1 + 1 > 10 at 11 s"
+    );
 }
 
 #[test]
@@ -135,10 +154,17 @@ fn sliding_log_is_exact() {
     }
     let d = b.hit(T0 + 5 * S);
     assert!(!d.allowed);
-    assert_eq!(d.retry_after_us, 5 * S as u64, "the first entry expires at +10 s");
+    assert_eq!(
+        d.retry_after_us,
+        5 * S as u64,
+        "the first entry expires at +10 s"
+    );
     assert!(!b.hit(T0 + 10 * S - 1).allowed, "one microsecond before");
     assert!(b.hit(T0 + 10 * S).allowed, "at +10 s");
-    assert!(!b.hit(T0 + 10 * S).allowed, "still three in the window at +10 s");
+    assert!(
+        !b.hit(T0 + 10 * S).allowed,
+        "still three in the window at +10 s"
+    );
 }
 
 #[test]
@@ -150,7 +176,10 @@ fn a_clock_stepping_back_never_mints_quota() {
         assert!(drained < 100, "{alg}: drained at {now}");
         for back in 1..5 {
             let earlier = now - back * S;
-            assert!(!b.hit(earlier).allowed, "{alg}: admitted at {earlier} after draining at {now}");
+            assert!(
+                !b.hit(earlier).allowed,
+                "{alg}: admitted at {earlier} after draining at {now}"
+            );
         }
     }
 }
@@ -175,9 +204,12 @@ fn arb_algorithm() -> impl Strategy<Value = Algorithm> {
             rate_per_sec: r,
             max_delay_ms: d
         }),
-        (1u64..50, 1u64..120).prop_map(|(limit, window_secs)| Algorithm::FixedWindow { limit, window_secs }),
-        (1u64..50, 1u64..120).prop_map(|(limit, window_secs)| Algorithm::SlidingWindow { limit, window_secs }),
-        (1u64..50, 1u64..120).prop_map(|(limit, window_secs)| Algorithm::SlidingLog { limit, window_secs }),
+        (1u64..50, 1u64..120)
+            .prop_map(|(limit, window_secs)| Algorithm::FixedWindow { limit, window_secs }),
+        (1u64..50, 1u64..120)
+            .prop_map(|(limit, window_secs)| Algorithm::SlidingWindow { limit, window_secs }),
+        (1u64..50, 1u64..120)
+            .prop_map(|(limit, window_secs)| Algorithm::SlidingLog { limit, window_secs }),
     ]
 }
 
