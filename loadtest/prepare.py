@@ -11,6 +11,10 @@
         only) and a client address from 198.18.0.0/15, the range set aside for
         benchmarking (RFC 2544). Only Locust reads the keys.
 
+    prepare.py keys --riders riders.csv [--plan rider]
+        prints the riders' [[api_keys]] entries (SHA-256 of each key), to add
+        to a real deployment's gateway.toml for a test against it.
+
     prepare.py configs --template surge.gateway.toml --riders riders.csv
         --out-dir DIR --replicas 3 --proxy-ports P,P,P --admin-ports A,A,A
         --redis-url URL --upstream ADDR --capacity RPS [--share 0.9]
@@ -87,6 +91,15 @@ def render(template, values):
     return text
 
 
+def api_keys(riders, plan="rider"):
+    """The [[api_keys]] entries of the riders: only the keys' SHA-256."""
+    out = []
+    for r in riders:
+        digest = hashlib.sha256(r["key"].encode()).hexdigest()
+        out.append(f'[[api_keys]]\nid = "{r["id"]}"\nsha256 = "{digest}"\nplan = "{plan}"\n')
+    return out
+
+
 def make_configs(a):
     template = pathlib.Path(a.template).read_text()
     riders = read_riders(a.riders)
@@ -94,10 +107,7 @@ def make_configs(a):
     admin = a.admin_ports.split(",")
     if len(proxy) != a.replicas or len(admin) != a.replicas:
         sys.exit("need one proxy and one admin port per replica")
-    keys = []
-    for r in riders:
-        digest = hashlib.sha256(r["key"].encode()).hexdigest()
-        keys.append(f'[[api_keys]]\nid = "{r["id"]}"\nsha256 = "{digest}"\nplan = "rider"\n')
+    keys = api_keys(riders)
     values = {
         "REDIS_URL": a.redis_url,
         "UPSTREAM_ADDR": a.upstream,
@@ -128,6 +138,9 @@ def main():
     sr = sub.add_parser("riders")
     sr.add_argument("--count", type=int, required=True)
     sr.add_argument("--out", required=True)
+    sk = sub.add_parser("keys")
+    sk.add_argument("--riders", required=True)
+    sk.add_argument("--plan", default="rider")
     sc = sub.add_parser("configs")
     sc.add_argument("--template", required=True)
     sc.add_argument("--riders", required=True)
@@ -146,6 +159,8 @@ def main():
         print("\n".join(str(x) for x in free_ports(a.n)))
     elif a.cmd == "riders":
         make_riders(a.count, a.out)
+    elif a.cmd == "keys":
+        print("\n".join(api_keys(read_riders(a.riders), a.plan)))
     else:
         make_configs(a)
 

@@ -24,6 +24,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -117,7 +118,7 @@ def locust_cpu_warnings(phase_dir):
     if not os.path.exists(path):
         return 0
     with open(path, errors="replace") as f:
-        return sum(1 for line in f if "CPU usage" in line)
+        return sum(1 for line in f if "CPU usage" in line or "cpu threshold" in line)
 
 
 # ---------------------------------------------------------------- maths
@@ -428,12 +429,12 @@ def plots(run_dir, meta, series):
         s = series[name]
         ax.plot(s["up_t"], s["up_rps"], color=colors[name], lw=1.8, label=f"{name}: requests reaching the service")
     ax.axhline(meta["capacity_rps"], color="k", ls="--", lw=1.2, label=f"service capacity ({meta['capacity_rps']:g} rps)")
-    ax.set_ylim(bottom=0)
     ax.set_xlabel("seconds since the phase's first request")
     ax.set_ylabel("requests per second at the upstream")
     ax.set_title("The matching service: load received against its capacity")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.set_ylim(0, max([meta["capacity_rps"] * 1.3] + [max(series[n]["up_rps"] or [0]) * 1.25 for n in PHASES]))
+    ax.legend(loc="upper right", fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "upstream.png"), dpi=110)
     plt.close(fig)
@@ -460,28 +461,68 @@ def plots(run_dir, meta, series):
     plt.close(fig)
 
 
-def gateway_log_notes(run_dir):
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+METRIC = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$|^(\w+)\s+([0-9.eE+-]+)$')
+
+
+def read_metrics(path):
+    """[(name, {label: value}, number)] of one Prometheus text dump."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            m = METRIC.match(line.strip())
+            if not m:
+                continue
+            if m.group(1):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+                out.append((m.group(1), labels, float(m.group(3))))
+            else:
+                out.append((m.group(4), {}, float(m.group(5))))
+    return out
+
+
+def gateway_notes(run_dir):
+    """What the gateways' logs and /metrics (taken after the run) say."""
     notes = []
-    logs = sorted(glob.glob(os.path.join(run_dir, "logs", "gateway-*.log")))
+    logs = sorted(glob.glob(os.path.join(run_dir, "logs", "gateway-[0-9]*.log")))
     for path in logs:
         with open(path, errors="replace") as f:
-            lines = [l.rstrip() for l in f if l.strip()]
-        interesting = [l for l in lines if any(w in l for w in ("WARN", "ERROR", "warn", "error", "panick"))]
+            lines = [ANSI.sub("", l).rstrip() for l in f if l.strip()]
+        interesting = [l for l in lines if any(w in l for w in ("WARN", "ERROR", "panick"))]
         if interesting:
             notes.append(
-                f"{os.path.basename(path)}: {len(interesting)} warning/error line(s) (GATEWAY_LOG=warn); first: `{interesting[0][:300]}`"
+                f"{os.path.basename(path)}: {len(interesting)} warning/error line(s) with GATEWAY_LOG=warn "
+                f"(lines at the very end of the protected phase are Locust closing its connections); "
+                f"first: `{interesting[0][:240]}`"
             )
-    for path in sorted(glob.glob(os.path.join(run_dir, "logs", "metrics-gw*.txt"))):
-        transitions = []
-        with open(path) as f:
-            for line in f:
-                if line.startswith("gateway_fallback_transitions_total"):
-                    transitions.append(line.strip())
-        to_local = [t for t in transitions if 'to="local"' in t and not t.endswith(" 0")]
-        if to_local:
-            notes.append(f"{os.path.basename(path)}: fell back to local limiting during the run: {'; '.join(to_local)}")
-    if logs and not notes:
-        notes.append("gateway logs (GATEWAY_LOG=warn): no warnings or errors; no fallback to local limiting.")
+    dumps = sorted(glob.glob(os.path.join(run_dir, "logs", "metrics-gw*.txt")))
+    rejected_by_tier, statuses, per_replica = {}, {}, []
+    redis_sum = redis_count = 0.0
+    for path in dumps:
+        served = 0
+        for name, labels, v in read_metrics(path):
+            if name == "gateway_ratelimit_decisions_total" and labels.get("decision") == "rejected":
+                t = labels.get("tier", "?")
+                rejected_by_tier[t] = rejected_by_tier.get(t, 0) + int(v)
+            elif name == "gateway_requests_total":
+                st = labels.get("status", "?")
+                statuses[st] = statuses.get(st, 0) + int(v)
+                served += int(v)
+            elif name == "gateway_redis_call_duration_seconds_sum":
+                redis_sum += v
+            elif name == "gateway_redis_call_duration_seconds_count":
+                redis_count += v
+            elif name == "gateway_fallback_transitions_total" and labels.get("to") == "local" and v > 0:
+                notes.append(f"{os.path.basename(path)}: fell back to local limiting {int(v)} time(s) during the run")
+        per_replica.append(served)
+    if dumps:
+        notes.append(
+            f"gateway metrics, all replicas: answers by status {dict(sorted(statuses.items()))}; "
+            f"rejections by tier {dict(sorted(rejected_by_tier.items())) or '{}'}; requests per replica {per_replica}"
+            + (f"; mean Redis call {1000 * redis_sum / redis_count:.2f} ms over {int(redis_count):,} calls" if redis_count else "")
+        )
+    if logs and not any("warning/error" in n for n in notes):
+        notes.append("gateway logs (GATEWAY_LOG=warn): no warnings or errors.")
     return notes
 
 
@@ -570,7 +611,7 @@ def main():
         phases[name], series[name] = analyse_phase(name, phase_dir, meta)
 
     checks = None if a.no_acceptance else acceptance(phases)
-    notes = gateway_log_notes(a.run_dir)
+    notes = gateway_notes(a.run_dir)
     summary = {
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "run": meta,

@@ -2,14 +2,15 @@
 # The concert-surge load test: the before/after table, on loopback.
 #
 #   loadtest/surge.sh [--quick | --smoke] [--users N] [--spawn-rate R]
-#                     [--run-time T] [--capacity RPS] [--processes N] [--out DIR]
+#                     [--run-time T] [--capacity RPS] [--max-queue-ms MS]
+#                     [--processes N] [--out DIR]
 #
 # Starts, on 127.0.0.1 only and on free ports picked at run time: a Redis, the
 # mock "matching service" (target/release/mock-upstream, serving --capacity
-# rps and failing requests that queue past 2 s with 503) and three gateway
-# replicas sharing the Redis, each with a config made from
-# loadtest/surge.gateway.toml. Then it runs Locust headless twice with the same
-# riders (loadtest/locustfile.py):
+# rps and failing with 503 the requests that would queue past --max-queue-ms,
+# default 2000) and three gateway replicas sharing the Redis, each with a
+# config made from loadtest/surge.gateway.toml. Then it runs Locust headless
+# twice with the same riders (loadtest/locustfile.py):
 #   unprotected  straight to the matching service
 #   protected    through the three gateways, in random order
 # and writes loadtest/results/surge-<timestamp>/: Locust's CSVs, summary.json,
@@ -22,7 +23,8 @@
 #              summary.json, report.md and the PNGs are made and well-formed
 #              (about 40 s; scripts/test.sh runs it)
 # Explicit options win over the presets. --run-time takes seconds or Locust's
-# 90s / 3m / 1m30s forms.
+# 90s / 3m / 1m30s forms. --processes N runs Locust in N processes (for a big
+# machine; on 2 cores one process is cheaper).
 #
 # Exit status: 0 when the run passed (the acceptance points for a full or
 # quick run; the output checks for --smoke), 1 otherwise, 2 on bad usage.
@@ -58,6 +60,7 @@ while (($#)); do
     --spawn-rate) spawn=${2:?--spawn-rate needs a number}; shift ;;
     --run-time) run_time=${2:?--run-time needs a duration}; shift ;;
     --capacity) capacity=${2:?--capacity needs a number}; shift ;;
+    --max-queue-ms) max_queue_ms=${2:?--max-queue-ms needs a number}; shift ;;
     --processes) processes=${2:?--processes needs a number}; shift ;;
     --out) out=${2:?--out needs a folder}; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -97,7 +100,8 @@ run_secs=$(to_secs "$run_time") || { echo "surge.sh: bad --run-time '$run_time'"
 for v in users spawn capacity; do
   [[ ${!v} =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "surge.sh: --${v/spawn/spawn-rate} must be a number" >&2; exit 2; }
 done
-[[ -z $processes || $processes =~ ^[0-9]+$ ]] || { echo "surge.sh: --processes must be a number" >&2; exit 2; }
+[[ $max_queue_ms =~ ^[0-9]+$ ]] || { echo "surge.sh: --max-queue-ms must be a whole number" >&2; exit 2; }
+[[ -z $processes || $processes =~ ^[1-9][0-9]*$ ]] || { echo "surge.sh: --processes must be a number" >&2; exit 2; }
 ((run_secs >= 2)) || { echo "surge.sh: --run-time must be at least 2 s" >&2; exit 2; }
 
 log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -155,6 +159,7 @@ gw_pids=()
 mock_pid=""
 redis_pid=""
 locust_pid=""
+progress_pid=""
 
 # stop_pid PID SIGNAL SECONDS: signal, wait up to SECONDS, then SIGKILL; reap.
 stop_pid() {
@@ -178,6 +183,7 @@ cleanup() {
   trap - EXIT INT TERM
   set +e
   stop_pid "$locust_pid" INT 10
+  stop_pid "$progress_pid" TERM 2
   local pid
   for pid in "${gw_pids[@]}"; do
     kill -INT "$pid" 2>/dev/null
@@ -307,14 +313,17 @@ run_phase() {
       --csv "$dir/locust" --html "$dir/locust.html" "${extra[@]}"
   ) >"$dir/locust.log" 2>&1 &
   locust_pid=$!
-  # Show the progress lines (and trouble) while it runs.
+  # Show the progress lines (and trouble) while it runs; tail ends with Locust.
+  # In the background, so that a signal to this script is handled at once.
   tail -n +1 -F --pid="$locust_pid" "$dir/locust.log" 2>/dev/null |
-    grep --line-buffered -E "^\[$name\]|CPU usage|Traceback" || true
+    grep --line-buffered -E "^\[$name\]|CPU usage|cpu threshold|Traceback" &
+  progress_pid=$!
   set +e
   wait "$locust_pid"
   rc=$?
+  wait "$progress_pid"
   set -e
-  locust_pid=""
+  locust_pid="" progress_pid=""
   # Locust exits 1 when any request failed: expected when unprotected.
   if ((rc != 0 && rc != 1)); then
     tail -30 "$dir/locust.log" >&2

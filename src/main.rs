@@ -56,7 +56,7 @@ fn main() -> ExitCode {
             };
             metrics::install();
             // Returns only if start-up failed; serving exits the process itself.
-            if let Err(e) = proxy::server::run(cfg) {
+            if let Err(e) = proxy::server::run(cfg, &config) {
                 eprintln!("gateway: {e}");
             }
             ExitCode::FAILURE
@@ -68,8 +68,10 @@ fn init_tracing() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("GATEWAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("GATEWAY_LOG_FORMAT").is_ok_and(|v| v == "json");
+    use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();

@@ -11,6 +11,7 @@
 //! 5. `logging`: metrics and the access log line.
 
 pub mod admin;
+mod reload;
 mod responses;
 pub mod server;
 pub mod upstreams;
@@ -32,17 +33,23 @@ use crate::metrics::{self, DecisionLabel};
 use responses::Reply;
 use upstreams::Pools;
 
-pub struct Gateway {
-    pub policy: Arc<ArcSwap<Policy>>,
-    pub limiter: Arc<Fallback>,
+/// What a reload replaces as one: the admission policy and the upstream pools.
+pub struct Live {
+    pub policy: Arc<Policy>,
     pub pools: Arc<Pools>,
+}
+
+pub struct Gateway {
+    pub live: Arc<ArcSwap<Live>>,
+    pub limiter: Arc<Fallback>,
 }
 
 /// Per-request state, made by `new_ctx`.
 pub struct Ctx {
     started: Instant,
     request_id: String,
-    policy: Option<Arc<Policy>>,
+    /// The snapshot this request started with; it finishes on it.
+    live: Option<Arc<Live>>,
     plan: Option<Plan>,
     /// Rate-limit headers to add to the upstream's response.
     ratelimit_headers: Vec<(&'static str, String)>,
@@ -58,8 +65,8 @@ impl Gateway {
     }
 
     fn route_name(ctx: &Ctx) -> &str {
-        match (&ctx.policy, &ctx.plan) {
-            (Some(p), Some(plan)) => &p.config.routes[plan.route].name,
+        match (&ctx.live, &ctx.plan) {
+            (Some(l), Some(plan)) => &l.policy.config.routes[plan.route].name,
             _ => "(none)",
         }
     }
@@ -93,7 +100,7 @@ impl ProxyHttp for Gateway {
         Ctx {
             started: Instant::now(),
             request_id: String::new(),
-            policy: None,
+            live: None,
             plan: None,
             ratelimit_headers: Vec::new(),
             tiers: Vec::new(),
@@ -105,9 +112,10 @@ impl ProxyHttp for Gateway {
     /// Admission. Runs once the request header is read; returning `true`
     /// means a response was written and nothing goes upstream.
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        let policy = self.policy.load_full();
+        let live = self.live.load_full();
         ctx.request_id = request_id(session.req_header());
-        ctx.policy = Some(policy.clone());
+        ctx.live = Some(live.clone());
+        let policy = &live.policy;
         let cfg = &policy.config;
         let limit = cfg.server.max_request_header_bytes;
         if header_bytes(session.req_header()) > limit {
@@ -141,7 +149,7 @@ impl ProxyHttp for Gateway {
             api_key: all(&cfg.clients.api_key_header),
             authorization: all("authorization"),
         };
-        let plan = match admission::classify(&policy, &view) {
+        let plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,
             Err(refusal) => return self.reply(session, ctx, responses::refusal(&refusal)).await,
         };
@@ -188,12 +196,13 @@ impl ProxyHttp for Gateway {
 
     /// The next healthy server of the route's upstream pool.
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let (Some(policy), Some(plan)) = (&ctx.policy, &ctx.plan) else {
+        let (Some(live), Some(plan)) = (&ctx.live, &ctx.plan) else {
             return Err(Error::explain(
                 ErrorType::InternalError,
                 "no admission plan",
             ));
         };
+        let policy = &live.policy;
         let route = &policy.config.routes[plan.route];
         let Some(upstream) = policy
             .config
@@ -206,7 +215,7 @@ impl ProxyHttp for Gateway {
                 "route's upstream is not configured",
             ));
         };
-        let Some(addr) = self.pools.select(&upstream.name) else {
+        let Some(addr) = live.pools.select(&upstream.name) else {
             return Err(Error::explain(
                 ErrorType::HTTPStatus(502),
                 "no healthy upstream server",
@@ -314,6 +323,16 @@ impl ProxyHttp for Gateway {
         }
     }
 
+    /// What Pingora's own error logs say about a request: never the raw
+    /// path or query (they may carry secrets), only the method and route.
+    fn request_summary(&self, session: &Session, ctx: &Ctx) -> String {
+        format!(
+            "{} route={}",
+            session.req_header().method,
+            Self::route_name(ctx)
+        )
+    }
+
     /// Metrics and one access-log line per request.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
@@ -322,13 +341,21 @@ impl ProxyHttp for Gateway {
         for (tier, decision) in &ctx.tiers {
             metrics::decision(*tier, route, *decision);
         }
-        let rejected_by = ctx
-            .tiers
-            .iter()
-            .filter(|(_, d)| *d == DecisionLabel::Rejected)
-            .map(|(t, _)| t.as_str())
-            .collect::<Vec<_>>()
-            .join(",");
+        let tiers_with = |label: DecisionLabel| {
+            let names: Vec<&str> = ctx
+                .tiers
+                .iter()
+                .filter(|(_, d)| *d == label)
+                .map(|(t, _)| t.as_str())
+                .collect();
+            if names.is_empty() {
+                "-".to_string()
+            } else {
+                names.join(",")
+            }
+        };
+        let rejected_by = tiers_with(DecisionLabel::Rejected);
+        let shadow_rejected_by = tiers_with(DecisionLabel::ShadowRejected);
         let req = session.req_header();
         tracing::info!(
             target: "access",
@@ -338,7 +365,8 @@ impl ProxyHttp for Gateway {
             status,
             client = %ctx.plan.as_ref().map(|p| p.client.to_string()).unwrap_or_default(),
             key_id = ctx.plan.as_ref().and_then(|p| p.key_id.as_deref()).unwrap_or("-"),
-            rejected_by = if rejected_by.is_empty() { "-" } else { rejected_by.as_str() },
+            rejected_by = rejected_by.as_str(),
+            shadow_rejected_by = shadow_rejected_by.as_str(),
             backend = ctx.backend,
             latency_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
         );

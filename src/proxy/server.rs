@@ -1,6 +1,7 @@
 //! Builds the Pingora server from a config: listeners, worker threads, the
 //! admin listener, upstream health checks, the Redis probe, graceful shutdown.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,8 +13,9 @@ use pingora::services::background::{background_service, BackgroundService};
 use pingora::services::listening::Service;
 
 use super::admin::Admin;
+use super::reload::Reloader;
 use super::upstreams::Pools;
-use super::Gateway;
+use super::{Gateway, Live};
 use crate::admission::Policy;
 use crate::clock::SystemClock;
 use crate::config::{Backend, Config, RedisMode};
@@ -35,8 +37,29 @@ impl BackgroundService for Prober {
     }
 }
 
+/// Runs the health checks of whichever pools are current, every second.
+struct HealthChecks {
+    live: Arc<ArcSwap<Live>>,
+}
+
+#[async_trait]
+impl BackgroundService for HealthChecks {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        loop {
+            let pools = self.live.load().pools.clone();
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = async {
+                    pools.check_health().await;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                } => {}
+            }
+        }
+    }
+}
+
 /// Starts serving; returns only on a start-up error.
-pub fn run(config: Config) -> Result<(), String> {
+pub fn run(config: Config, path: &Path) -> Result<(), String> {
     let config = Arc::new(config);
     let srv = &config.server;
 
@@ -62,11 +85,14 @@ pub fn run(config: Config) -> Result<(), String> {
     server.bootstrap();
 
     let limiter = build_limiter(&config)?;
-    let (pools, health_checks) = Pools::build(&config.upstreams)?;
-    let gateway = Gateway {
-        policy: Arc::new(ArcSwap::from_pointee(Policy::new(config.clone()))),
-        limiter: limiter.clone(),
+    let pools = Pools::build(&config.upstreams)?;
+    let live = Arc::new(ArcSwap::from_pointee(Live {
+        policy: Arc::new(Policy::new(config.clone())),
         pools: Arc::new(pools),
+    }));
+    let gateway = Gateway {
+        live: live.clone(),
+        limiter: limiter.clone(),
     };
     let mut proxy =
         pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "gateway");
@@ -85,9 +111,18 @@ pub fn run(config: Config) -> Result<(), String> {
         admin.add_tcp(admin_addr);
         server.add_service(admin);
     }
-    for hc in health_checks {
-        server.add_service(hc);
-    }
+    server.add_service(background_service(
+        "health checks",
+        HealthChecks { live: live.clone() },
+    ));
+    server.add_service(background_service(
+        "config reload",
+        Reloader {
+            path: path.to_path_buf(),
+            live,
+            started_with: config.clone(),
+        },
+    ));
     if let Some(redis) = &config.redis {
         if limiter.has_redis() {
             server.add_service(background_service(

@@ -334,6 +334,36 @@ impl GatewayGuard {
         self.child.as_ref().map_or(0, |c| c.id())
     }
 
+    /// Sends a signal (e.g. "HUP") to the running gateway.
+    pub fn signal(&self, sig: &str) {
+        if let Some(child) = &self.child {
+            signal(child.id(), sig);
+        }
+    }
+
+    /// Rewrites the gateway's config file in place (filling `{listen}`/`{admin}`).
+    pub fn rewrite_config(&self, config: &str) {
+        let config = config
+            .replace("{listen}", &self.addr.to_string())
+            .replace("{admin}", &self.admin.to_string());
+        // Write then rename, as editors and Kubernetes do: never a half file.
+        let tmp = self.config_path.with_extension("tmp");
+        fs::write(&tmp, config).expect("write config");
+        fs::rename(&tmp, &self.config_path).expect("replace config");
+    }
+
+    /// The value of one Prometheus series (exact name and labels), or 0.
+    pub fn metric(&self, series: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(series)
+                    .and_then(|rest| rest.strip_prefix(' '))
+            })
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// SIGTERM, then waits for the exit; returns the status and how long it took.
     pub fn terminate(&mut self, timeout: Duration) -> (Option<ExitStatus>, Duration) {
         let started = Instant::now();
