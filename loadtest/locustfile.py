@@ -23,6 +23,8 @@ Environment (all optional but SURGE_TARGETS):
     SURGE_PHASE          phase name printed in progress lines
     SURGE_UPSTREAM_STATS URL of the mock upstream's GET /stats, sampled each second
     SURGE_PROGRESS_SECS  seconds between progress lines (default 5)
+    SURGE_PROCESSES      Locust's --processes N, when N > 1: rider i of worker w
+                         takes identity i*N + w, so no two riders share a key
 
 Records written to SURGE_OUT:
     requests-<pid>.csv   one row per request: t (unix s), name, kind

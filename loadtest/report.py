@@ -143,7 +143,7 @@ def analyse_phase(name, phase_dir, meta):
     t0 = min(r[0] for r in rows)
     t_end = max(r[1] for r in rows)
     ramp = meta["users"] / max(meta["spawn_rate"], 1e-9)
-    w_start = t0 + ramp + meta["settle_secs"]
+    w_start = t0 + ramp + meta.get("settle_secs", 5)
     if t_end - w_start < 1.0:  # too short a run for a steady window: use it all
         w_start = t0
     win = [r for r in rows if w_start <= r[1] <= t_end]
@@ -317,7 +317,7 @@ def table(ph):
         lines.append(
             f"| {labels[name]} | {s['requests']:,} | {fmt_ms(s['p50_ms'])} | {fmt_ms(s['p95_ms'])} | {fmt_ms(s['p99_ms'])} "
             f"| {fmt_ms(s['p99_admitted_ms'])} | {s['rps']:.0f} | {fmt_pct(s['failure_pct'])} | {fmt_pct(s['rejected_pct'])} "
-            f"| {fmt_ms(s['avg_429_ms'])} | {s['upstream_rps']} / {s['upstream_capacity_rps']:g}{ratio} |"
+            f"| {fmt_ms(s['avg_429_ms'])} | {'-' if s['upstream_rps'] is None else s['upstream_rps']} / {s['upstream_capacity_rps']:g}{ratio} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -335,19 +335,25 @@ def write_report(run_dir, meta, ph, checks, gateway_notes):
     u, p = ph["unprotected"], ph["protected"]
     lines = []
     lines.append(f"# Concert surge: before/after ({meta.get('mode', 'run')})\n")
-    lines.append(
+    desc = (
         f"Run {os.path.basename(os.path.abspath(run_dir))} on {meta.get('cpus', '?')} CPU(s): "
         f"{meta['users']} riders (spawned at {meta['spawn_rate']:g}/s), {meta['run_secs']} s per phase; "
-        f"the matching service (mock upstream) serves {meta['capacity_rps']:g} rps and fails a request "
-        f"with 503 after queueing {meta['max_queue_ms']} ms. Protected: {meta['replicas']} gateway replicas "
-        f"sharing one Redis; global route budgets {meta.get('budgets', '?')} rps "
-        f"(sum {meta.get('budget_sum', '?')}, {meta.get('share_pct', '?')}% of capacity) and a token bucket "
-        f"per rider (capacity 20, refill 10/s).\n"
+        f"the matching service serves {meta['capacity_rps']:g} rps"
     )
+    if meta.get("max_queue_ms"):
+        desc += f" (the mock upstream: it fails a request with 503 once it would queue over {meta['max_queue_ms']} ms)"
+    desc += f". Protected: {meta.get('replicas', '?')} gateway replicas sharing one Redis"
+    if meta.get("budgets"):
+        desc += (
+            f"; global route budgets {meta['budgets']} rps (ride-request/fare-estimate/nearby-drivers, "
+            f"sum {meta.get('budget_sum', '?')}, {meta.get('share_pct', '?')}% of capacity) and a token bucket "
+            f"per rider (capacity 20, refill 10/s)"
+        )
+    lines.append(desc + ".\n")
     lines.append(
         f"Figures cover each phase's steady window (from {u['window']['start_offset_secs']:g} s / "
         f"{p['window']['start_offset_secs']:g} s after its first request, i.e. after the ramp-up and "
-        f"{meta['settle_secs']:g} s of settling, to its end). Latencies are Locust's, client side. "
+        f"{meta.get('settle_secs', 5):g} s of settling, to its end). Latencies are Locust's, client side. "
         "Failures exclude 429s; 429 share is of all requests; upstream rps counts every request the "
         "service received (served or failed).\n"
     )

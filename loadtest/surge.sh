@@ -219,7 +219,11 @@ alive() {
   kill -0 "$1" 2>/dev/null
 }
 
-ports=($("$py" "$here/prepare.py" ports $((2 * replicas + 2))))
+mapfile -t ports < <("$py" "$here/prepare.py" ports $((2 * replicas + 2)))
+if ((${#ports[@]} != 2 * replicas + 2)); then
+  echo "surge.sh: could not find free loopback ports" >&2
+  exit 1
+fi
 redis_port=${ports[0]}
 mock_port=${ports[1]}
 proxy_ports=("${ports[@]:2:replicas}")
@@ -233,7 +237,7 @@ redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
   --daemonize no --loglevel warning >"$out/logs/redis.log" 2>&1 &
 redis_pid=$!
 wait_until 10 "redis-server on 127.0.0.1:$redis_port" \
-  bash -c "alive() { kill -0 $redis_pid; }; alive && [[ \$(redis-cli -h 127.0.0.1 -p $redis_port ping) == PONG ]]"
+  bash -c "kill -0 $redis_pid && [[ \$(redis-cli -h 127.0.0.1 -p $redis_port ping) == PONG ]]"
 
 "$mock" --listen "127.0.0.1:$mock_port" --capacity-rps "$capacity" --max-queue-ms "$max_queue_ms" \
   --threads 1 >"$out/logs/mock-upstream.log" 2>&1 &

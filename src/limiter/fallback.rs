@@ -56,6 +56,8 @@ pub struct Fallback {
     instances: u32,
     redis_up: AtomicBool,
     good_probes: AtomicU32,
+    /// Written by the probe: proves Redis takes writes.
+    probe_key: String,
 }
 
 impl Fallback {
@@ -65,6 +67,7 @@ impl Fallback {
         local: LocalBackend,
         on_failure: OnRedisFailure,
         instances: u32,
+        key_prefix: &str,
     ) -> Arc<Self> {
         let f = Arc::new(Fallback {
             redis,
@@ -75,6 +78,7 @@ impl Fallback {
             // promotes Redis as soon as it answers.
             redis_up: AtomicBool::new(false),
             good_probes: AtomicU32::new(0),
+            probe_key: format!("{key_prefix}:probe"),
         });
         metrics::set_backend(FallbackState::Local);
         f
@@ -147,7 +151,7 @@ impl Fallback {
         if self.redis_up.load(Ordering::Relaxed) {
             return;
         }
-        match redis.probe().await {
+        match redis.probe(&self.probe_key).await {
             Ok(()) => {
                 let n = self.good_probes.fetch_add(1, Ordering::AcqRel) + 1;
                 if n >= PROBES_TO_FAIL_BACK && !self.redis_up.swap(true, Ordering::AcqRel) {

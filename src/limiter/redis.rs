@@ -58,9 +58,11 @@ impl RedisBackend {
         Ok(self.conn.get_or_init(|| c).clone())
     }
 
-    /// Checks that Redis answers and the script is loaded (loading it if not):
-    /// what the failback probe asks before trusting Redis again.
-    pub async fn probe(&self) -> Result<(), LimiterError> {
+    /// Checks that Redis takes writes and has the script (loading it if not):
+    /// what the failback probe asks before trusting Redis again. The write
+    /// catches what a PING would not: a full Redis (OOM) and a demoted master
+    /// (READONLY).
+    pub async fn probe(&self, probe_key: &str) -> Result<(), LimiterError> {
         let mut conn = self.connection()?;
         let work = async {
             let exists: Vec<bool> = redis::cmd("SCRIPT")
@@ -71,6 +73,13 @@ impl RedisBackend {
             if !exists.first().copied().unwrap_or(false) {
                 self.script.load_async(&mut conn).await?;
             }
+            redis::cmd("SET")
+                .arg(probe_key)
+                .arg(1)
+                .arg("PX")
+                .arg(1000)
+                .query_async::<()>(&mut conn)
+                .await?;
             Ok::<_, redis::RedisError>(())
         };
         match tokio::time::timeout(self.budget.max(Duration::from_millis(100)), work).await {

@@ -160,5 +160,9 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
         local,
         config.limiter.on_redis_failure,
         config.limiter.instances,
+        config
+            .redis
+            .as_ref()
+            .map_or("rl", |r| r.key_prefix.as_str()),
     ))
 }

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod load;
 
 use std::fs;
 use std::io::{Read, Write};
@@ -84,8 +85,12 @@ impl RedisGuard {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_on(free_port(), extra)
+    }
+
+    /// Starts on a given port (to restart a Redis where clients expect it).
+    pub fn start_on(port: u16, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let port = free_port();
         let log = dir.path().join("redis.log");
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -140,6 +145,11 @@ impl RedisGuard {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Sends a signal ("STOP", "CONT", ...) to this redis-server.
+    pub fn signal(&self, sig: &str) {
+        signal(self.child.id(), sig);
+    }
 }
 
 impl Drop for RedisGuard {
@@ -147,6 +157,7 @@ impl Drop for RedisGuard {
         if std::thread::panicking() {
             print_log("redis", &self.dir.path().join("redis.log"));
         }
+        signal(self.child.id(), "CONT"); // a stopped process cannot die until continued
         signal(self.child.id(), "KILL");
         let _ = self.child.wait();
     }

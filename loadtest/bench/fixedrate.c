@@ -1,0 +1,539 @@
+/*
+ * fixedrate: an open-loop HTTP/1.1 load generator for loopback benchmarks.
+ *
+ * Sends GET requests at a fixed rate over a fixed pool of keep-alive
+ * connections and measures every request's latency from its INTENDED send
+ * time (t0 + i / rate), not from when it was actually written. A request that
+ * could not be sent on time because every connection was busy waits in a
+ * queue and the wait counts against the server: this is the coordinated-
+ * omission correction wrk2 makes. The schedule is held with a timerfd at
+ * nanosecond resolution, so no millisecond timer slop is added to latencies.
+ *
+ *   fixedrate --url http://127.0.0.1:8080/path --rate 15000 --duration 10
+ *             [--warmup 2] [--connections 32] [--header 'k: v']...
+ *             [--timeout 5] [--out result.json]
+ *
+ * Requests intended during the warm-up are sent but not recorded. After the
+ * schedule ends it waits up to --timeout seconds for the outstanding ones.
+ * Prints (and writes to --out) one JSON object: the rates, status counts,
+ * errors, and latency percentiles in milliseconds, both corrected (from the
+ * intended time) and raw service time (from the actual write).
+ *
+ * Loopback only: the host must be a literal IPv4 address in 127.0.0.0/8.
+ *
+ * Build: cc -O2 -o fixedrate fixedrate.c   (loadtest/bench.sh does this)
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/timerfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_CONNS 4096
+#define RBUF 65536
+#define MAX_HEADERS 8
+
+enum { P_HEAD, P_BODY, P_CHUNK_SIZE, P_CHUNK_DATA, P_CHUNK_CRLF, P_TRAILER, P_UNTIL_CLOSE };
+
+typedef struct {
+    int fd;
+    int busy;          /* a request is in flight */
+    int64_t intended;  /* its intended send time (ns) */
+    int64_t sent;      /* when it was actually written (ns) */
+    int record;        /* inside the measured window */
+    size_t woff;       /* bytes of the request written so far */
+    /* response parser */
+    char buf[RBUF];
+    size_t blen;
+    int state;
+    int status;
+    int64_t remaining; /* body or chunk bytes still to read */
+    int close_after;
+} conn_t;
+
+static struct sockaddr_in addr;
+static char *req;
+static size_t req_len;
+static conn_t *conns;
+static int nconns = 32;
+static int epfd, tfd;
+
+static int64_t *lat_corr, *lat_raw;
+static size_t nlat, cap_lat;
+static long status_count[600];
+static long errors_connect, errors_io, errors_parse, reconnects, unfinished;
+static long sent_total, sent_measured, completed_measured;
+static int64_t max_send_lag;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void die(const char *msg) {
+    fprintf(stderr, "fixedrate: %s\n", msg);
+    exit(2);
+}
+
+static int open_conn(conn_t *c) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(fd);
+        return -1;
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+    if (epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        close(fd);
+        return -1;
+    }
+    c->fd = fd;
+    c->blen = 0;
+    c->state = P_HEAD;
+    c->close_after = 0;
+    return 0;
+}
+
+static void close_conn(conn_t *c) {
+    if (c->fd >= 0) {
+        epoll_ctl(epfd, EPOLL_CTL_DEL, c->fd, NULL);
+        close(c->fd);
+    }
+    c->fd = -1;
+}
+
+static void record(int64_t corr, int64_t raw) {
+    if (nlat == cap_lat) {
+        cap_lat = cap_lat ? cap_lat * 2 : 1 << 16;
+        lat_corr = realloc(lat_corr, cap_lat * sizeof *lat_corr);
+        lat_raw = realloc(lat_raw, cap_lat * sizeof *lat_raw);
+        if (!lat_corr || !lat_raw) die("out of memory");
+    }
+    lat_corr[nlat] = corr;
+    lat_raw[nlat] = raw;
+    nlat++;
+}
+
+static void set_writable_interest(conn_t *c, int want) {
+    struct epoll_event ev = {.events = EPOLLIN | (want ? EPOLLOUT : 0), .data.ptr = c};
+    epoll_ctl(epfd, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+/* Writes (the rest of) the request; returns -1 on a broken connection. */
+static int flush_req(conn_t *c) {
+    while (c->woff < req_len) {
+        ssize_t n = write(c->fd, req + c->woff, req_len - c->woff);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                set_writable_interest(c, 1);
+                return 0;
+            }
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        c->woff += (size_t)n;
+    }
+    set_writable_interest(c, 0);
+    return 0;
+}
+
+static int64_t t0, period_ns, warm_ns, end_ns;
+static long next_idx; /* next request index to issue (intended t0 + idx * period) */
+
+static int64_t intended_of(long idx) { return t0 + (int64_t)((double)idx * (double)period_ns); }
+
+static int start_req(conn_t *c, long idx);
+
+static void conn_failed(conn_t *c, int had_request) {
+    if (had_request) {
+        errors_io++;
+    }
+    c->busy = 0;
+    close_conn(c);
+    reconnects++;
+    if (open_conn(c) < 0) errors_connect++;
+}
+
+static int start_req(conn_t *c, long idx) {
+    int64_t now = now_ns();
+    c->busy = 1;
+    c->intended = intended_of(idx);
+    c->sent = now;
+    c->record = c->intended >= t0 + warm_ns && c->intended < end_ns;
+    c->woff = 0;
+    c->state = P_HEAD;
+    c->status = 0;
+    c->close_after = 0;
+    if (now - c->intended > max_send_lag && c->record) max_send_lag = now - c->intended;
+    sent_total++;
+    if (c->record) sent_measured++;
+    if (c->fd < 0 && open_conn(c) < 0) {
+        errors_connect++;
+        c->busy = 0;
+        return -1;
+    }
+    if (flush_req(c) < 0) {
+        conn_failed(c, 1);
+        return -1;
+    }
+    return 0;
+}
+
+/* Hands due requests to idle connections. */
+static void dispatch(void) {
+    int64_t now = now_ns();
+    for (int i = 0; i < nconns; i++) {
+        if (next_idx < 0) break;
+        int64_t due = intended_of(next_idx);
+        if (due > now || due >= end_ns) break;
+        conn_t *c = &conns[i];
+        if (c->busy) continue;
+        long idx = next_idx++;
+        start_req(c, idx);
+    }
+}
+
+static void arm_timer(void) {
+    int64_t due = intended_of(next_idx);
+    if (due >= end_ns) {
+        struct itimerspec its = {0};
+        timerfd_settime(tfd, 0, &its, NULL); /* disarm */
+        return;
+    }
+    struct itimerspec its = {0};
+    its.it_value.tv_sec = due / 1000000000LL;
+    its.it_value.tv_nsec = due % 1000000000LL;
+    if (its.it_value.tv_sec == 0 && its.it_value.tv_nsec == 0) its.it_value.tv_nsec = 1;
+    timerfd_settime(tfd, TFD_TIMER_ABSTIME, &its, NULL);
+}
+
+static void response_done(conn_t *c) {
+    int64_t now = now_ns();
+    if (c->record) {
+        if (c->status > 0 && c->status < 600) status_count[c->status]++;
+        completed_measured++;
+        record(now - c->intended, now - c->sent);
+    }
+    c->busy = 0;
+    c->state = P_HEAD;
+    if (c->close_after) {
+        close_conn(c);
+        reconnects++;
+        if (open_conn(c) < 0) errors_connect++;
+    }
+    /* A queued request (already due) goes out on this connection at once. */
+    if (c->fd >= 0 && intended_of(next_idx) <= now && intended_of(next_idx) < end_ns) {
+        long idx = next_idx++;
+        start_req(c, idx);
+    }
+}
+
+/* Parses what is buffered; returns -1 on a protocol error. */
+static int parse(conn_t *c) {
+    for (;;) {
+        if (!c->busy) {
+            if (c->blen) { c->blen = 0; return -1; } /* unsolicited bytes */
+            return 0;
+        }
+        switch (c->state) {
+        case P_HEAD: {
+            char *end = memmem(c->buf, c->blen, "\r\n\r\n", 4);
+            if (!end) {
+                if (c->blen == RBUF) return -1;
+                return 0;
+            }
+            size_t hlen = (size_t)(end - c->buf) + 4;
+            if (c->blen < 12 || memcmp(c->buf, "HTTP/1.", 7) != 0) return -1;
+            c->status = atoi(c->buf + 9);
+            int64_t clen = -1;
+            int chunked = 0;
+            char *line = memchr(c->buf, '\n', hlen);
+            while (line && line + 1 < c->buf + hlen - 2) {
+                char *p = line + 1;
+                char *eol = memchr(p, '\n', (size_t)(c->buf + hlen - p));
+                if (!eol) break;
+                if (strncasecmp(p, "content-length:", 15) == 0) clen = strtoll(p + 15, NULL, 10);
+                else if (strncasecmp(p, "transfer-encoding:", 18) == 0 && memmem(p, (size_t)(eol - p), "chunked", 7)) chunked = 1;
+                else if (strncasecmp(p, "connection:", 11) == 0 && memmem(p, (size_t)(eol - p), "close", 5)) c->close_after = 1;
+                line = eol;
+            }
+            memmove(c->buf, c->buf + hlen, c->blen - hlen);
+            c->blen -= hlen;
+            if (c->status == 204 || c->status == 304 || (c->status >= 100 && c->status < 200)) {
+                if (c->status < 200) continue; /* interim: parse the next head */
+                response_done(c);
+                continue;
+            }
+            if (chunked) c->state = P_CHUNK_SIZE;
+            else if (clen >= 0) { c->state = P_BODY; c->remaining = clen; }
+            else { c->state = P_UNTIL_CLOSE; c->close_after = 1; }
+            break;
+        }
+        case P_BODY: {
+            size_t take = c->blen < (size_t)c->remaining ? c->blen : (size_t)c->remaining;
+            memmove(c->buf, c->buf + take, c->blen - take);
+            c->blen -= take;
+            c->remaining -= (int64_t)take;
+            if (c->remaining > 0) return 0;
+            response_done(c);
+            break;
+        }
+        case P_CHUNK_SIZE: {
+            char *eol = memmem(c->buf, c->blen, "\r\n", 2);
+            if (!eol) return c->blen == RBUF ? -1 : 0;
+            int64_t n = strtoll(c->buf, NULL, 16);
+            size_t l = (size_t)(eol - c->buf) + 2;
+            memmove(c->buf, c->buf + l, c->blen - l);
+            c->blen -= l;
+            if (n == 0) c->state = P_TRAILER;
+            else { c->remaining = n; c->state = P_CHUNK_DATA; }
+            break;
+        }
+        case P_CHUNK_DATA: {
+            size_t take = c->blen < (size_t)c->remaining ? c->blen : (size_t)c->remaining;
+            memmove(c->buf, c->buf + take, c->blen - take);
+            c->blen -= take;
+            c->remaining -= (int64_t)take;
+            if (c->remaining > 0) return 0;
+            c->state = P_CHUNK_CRLF;
+            break;
+        }
+        case P_CHUNK_CRLF: {
+            if (c->blen < 2) return 0;
+            memmove(c->buf, c->buf + 2, c->blen - 2);
+            c->blen -= 2;
+            c->state = P_CHUNK_SIZE;
+            break;
+        }
+        case P_TRAILER: {
+            char *eol = memmem(c->buf, c->blen, "\r\n", 2);
+            if (!eol) return 0;
+            size_t l = (size_t)(eol - c->buf) + 2;
+            memmove(c->buf, c->buf + l, c->blen - l);
+            c->blen -= l;
+            if (l == 2) response_done(c);
+            break;
+        }
+        case P_UNTIL_CLOSE:
+            c->blen = 0;
+            return 0;
+        }
+    }
+}
+
+static void on_readable(conn_t *c) {
+    for (;;) {
+        if (c->fd < 0) return;
+        ssize_t n = read(c->fd, c->buf + c->blen, RBUF - c->blen);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+            if (errno == EINTR) continue;
+            conn_failed(c, c->busy);
+            return;
+        }
+        if (n == 0) {
+            if (c->busy && c->state == P_UNTIL_CLOSE) {
+                c->close_after = 1;
+                response_done(c);
+                return;
+            }
+            conn_failed(c, c->busy);
+            return;
+        }
+        c->blen += (size_t)n;
+        if (parse(c) < 0) {
+            errors_parse++;
+            conn_failed(c, c->busy);
+            return;
+        }
+    }
+}
+
+static int cmp64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(int64_t *v, size_t n, double p) {
+    if (!n) return -1;
+    size_t i = (size_t)(p / 100.0 * (double)n);
+    if (i >= n) i = n - 1;
+    return (double)v[i] / 1e6;
+}
+
+static void usage(void) {
+    fprintf(stderr,
+            "usage: fixedrate --url http://127.0.0.1:PORT/PATH --rate RPS --duration SECS\n"
+            "                 [--warmup SECS] [--connections N] [--header 'k: v']... [--timeout SECS] [--out FILE]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    const char *url = NULL, *out = NULL;
+    double rate = 0, duration = 0, warmup = 0, timeout = 5;
+    char *headers[MAX_HEADERS];
+    int nheaders = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) usage();
+        if (!strcmp(a, "--url")) url = v;
+        else if (!strcmp(a, "--rate")) rate = atof(v);
+        else if (!strcmp(a, "--duration")) duration = atof(v);
+        else if (!strcmp(a, "--warmup")) warmup = atof(v);
+        else if (!strcmp(a, "--connections")) nconns = atoi(v);
+        else if (!strcmp(a, "--timeout")) timeout = atof(v);
+        else if (!strcmp(a, "--out")) out = v;
+        else if (!strcmp(a, "--header")) {
+            if (nheaders == MAX_HEADERS) die("too many --header");
+            headers[nheaders++] = (char *)v;
+        } else usage();
+        i++;
+    }
+    if (!url || rate <= 0 || duration <= 0 || nconns < 1 || nconns > MAX_CONNS) usage();
+
+    /* http://A.B.C.D:PORT/PATH */
+    if (strncmp(url, "http://", 7)) die("the url must be http://");
+    char host[64];
+    const char *hp = url + 7;
+    const char *slash = strchr(hp, '/');
+    const char *path = slash ? slash : "/";
+    size_t hl = slash ? (size_t)(slash - hp) : strlen(hp);
+    if (hl >= sizeof host) die("bad host");
+    memcpy(host, hp, hl);
+    host[hl] = 0;
+    char *colon = strchr(host, ':');
+    int port = 80;
+    if (colon) { *colon = 0; port = atoi(colon + 1); }
+    memset(&addr, 0, sizeof addr);
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, host, &addr.sin_addr) != 1) die("the host must be a literal IPv4 address");
+    if ((ntohl(addr.sin_addr.s_addr) >> 24) != 127) die("loopback (127.0.0.0/8) targets only");
+    if (colon) *colon = ':';
+
+    size_t cap = 512 + strlen(path) + strlen(host);
+    for (int i = 0; i < nheaders; i++) cap += strlen(headers[i]) + 2;
+    req = malloc(cap);
+    int off = snprintf(req, cap, "GET %s HTTP/1.1\r\nHost: %s:%d\r\nUser-Agent: fixedrate\r\n", path, host, port);
+    for (int i = 0; i < nheaders; i++) off += snprintf(req + off, cap - (size_t)off, "%s\r\n", headers[i]);
+    off += snprintf(req + off, cap - (size_t)off, "\r\n");
+    req_len = (size_t)off;
+
+    signal(SIGPIPE, SIG_IGN);
+    epfd = epoll_create1(EPOLL_CLOEXEC);
+    tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (epfd < 0 || tfd < 0) die("epoll/timerfd");
+    struct epoll_event tev = {.events = EPOLLIN, .data.ptr = NULL};
+    epoll_ctl(epfd, EPOLL_CTL_ADD, tfd, &tev);
+
+    conns = calloc((size_t)nconns, sizeof *conns);
+    for (int i = 0; i < nconns; i++) {
+        conns[i].fd = -1;
+        if (open_conn(&conns[i]) < 0) {
+            fprintf(stderr, "fixedrate: cannot connect to %s\n", url);
+            return 1;
+        }
+    }
+
+    period_ns = (int64_t)(1e9 / rate);
+    if (period_ns < 1) period_ns = 1;
+    t0 = now_ns() + 10000000LL; /* 10 ms from now */
+    warm_ns = (int64_t)(warmup * 1e9);
+    end_ns = t0 + warm_ns + (int64_t)(duration * 1e9);
+    next_idx = 0;
+    arm_timer();
+
+    struct epoll_event evs[256];
+    int64_t deadline = end_ns + (int64_t)(timeout * 1e9);
+    for (;;) {
+        int64_t now = now_ns();
+        int any_busy = 0;
+        if (now >= end_ns) {
+            for (int i = 0; i < nconns; i++) any_busy |= conns[i].busy;
+            if (!any_busy || now >= deadline) break;
+        }
+        int wait_ms = now >= end_ns ? 10 : -1;
+        int n = epoll_wait(epfd, evs, 256, wait_ms);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            die("epoll_wait");
+        }
+        int tick = 0;
+        for (int i = 0; i < n; i++) {
+            conn_t *c = evs[i].data.ptr;
+            if (!c) { tick = 1; continue; }
+            if (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) on_readable(c);
+            if (c->fd >= 0 && (evs[i].events & EPOLLOUT) && c->busy && c->woff < req_len) {
+                if (flush_req(c) < 0) conn_failed(c, 1);
+            }
+        }
+        if (tick) {
+            uint64_t exp;
+            ssize_t r = read(tfd, &exp, sizeof exp);
+            (void)r;
+        }
+        dispatch();
+        arm_timer();
+    }
+    for (int i = 0; i < nconns; i++)
+        if (conns[i].busy && conns[i].record) unfinished++;
+    /* Requests never even sent by the end (the queue was still full). */
+    long never_sent = 0;
+    for (long idx = next_idx; intended_of(idx) < end_ns; idx++)
+        if (intended_of(idx) >= t0 + warm_ns) never_sent++;
+    double achieved = (double)completed_measured / duration;
+
+    qsort(lat_corr, nlat, sizeof *lat_corr, cmp64);
+    qsort(lat_raw, nlat, sizeof *lat_raw, cmp64);
+    double mean = 0;
+    for (size_t i = 0; i < nlat; i++) mean += (double)lat_corr[i];
+    mean = nlat ? mean / (double)nlat / 1e6 : -1;
+
+    char json[8192];
+    int j = snprintf(json, sizeof json,
+                     "{\"url\":\"%s\",\"connections\":%d,\"rate_target\":%.1f,\"rate_achieved\":%.1f,"
+                     "\"duration_s\":%.3f,\"warmup_s\":%.3f,\"sent\":%ld,\"completed\":%ld,\"unfinished\":%ld,"
+                     "\"never_sent\":%ld,\"errors\":{\"connect\":%ld,\"io\":%ld,\"parse\":%ld},\"reconnects\":%ld,"
+                     "\"max_send_lag_ms\":%.3f,"
+                     "\"latency_ms\":{\"p50\":%.4f,\"p90\":%.4f,\"p99\":%.4f,\"p999\":%.4f,\"max\":%.4f,\"mean\":%.4f},"
+                     "\"service_time_ms\":{\"p50\":%.4f,\"p90\":%.4f,\"p99\":%.4f,\"p999\":%.4f,\"max\":%.4f},"
+                     "\"status\":{",
+                     url, nconns, rate, achieved, duration, warmup, sent_measured, completed_measured, unfinished,
+                     never_sent, errors_connect, errors_io, errors_parse, reconnects, (double)max_send_lag / 1e6,
+                     pct(lat_corr, nlat, 50), pct(lat_corr, nlat, 90), pct(lat_corr, nlat, 99),
+                     pct(lat_corr, nlat, 99.9), nlat ? (double)lat_corr[nlat - 1] / 1e6 : -1, mean,
+                     pct(lat_raw, nlat, 50), pct(lat_raw, nlat, 90), pct(lat_raw, nlat, 99), pct(lat_raw, nlat, 99.9),
+                     nlat ? (double)lat_raw[nlat - 1] / 1e6 : -1);
+    int first = 1;
+    for (int s = 0; s < 600; s++) {
+        if (!status_count[s]) continue;
+        j += snprintf(json + j, sizeof json - (size_t)j, "%s\"%d\":%ld", first ? "" : ",", s, status_count[s]);
+        first = 0;
+    }
+    j += snprintf(json + j, sizeof json - (size_t)j, "}}\n");
+    fputs(json, stdout);
+    if (out) {
+        FILE *f = fopen(out, "w");
+        if (!f) die("cannot write --out");
+        fputs(json, f);
+        fclose(f);
+    }
+    return 0;
+}

@@ -1,0 +1,155 @@
+//! Steady load for fault tests: client threads sending requests through the
+//! gateway until told to stop, recording every outcome and its latency, while
+//! a watcher polls `/readyz` to time the backend's transitions.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::Client;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Sample {
+    /// Since the load started.
+    pub at: Duration,
+    /// 0: no response (connection error).
+    pub status: u16,
+    pub latency: Duration,
+}
+
+pub struct Load {
+    pub started: Instant,
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    backends: Arc<Mutex<Vec<(Duration, String)>>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Load {
+    /// `clients` threads, each sending `path` over keep-alive connections to
+    /// `targets` in turn, one request at a time, at most `max_secs` long.
+    pub fn start(
+        targets: Vec<SocketAddr>,
+        admin: SocketAddr,
+        path: &'static str,
+        clients: usize,
+        max_secs: u64,
+    ) -> Self {
+        let started = Instant::now();
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let backends = Arc::new(Mutex::new(Vec::new()));
+        let mut threads = Vec::new();
+        for i in 0..clients {
+            let (stop, samples, targets) = (stop.clone(), samples.clone(), targets.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut conns: Vec<Option<Client>> = targets.iter().map(|_| None).collect();
+                let mut n = i;
+                while !stop.load(Ordering::Relaxed)
+                    && started.elapsed() < Duration::from_secs(max_secs)
+                {
+                    let k = n % targets.len();
+                    n += 1;
+                    let t = Instant::now();
+                    if conns[k].is_none() {
+                        conns[k] = Client::connect(targets[k]).ok();
+                    }
+                    let status = match conns[k].as_mut().map(|c| c.get(path)) {
+                        Some(Ok(r)) => r.status,
+                        _ => {
+                            conns[k] = None;
+                            0
+                        }
+                    };
+                    let s = Sample {
+                        at: t - started,
+                        status,
+                        latency: t.elapsed(),
+                    };
+                    samples.lock().expect("samples").push(s);
+                    // ~500 requests/s per client: steady, not a flood.
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }));
+        }
+        {
+            let (stop, backends) = (stop.clone(), backends.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut last = String::new();
+                while !stop.load(Ordering::Relaxed)
+                    && started.elapsed() < Duration::from_secs(max_secs)
+                {
+                    if let Ok(r) = Client::connect(admin).and_then(|mut c| c.get("/readyz")) {
+                        let b = r.json()["backend"].as_str().unwrap_or("").to_string();
+                        if b != last {
+                            backends
+                                .lock()
+                                .expect("backends")
+                                .push((started.elapsed(), b.clone()));
+                            last = b;
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }));
+        }
+        Load {
+            started,
+            stop,
+            samples,
+            backends,
+            threads,
+        }
+    }
+
+    pub fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    pub fn stop(mut self) -> Report {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join().expect("load thread");
+        }
+        Report {
+            samples: self.samples.lock().expect("samples").clone(),
+            backends: self.backends.lock().expect("backends").clone(),
+        }
+    }
+}
+
+pub struct Report {
+    pub samples: Vec<Sample>,
+    /// (when, backend) each time `/readyz` reported a different backend.
+    pub backends: Vec<(Duration, String)>,
+}
+
+impl Report {
+    pub fn count(&self, f: impl Fn(&Sample) -> bool) -> usize {
+        self.samples.iter().filter(|s| f(s)).count()
+    }
+
+    pub fn server_errors(&self) -> usize {
+        self.count(|s| s.status >= 500 || s.status == 0)
+    }
+
+    /// The slowest request that started within [from, to).
+    pub fn slowest(&self, from: Duration, to: Duration) -> Duration {
+        self.samples
+            .iter()
+            .filter(|s| s.at >= from && s.at < to)
+            .map(|s| s.latency)
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// When `/readyz` first showed `backend` at or after `after`.
+    pub fn backend_at(&self, backend: &str, after: Duration) -> Option<Duration> {
+        self.backends
+            .iter()
+            .find(|(t, b)| *t >= after && b == backend)
+            .map(|(t, _)| *t)
+    }
+}
