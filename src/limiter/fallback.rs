@@ -112,7 +112,14 @@ impl Fallback {
                         checks: checks.to_vec(),
                     }
                 }
-                Err(e) => self.trip(&e),
+                Err(e) => {
+                    self.trip(&e);
+                    if matches!(e, LimiterError::CrossSlot) {
+                        // A key-layout bug must never become allow-all (or deny-all).
+                        let scaled = checks.iter().map(|c| self.share(c)).collect();
+                        return self.local_outcome(scaled).await;
+                    }
+                }
             }
         }
         match self.on_failure {

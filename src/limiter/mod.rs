@@ -85,6 +85,9 @@ pub enum LimiterError {
     Redis(String),
     #[error("limiter script returned {0}")]
     BadReply(String),
+    /// Keys of one call in different cluster slots: a bug, never a reason to admit.
+    #[error("redis refused keys spanning cluster slots (CROSSSLOT)")]
+    CrossSlot,
 }
 
 /// Where bucket state lives. Decides all checks of one request atomically.

@@ -1,93 +1,421 @@
 //! The shared backend: every tier of a request decided by one `EVALSHA` of
 //! `limiter.lua`, so N replicas enforce one limit.
 //!
-//! One multiplexed, auto-reconnecting connection serves all requests. Each
-//! call has a budget; past it the call is abandoned (never retried: it may have
-//! run) and the caller decides the request some other way.
+//! Three topologies:
+//! - standalone: one multiplexed, auto-reconnecting connection for all requests;
+//! - sentinel: the master is discovered from the sentinels, and re-discovered
+//!   by the failback probe after a failure, so a failover is followed;
+//! - cluster: slot routing with MOVED/ASK handled by the cluster client. A
+//!   request's tiers usually hash to different slots, so each tier is
+//!   reserved with its own call, all concurrently (one round trip of wall
+//!   time); if an enforcing tier rejects, the others are refunded
+//!   (`refund.lua`), so a rejection still charges no tier. Between the two
+//!   round trips the reserved quota is held: concurrent requests can see less
+//!   quota, never more. A refund that fails leaves the client charged.
+//!
+//! Every call has a budget; past it the call is abandoned (never retried: it
+//! may have run) and the caller decides the request some other way.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
 
 use super::{Backend, Check, Decision, LimiterError, Verdict};
 use crate::clock::Clock;
-use crate::config::Algorithm;
+use crate::config::{Algorithm, RedisMode, RedisSettings};
 
-static SCRIPT_SRC: &str = include_str!("limiter.lua");
+static LIMITER_LUA: &str = include_str!("limiter.lua");
+static REFUND_LUA: &str = include_str!("refund.lua");
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+struct Connected {
+    conn: Conn,
+    /// The master's address (sentinel mode), to notice a failover.
+    master: Option<String>,
+}
+
+enum Topology {
+    Standalone(redis::Client),
+    Sentinel {
+        sentinels: Vec<redis::Client>,
+        master: String,
+    },
+    Cluster(redis::cluster::ClusterClient),
+}
 
 pub struct RedisBackend {
-    client: redis::Client,
-    conn: OnceLock<ConnectionManager>,
+    topology: Topology,
+    connected: ArcSwapOption<Connected>,
+    /// Standalone: created on first use, in the caller's runtime.
+    single: OnceLock<ConnectionManager>,
     script: redis::Script,
+    refund: redis::Script,
     budget: Duration,
     /// `None`: Redis's own TIME. Tests inject a clock to compare backends.
     clock: Option<Arc<dyn Clock>>,
 }
 
+fn redis_err(e: redis::RedisError) -> LimiterError {
+    if e.code() == Some("CROSSSLOT") {
+        LimiterError::CrossSlot
+    } else {
+        LimiterError::Redis(e.to_string())
+    }
+}
+
+fn manager_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_millis(500)))
+        .set_number_of_retries(2)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_millis(500))
+}
+
 impl RedisBackend {
+    /// A standalone backend on one URL.
     pub fn new(
         url: &str,
         budget: Duration,
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, LimiterError> {
-        let client = redis::Client::open(url).map_err(|e| LimiterError::Redis(e.to_string()))?;
-        Ok(RedisBackend {
-            client,
-            conn: OnceLock::new(),
-            script: redis::Script::new(SCRIPT_SRC),
+        let client = redis::Client::open(url).map_err(redis_err)?;
+        Ok(Self::with(Topology::Standalone(client), budget, clock))
+    }
+
+    /// The backend a `[redis]` section describes.
+    pub fn from_settings(
+        s: &RedisSettings,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, LimiterError> {
+        let budget = Duration::from_millis(s.timeout_ms);
+        let topology = match s.mode {
+            RedisMode::Standalone => {
+                Topology::Standalone(redis::Client::open(s.urls[0].as_str()).map_err(redis_err)?)
+            }
+            RedisMode::Sentinel => Topology::Sentinel {
+                sentinels: s
+                    .urls
+                    .iter()
+                    .map(|u| redis::Client::open(u.as_str()))
+                    .collect::<Result<_, _>>()
+                    .map_err(redis_err)?,
+                master: s.sentinel_master.clone().unwrap_or_default(),
+            },
+            RedisMode::Cluster => Topology::Cluster(
+                redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
+                    .connection_timeout(Duration::from_millis(500))
+                    .response_timeout(budget.max(Duration::from_millis(100)))
+                    .retries(2)
+                    .build()
+                    .map_err(redis_err)?,
+            ),
+        };
+        Ok(Self::with(topology, budget, clock))
+    }
+
+    fn with(topology: Topology, budget: Duration, clock: Option<Arc<dyn Clock>>) -> Self {
+        RedisBackend {
+            topology,
+            connected: ArcSwapOption::empty(),
+            single: OnceLock::new(),
+            script: redis::Script::new(LIMITER_LUA),
+            refund: redis::Script::new(REFUND_LUA),
             budget,
             clock,
-        })
-    }
-
-    /// The shared connection, created on first use inside the caller's
-    /// runtime; it connects and reconnects in the background by itself.
-    fn connection(&self) -> Result<ConnectionManager, LimiterError> {
-        if let Some(c) = self.conn.get() {
-            return Ok(c.clone());
         }
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_millis(500)))
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(500));
-        let c = ConnectionManager::new_lazy_with_config(self.client.clone(), config)
-            .map_err(|e| LimiterError::Redis(e.to_string()))?;
-        Ok(self.conn.get_or_init(|| c).clone())
     }
 
-    /// Checks that Redis takes writes and has the script (loading it if not):
-    /// what the failback probe asks before trusting Redis again. The write
-    /// catches what a PING would not: a full Redis (OOM) and a demoted master
-    /// (READONLY).
-    pub async fn probe(&self, probe_key: &str) -> Result<(), LimiterError> {
-        let mut conn = self.connection()?;
-        let work = async {
-            let exists: Vec<bool> = redis::cmd("SCRIPT")
-                .arg("EXISTS")
-                .arg(self.script.get_hash())
-                .query_async(&mut conn)
-                .await?;
-            if !exists.first().copied().unwrap_or(false) {
-                self.script.load_async(&mut conn).await?;
+    /// The connection requests use; sentinel and cluster connections are
+    /// made by the probe, standalone lazily here.
+    fn connection(&self) -> Result<Conn, LimiterError> {
+        if let Topology::Standalone(client) = &self.topology {
+            if let Some(c) = self.single.get() {
+                return Ok(Conn::Single(c.clone()));
             }
-            redis::cmd("SET")
-                .arg(probe_key)
-                .arg(1)
-                .arg("PX")
-                .arg(1000)
-                .query_async::<()>(&mut conn)
-                .await?;
-            Ok::<_, redis::RedisError>(())
+            let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config())
+                .map_err(redis_err)?;
+            return Ok(Conn::Single(self.single.get_or_init(|| c).clone()));
+        }
+        self.connected
+            .load()
+            .as_ref()
+            .map(|c| c.conn.clone())
+            .ok_or(LimiterError::NotConnected)
+    }
+
+    /// Asks the sentinels, in order, where the master is.
+    async fn sentinel_master(
+        sentinels: &[redis::Client],
+        name: &str,
+    ) -> Result<String, LimiterError> {
+        let mut last = LimiterError::NotConnected;
+        for s in sentinels {
+            let ask = async {
+                let mut c = s.get_multiplexed_async_connection().await?;
+                let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(name)
+                    .query_async(&mut c)
+                    .await?;
+                Ok::<_, redis::RedisError>(addr)
+            };
+            match tokio::time::timeout(Duration::from_millis(300), ask).await {
+                Ok(Ok(Some((host, port)))) => return Ok(format!("{host}:{port}")),
+                Ok(Ok(None)) => {
+                    last = LimiterError::Redis(format!("sentinels do not know master \"{name}\""))
+                }
+                Ok(Err(e)) => last = redis_err(e),
+                Err(_) => last = LimiterError::Timeout(300),
+            }
+        }
+        Err(last)
+    }
+
+    /// (Re)connects where the topology says Redis is now.
+    async fn ensure_connected(&self) -> Result<(), LimiterError> {
+        match &self.topology {
+            Topology::Standalone(_) => Ok(()),
+            Topology::Sentinel { sentinels, master } => {
+                let addr = Self::sentinel_master(sentinels, master).await?;
+                let current = self.connected.load();
+                if current.as_ref().and_then(|c| c.master.as_deref()) == Some(addr.as_str()) {
+                    return Ok(());
+                }
+                let client = redis::Client::open(format!("redis://{addr}")).map_err(redis_err)?;
+                let conn = ConnectionManager::new_lazy_with_config(client, manager_config())
+                    .map_err(redis_err)?;
+                tracing::info!(master = %addr, "limiter: sentinel master discovered");
+                self.connected.store(Some(Arc::new(Connected {
+                    conn: Conn::Single(conn),
+                    master: Some(addr),
+                })));
+                Ok(())
+            }
+            Topology::Cluster(client) => {
+                if self.connected.load().is_some() {
+                    return Ok(());
+                }
+                let conn =
+                    tokio::time::timeout(Duration::from_secs(2), client.get_async_connection())
+                        .await
+                        .map_err(|_| LimiterError::Timeout(2000))?
+                        .map_err(redis_err)?;
+                self.connected.store(Some(Arc::new(Connected {
+                    conn: Conn::Cluster(conn),
+                    master: None,
+                })));
+                Ok(())
+            }
+        }
+    }
+
+    /// Checks that Redis takes writes and has the scripts (loading them if
+    /// not): what the failback probe asks before trusting Redis again. The
+    /// write catches what a PING would not: a full Redis (OOM) and a demoted
+    /// master (READONLY). In cluster mode the cluster must also say it is ok.
+    pub async fn probe(&self, probe_key: &str) -> Result<(), LimiterError> {
+        let work = async {
+            self.ensure_connected().await?;
+            let conn = self.connection()?;
+            match conn {
+                Conn::Single(mut c) => self.probe_on(&mut c, probe_key).await,
+                Conn::Cluster(mut c) => {
+                    let info: String = redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut c)
+                        .await
+                        .map_err(redis_err)?;
+                    if !info.contains("cluster_state:ok") {
+                        return Err(LimiterError::Redis("cluster_state is not ok".into()));
+                    }
+                    self.probe_on(&mut c, probe_key).await
+                }
+            }
         };
-        match tokio::time::timeout(self.budget.max(Duration::from_millis(100)), work).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(LimiterError::Redis(e.to_string())),
+        match tokio::time::timeout(self.budget.max(Duration::from_millis(500)), work).await {
+            Ok(r) => r,
             Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
         }
     }
+
+    async fn probe_on(
+        &self,
+        c: &mut impl redis::aio::ConnectionLike,
+        probe_key: &str,
+    ) -> Result<(), LimiterError> {
+        for script in [&self.script, &self.refund] {
+            let exists: Vec<bool> = redis::cmd("SCRIPT")
+                .arg("EXISTS")
+                .arg(script.get_hash())
+                .query_async(c)
+                .await
+                .map_err(redis_err)?;
+            if !exists.first().copied().unwrap_or(false) {
+                script.load_async(c).await.map_err(redis_err)?;
+            }
+        }
+        redis::cmd("SET")
+            .arg(probe_key)
+            .arg(1)
+            .arg("PX")
+            .arg(1000)
+            .query_async::<()>(c)
+            .await
+            .map_err(redis_err)
+    }
+
+    /// Cluster mode across slots: reserve each tier concurrently, then refund
+    /// the admitted ones if the request as a whole is rejected.
+    async fn decide_across_slots(
+        &self,
+        conn: &Conn,
+        checks: &[Check],
+    ) -> Result<Verdict, LimiterError> {
+        let reserves: Vec<_> = checks
+            .iter()
+            .map(|c| {
+                let (mut conn, script, clock, c) = (
+                    conn.clone(),
+                    self.script.clone(),
+                    self.clock.clone(),
+                    c.clone(),
+                );
+                tokio::spawn(
+                    async move { run_script(&script, clock.as_ref(), &mut conn, &[&c]).await },
+                )
+            })
+            .collect();
+        let mut replies = Vec::with_capacity(checks.len());
+        let mut failed = None;
+        for r in reserves {
+            match r.await {
+                Ok(Ok(v)) => replies.push(Some(v)),
+                Ok(Err(e)) => {
+                    replies.push(None);
+                    failed = Some(e);
+                }
+                Err(e) => {
+                    replies.push(None);
+                    failed = Some(LimiterError::Redis(e.to_string()));
+                }
+            }
+        }
+        let decisions: Vec<Option<Decision>> = checks
+            .iter()
+            .zip(&replies)
+            .map(|(c, r)| r.as_ref().map(|r| decision(c, &r[..5])))
+            .collect();
+        let admitted = failed.is_none()
+            && checks
+                .iter()
+                .zip(&decisions)
+                .all(|(c, d)| c.shadow || d.is_some_and(|d| d.allowed));
+        if !admitted {
+            // Give back what was taken: a rejected (or undecided) request charges no tier.
+            let refunds: Vec<_> = checks
+                .iter()
+                .zip(&replies)
+                .filter_map(|(c, r)| {
+                    let r = r.as_ref()?;
+                    (r[0] == 1).then(|| {
+                        let mut conn = conn.clone();
+                        let refund = self.refund.clone();
+                        let (kind, p1, p2) = script_args(&c.algorithm);
+                        let (key, now, remaining) = (c.key.clone(), r[5], r[1]);
+                        tokio::spawn(async move {
+                            let mut inv = refund.prepare_invoke();
+                            inv.key(key).arg(kind).arg(p1).arg(p2).arg(now).arg(remaining);
+                            let r: Result<i64, _> = match &mut conn {
+                                Conn::Single(c) => inv.invoke_async(c).await,
+                                Conn::Cluster(c) => inv.invoke_async(c).await,
+                            };
+                            if let Err(e) = r {
+                                tracing::warn!(error = %e, "limiter: refund failed; the client stays charged");
+                            }
+                        })
+                    })
+                })
+                .collect();
+            for r in refunds {
+                let _ = r.await;
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let now_us = replies.iter().flatten().map(|r| r[5]).max().unwrap_or(0);
+        Ok(Verdict {
+            decisions: decisions.into_iter().flatten().collect(),
+            now_us,
+        })
+    }
+}
+
+/// One call of limiter.lua over some checks.
+async fn run_script(
+    script: &redis::Script,
+    clock: Option<&Arc<dyn Clock>>,
+    conn: &mut Conn,
+    checks: &[&Check],
+) -> Result<Vec<i64>, LimiterError> {
+    let mut inv = script.prepare_invoke();
+    for c in checks {
+        inv.key(&c.key);
+    }
+    let now = clock.map(|c| c.now_us().to_string());
+    inv.arg(now.unwrap_or_default()).arg(checks.len());
+    for c in checks {
+        let (kind, p1, p2) = script_args(&c.algorithm);
+        inv.arg(kind)
+            .arg(p1)
+            .arg(p2)
+            .arg(if c.shadow { "1" } else { "0" });
+    }
+    let reply: Vec<i64> = match conn {
+        Conn::Single(c) => inv.invoke_async(c).await,
+        Conn::Cluster(c) => inv.invoke_async(c).await,
+    }
+    .map_err(redis_err)?;
+    if reply.len() != checks.len() * 5 + 1 {
+        return Err(LimiterError::BadReply(format!(
+            "{} integers for {} tiers (expected {})",
+            reply.len(),
+            checks.len(),
+            checks.len() * 5 + 1
+        )));
+    }
+    Ok(reply)
+}
+
+/// Redis Cluster's hash slot of a key (CRC16/XMODEM, honouring `{hash tags}`).
+pub fn slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let close = b[open + 1..].iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &b[open + 1..open + 1 + close])
+    });
+    let data = tagged.unwrap_or(b);
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= (byte as u16) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
 }
 
 /// The script's numeric code for an algorithm and its two parameters, written
@@ -131,52 +459,57 @@ fn shown_limit(alg: &Algorithm) -> u64 {
     }
 }
 
+fn decision(c: &Check, r: &[i64]) -> Decision {
+    Decision {
+        allowed: r[0] == 1,
+        limit: shown_limit(&c.algorithm),
+        remaining: r[1].max(0) as u64,
+        retry_after_us: r[2].max(0) as u64,
+        reset_after_us: r[3].max(0) as u64,
+        delay_us: r[4].max(0) as u64,
+    }
+}
+
 #[async_trait]
 impl Backend for RedisBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
         let mut conn = self.connection()?;
-        let mut inv = self.script.prepare_invoke();
-        for c in checks {
-            inv.key(&c.key);
-        }
-        let now = self.clock.as_ref().map(|c| c.now_us().to_string());
-        inv.arg(now.unwrap_or_default()).arg(checks.len());
-        for c in checks {
-            let (kind, p1, p2) = script_args(&c.algorithm);
-            inv.arg(kind)
-                .arg(p1)
-                .arg(p2)
-                .arg(if c.shadow { "1" } else { "0" });
-        }
-        let reply: Vec<i64> =
-            match tokio::time::timeout(self.budget, inv.invoke_async(&mut conn)).await {
-                Ok(Ok(v)) => v,
-                Ok(Err(e)) => return Err(LimiterError::Redis(e.to_string())),
-                Err(_) => return Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
-            };
-        if reply.len() != checks.len() * 5 + 1 {
-            return Err(LimiterError::BadReply(format!(
-                "{} integers for {} tiers (expected {})",
-                reply.len(),
-                checks.len(),
-                checks.len() * 5 + 1
-            )));
-        }
-        let decisions = checks
-            .iter()
-            .zip(reply.chunks_exact(5))
-            .map(|(c, r)| Decision {
-                allowed: r[0] == 1,
-                limit: shown_limit(&c.algorithm),
-                remaining: r[1].max(0) as u64,
-                retry_after_us: r[2].max(0) as u64,
-                reset_after_us: r[3].max(0) as u64,
-                delay_us: r[4].max(0) as u64,
+        let across_slots = matches!(conn, Conn::Cluster(_))
+            && checks
+                .windows(2)
+                .any(|w| slot(&w[0].key) != slot(&w[1].key));
+        let work = async {
+            if across_slots {
+                return self.decide_across_slots(&conn, checks).await;
+            }
+            let refs: Vec<&Check> = checks.iter().collect();
+            let reply = run_script(&self.script, self.clock.as_ref(), &mut conn, &refs).await?;
+            Ok(Verdict {
+                decisions: checks
+                    .iter()
+                    .zip(reply.chunks_exact(5))
+                    .map(|(c, r)| decision(c, r))
+                    .collect(),
+                now_us: reply[checks.len() * 5],
             })
-            .collect();
-        Ok(Verdict {
-            decisions,
-            now_us: reply[checks.len() * 5],
-        })
+        };
+        match tokio::time::timeout(self.budget, work).await {
+            Ok(r) => r,
+            Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slot;
+
+    #[test]
+    fn cluster_slots_match_redis() {
+        // Values from CLUSTER KEYSLOT.
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("bar"), 5061);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("{}foo"), slot("{}foo"));
     }
 }

@@ -18,7 +18,7 @@ use super::upstreams::Pools;
 use super::{Gateway, Live};
 use crate::admission::Policy;
 use crate::clock::SystemClock;
-use crate::config::{Backend, Config, RedisMode};
+use crate::config::{Backend, Config};
 use crate::limiter::{Fallback, LocalBackend, RedisBackend};
 
 /// Runs the Redis failback probe until shutdown.
@@ -143,15 +143,7 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
     let local = LocalBackend::new(config.limiter.local_max_entries, clock);
     let redis = match (config.limiter.backend, &config.redis) {
         (Backend::Redis, Some(r)) => {
-            if r.mode != RedisMode::Standalone {
-                return Err(format!(
-                    "redis.mode = {:?} is not supported yet; use \"standalone\"",
-                    r.mode
-                ));
-            }
-            let backend = RedisBackend::new(&r.urls[0], Duration::from_millis(r.timeout_ms), None)
-                .map_err(|e| format!("redis.urls[0]: {e}"))?;
-            Some(backend)
+            Some(RedisBackend::from_settings(r, None).map_err(|e| format!("[redis]: {e}"))?)
         }
         _ => None,
     };

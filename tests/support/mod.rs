@@ -6,6 +6,7 @@
 
 pub mod http;
 pub mod load;
+pub mod topology;
 
 use std::fs;
 use std::io::{Read, Write};
@@ -40,7 +41,7 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
     }
 }
 
-fn signal(pid: u32, sig: &str) {
+pub(crate) fn signal(pid: u32, sig: &str) {
     let _ = Command::new("kill")
         .args(["-s", sig, &pid.to_string()])
         .status();

@@ -1,0 +1,261 @@
+//! Real Redis topologies for the failover tests: a 3-master + 3-replica
+//! Redis Cluster made with `redis-cli --cluster create`, and a Sentinel setup
+//! (one master, one replica, three sentinels). Every process is owned by a
+//! guard and stopped by PID.
+
+use std::fs;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tempfile::TempDir;
+
+use super::{free_port, signal, wait_for, RedisGuard};
+
+pub struct ClusterGuard {
+    /// Indexed by position; `None` once killed.
+    pub nodes: Vec<Option<RedisGuard>>,
+}
+
+impl ClusterGuard {
+    pub fn start() -> Self {
+        let nodes: Vec<Option<RedisGuard>> = (0..6)
+            .map(|_| {
+                Some(RedisGuard::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                    // A replica may fail over whatever its data's age (tests are short).
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ]))
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .flatten()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let g = ClusterGuard { nodes };
+        g.wait_ok();
+        // Replicas must be in sync before a master is killed, or none can take over.
+        wait_for("every replica in sync", Duration::from_secs(30), || {
+            g.nodes
+                .iter()
+                .flatten()
+                .filter(|n| n.cmd(&["ROLE"]).starts_with("slave"))
+                .all(|n| {
+                    n.cmd(&["INFO", "replication"])
+                        .contains("master_link_status:up")
+                })
+                .then_some(())
+        });
+        g
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().flatten().map(|n| n.url()).collect()
+    }
+
+    /// Waits until every live node reports `cluster_state:ok`.
+    pub fn wait_ok(&self) {
+        let states = || {
+            self.nodes
+                .iter()
+                .flatten()
+                .map(|n| {
+                    format!(
+                        "{}: {}",
+                        n.port,
+                        n.cmd(&["CLUSTER", "INFO"]).lines().next().unwrap_or("")
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.poll_ok()));
+        if ok.is_err() {
+            let nodes = self
+                .nodes
+                .iter()
+                .flatten()
+                .next()
+                .map(|n| n.cmd(&["CLUSTER", "NODES"]));
+            panic!(
+                "cluster not ok: {:?}\n{}",
+                states(),
+                nodes.unwrap_or_default()
+            );
+        }
+    }
+
+    fn poll_ok(&self) {
+        wait_for(
+            "cluster_state:ok on every node",
+            Duration::from_secs(30),
+            || {
+                self.nodes
+                    .iter()
+                    .flatten()
+                    .all(|n| n.cmd(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+                    .then_some(())
+            },
+        );
+    }
+
+    /// Positions of the nodes that are masters now.
+    pub fn masters(&self) -> Vec<usize> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| {
+                let n = n.as_ref()?;
+                n.cmd(&["ROLE"]).starts_with("master").then_some(i)
+            })
+            .collect()
+    }
+
+    /// Sum of EVALSHA calls over the live nodes.
+    pub fn evalsha_calls(&self) -> u64 {
+        self.nodes
+            .iter()
+            .flatten()
+            .map(|n| n.calls("evalsha"))
+            .sum()
+    }
+
+    pub fn kill(&mut self, i: usize) {
+        self.nodes[i] = None;
+    }
+}
+
+/// A sentinel process.
+struct Sentinel {
+    child: Child,
+    _dir: TempDir,
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        signal(self.child.id(), "KILL");
+        let _ = self.child.wait();
+    }
+}
+
+pub struct SentinelGuard {
+    pub master: Option<RedisGuard>,
+    pub replica: Option<RedisGuard>,
+    sentinels: Vec<Sentinel>,
+    pub sentinel_ports: Vec<u16>,
+}
+
+pub const MASTER_NAME: &str = "limits";
+
+impl SentinelGuard {
+    pub fn start() -> Self {
+        let master = RedisGuard::start();
+        let replica =
+            RedisGuard::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+        wait_for("replica in sync", Duration::from_secs(20), || {
+            replica
+                .cmd(&["INFO", "replication"])
+                .contains("master_link_status:up")
+                .then_some(())
+        });
+        let mut sentinels = Vec::new();
+        let mut sentinel_ports = Vec::new();
+        for _ in 0..3 {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let port = free_port();
+            let conf = dir.path().join("sentinel.conf");
+            fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {}\nlogfile {}\n\
+                     sentinel monitor {MASTER_NAME} 127.0.0.1 {} 2\n\
+                     sentinel down-after-milliseconds {MASTER_NAME} 500\n\
+                     sentinel failover-timeout {MASTER_NAME} 3000\n\
+                     sentinel parallel-syncs {MASTER_NAME} 1\n",
+                    dir.path().display(),
+                    dir.path().join("sentinel.log").display(),
+                    master.port
+                ),
+            )
+            .expect("sentinel.conf");
+            let child = Command::new("redis-server")
+                .arg(&conf)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start sentinel");
+            sentinels.push(Sentinel { child, _dir: dir });
+            sentinel_ports.push(port);
+        }
+        let g = SentinelGuard {
+            master: Some(master),
+            replica: Some(replica),
+            sentinels,
+            sentinel_ports,
+        };
+        for &p in &g.sentinel_ports {
+            wait_for(
+                "sentinel sees the master and its replica",
+                Duration::from_secs(20),
+                || {
+                    let out = Command::new("redis-cli")
+                        .args(["-p", &p.to_string(), "SENTINEL", "replicas", MASTER_NAME])
+                        .output()
+                        .ok()?;
+                    let text = String::from_utf8_lossy(&out.stdout).to_string();
+                    text.contains("slave").then_some(())
+                },
+            );
+        }
+        g
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.sentinel_ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// The port the sentinels name as master now.
+    pub fn master_port(&self) -> Option<u16> {
+        let out = Command::new("redis-cli")
+            .args([
+                "-p",
+                &self.sentinel_ports[0].to_string(),
+                "SENTINEL",
+                "get-master-addr-by-name",
+                MASTER_NAME,
+            ])
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    pub fn sentinel_count(&self) -> usize {
+        self.sentinels.len()
+    }
+}
