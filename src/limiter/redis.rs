@@ -49,7 +49,7 @@ enum Topology {
         sentinels: Vec<redis::Client>,
         master: String,
     },
-    Cluster(redis::cluster::ClusterClient),
+    Cluster(Box<redis::cluster::ClusterClient>),
 }
 
 pub struct RedisBackend {
@@ -110,14 +110,14 @@ impl RedisBackend {
                     .map_err(redis_err)?,
                 master: s.sentinel_master.clone().unwrap_or_default(),
             },
-            RedisMode::Cluster => Topology::Cluster(
+            RedisMode::Cluster => Topology::Cluster(Box::new(
                 redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
                     .connection_timeout(Duration::from_millis(500))
                     .response_timeout(budget.max(Duration::from_millis(100)))
                     .retries(2)
                     .build()
                     .map_err(redis_err)?,
-            ),
+            )),
         };
         Ok(Self::with(topology, budget, clock))
     }
