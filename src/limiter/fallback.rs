@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Backend, Check, LimiterError, LocalBackend, RedisBackend, Verdict};
+use super::deny_cache::DenyCache;
+use super::{Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Verdict};
 use crate::config::{Algorithm, OnRedisFailure};
 use crate::metrics;
 
@@ -58,6 +59,8 @@ pub struct Fallback {
     good_probes: AtomicU32,
     /// Written by the probe: proves Redis takes writes.
     probe_key: String,
+    /// Buckets Redis said no for, until when: answered without a call.
+    denied: DenyCache,
 }
 
 impl Fallback {
@@ -79,6 +82,7 @@ impl Fallback {
             redis_up: AtomicBool::new(false),
             good_probes: AtomicU32::new(0),
             probe_key: format!("{key_prefix}:probe"),
+            denied: DenyCache::new(100_000),
         });
         metrics::set_backend(FallbackState::Local);
         f
@@ -102,15 +106,27 @@ impl Fallback {
         };
         if self.redis_up.load(Ordering::Relaxed) {
             let started = std::time::Instant::now();
+            if let Some(outcome) = self.remembered_denial(checks, started) {
+                return outcome;
+            }
             let result = redis.decide(checks).await;
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(verdict) => {
+                    let received = std::time::Instant::now();
+                    for (c, d) in checks.iter().zip(&verdict.decisions) {
+                        if !d.allowed && !c.shadow {
+                            self.denied.remember(
+                                &c.key,
+                                received + Duration::from_micros(d.retry_after_us),
+                            );
+                        }
+                    }
                     return Outcome::Decided {
                         verdict,
                         backend: FallbackState::Redis,
                         checks: checks.to_vec(),
-                    }
+                    };
                 }
                 Err(e) => {
                     self.trip(&e);
@@ -130,6 +146,30 @@ impl Fallback {
             OnRedisFailure::Allow => Outcome::FailOpen,
             OnRedisFailure::Deny => Outcome::FailClosed,
         }
+    }
+
+    /// A request that a remembered denial already decides: the denying tier
+    /// alone is reported (the others were not asked).
+    fn remembered_denial(&self, checks: &[Check], now: std::time::Instant) -> Option<Outcome> {
+        let (i, wait) = self.denied.find(checks, now)?;
+        let c = &checks[i];
+        let wait_us = wait.as_micros() as u64;
+        let wall_now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
+        Some(Outcome::Decided {
+            verdict: Verdict {
+                decisions: vec![Decision {
+                    allowed: false,
+                    limit: super::redis::shown_limit(&c.algorithm),
+                    remaining: 0,
+                    retry_after_us: wait_us,
+                    reset_after_us: wait_us,
+                    delay_us: 0,
+                }],
+                now_us: wall_now,
+            },
+            backend: FallbackState::Redis,
+            checks: vec![c.clone()],
+        })
     }
 
     async fn local_outcome(&self, checks: Vec<Check>) -> Outcome {

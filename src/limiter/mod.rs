@@ -5,6 +5,7 @@
 //! either every enforcing tier admits and all are charged, or none is.
 
 pub mod algorithms;
+mod deny_cache;
 mod fallback;
 pub mod keys;
 mod local;

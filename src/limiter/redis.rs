@@ -443,7 +443,7 @@ fn script_args(alg: &Algorithm) -> (u8, String, String) {
 }
 
 /// The quota a client is shown for a rule; the script does not return it.
-fn shown_limit(alg: &Algorithm) -> u64 {
+pub(super) fn shown_limit(alg: &Algorithm) -> u64 {
     match *alg {
         Algorithm::TokenBucket { capacity, .. } => capacity,
         Algorithm::LeakyBucket {

@@ -11,6 +11,7 @@
 //! 5. `logging`: metrics and the access log line.
 
 pub mod admin;
+mod deadline;
 mod reload;
 mod responses;
 pub mod server;
@@ -107,6 +108,12 @@ impl ProxyHttp for Gateway {
             backend: "none",
             upstream_sent: None,
         }
+    }
+
+    /// Runs as soon as the request header is read: ends its read deadline.
+    async fn early_request_filter(&self, _session: &mut Session, _ctx: &mut Ctx) -> Result<()> {
+        deadline::header_read();
+        Ok(())
     }
 
     /// Admission. Runs once the request header is read; returning `true`

@@ -13,6 +13,7 @@ use pingora::services::background::{background_service, BackgroundService};
 use pingora::services::listening::Service;
 
 use super::admin::Admin;
+use super::deadline::HeaderDeadline;
 use super::reload::Reloader;
 use super::upstreams::Pools;
 use super::{Gateway, Live};
@@ -94,12 +95,17 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
         live: live.clone(),
         limiter: limiter.clone(),
     };
-    let mut proxy =
-        pingora::proxy::http_proxy_service_with_name(&server.configuration, gateway, "gateway");
+    let mut proxy = pingora::proxy::HttpProxy::new(gateway, server.configuration.clone());
+    proxy.handle_init_modules();
+    let app = HeaderDeadline {
+        inner: Arc::new(proxy),
+        deadline: Duration::from_millis(srv.header_read_timeout_ms),
+    };
+    let mut service = Service::new("gateway".to_string(), app);
     for addr in &srv.listen {
-        proxy.add_tcp(addr);
+        service.add_tcp(addr);
     }
-    server.add_service(proxy);
+    server.add_service(service);
 
     if let Some(admin_addr) = &srv.admin_listen {
         let mut admin = Service::new(

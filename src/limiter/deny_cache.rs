@@ -1,0 +1,61 @@
+//! Denials remembered until they expire: a bucket that said "no until T" says
+//! no to every request until T (rejections change no state, admissions only
+//! push T later), so a client flooding past its limit is answered from memory
+//! instead of costing a Redis call per request.
+//!
+//! Bounded: at most `cap` entries; a full shard forgets its expired entries,
+//! and if none have expired, forgets them all (a forgotten denial only costs
+//! one Redis call to relearn).
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::Check;
+
+const SHARDS: usize = 16;
+
+pub struct DenyCache {
+    shards: Vec<Mutex<HashMap<String, Instant>>>,
+    per_shard: usize,
+    hasher: std::hash::RandomState,
+}
+
+impl DenyCache {
+    pub fn new(cap: usize) -> Self {
+        DenyCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            per_shard: cap.div_ceil(SHARDS).max(1),
+            hasher: std::hash::RandomState::new(),
+        }
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Instant>> {
+        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
+    }
+
+    /// The first enforcing check known to deny at `now`, with the time left.
+    pub fn find(&self, checks: &[Check], now: Instant) -> Option<(usize, Duration)> {
+        checks.iter().enumerate().find_map(|(i, c)| {
+            if c.shadow {
+                return None;
+            }
+            let until = *self.shard(&c.key).lock().get(&c.key)?;
+            (until > now).then(|| (i, until - now))
+        })
+    }
+
+    pub fn remember(&self, key: &str, until: Instant) {
+        let mut shard = self.shard(key).lock();
+        if shard.len() >= self.per_shard && !shard.contains_key(key) {
+            let now = Instant::now();
+            shard.retain(|_, t| *t > now);
+            if shard.len() >= self.per_shard {
+                shard.clear();
+            }
+        }
+        shard.insert(key.to_string(), until);
+    }
+}
