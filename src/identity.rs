@@ -310,3 +310,35 @@ mod tests {
         assert!(t.lookup(b"").is_none());
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use std::net::IpAddr;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Any X-Forwarded-For: no panic, and the answer is the peer or an
+        /// address that really appears in the header.
+        #[test]
+        fn xff_never_invents_an_address(headers in prop::collection::vec("[0-9a-f:.,\\[\\] %]{0,60}", 0..4)) {
+            let trusted: Vec<ipnet::IpNet> = vec!["127.0.0.0/8".parse().unwrap()];
+            let peer: IpAddr = "127.0.0.1".parse().unwrap();
+            let ip = client_ip(peer, headers.iter().map(String::as_str), &trusted);
+            let appears = headers
+                .iter()
+                .flat_map(|h| h.split(','))
+                .any(|e| parse_xff_entry(e).map(canonical) == Some(ip));
+            prop_assert!(ip == peer || appears, "{headers:?} -> {ip}");
+        }
+
+        #[test]
+        fn presented_keys_never_panic(a in any::<Vec<u8>>(), b in any::<Vec<u8>>()) {
+            let _ = presented_key([a.as_slice()].into_iter(), [b.as_slice()].into_iter());
+        }
+    }
+}

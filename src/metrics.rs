@@ -50,6 +50,10 @@ pub fn install() {
             "gateway_upstream_duration_seconds",
             "Time from sending upstream to the response header"
         );
+        describe_gauge!(
+            "gateway_limiter_local_entries",
+            "Buckets held by the in-process limiter"
+        );
         describe_counter!(
             "gateway_config_reloads_total",
             "Config reloads by result (ok, error)"
@@ -122,6 +126,10 @@ pub fn redis_call(d: Duration) {
 pub fn upstream(route: &str, d: Duration) {
     histogram!("gateway_upstream_duration_seconds", "route" => route.to_string())
         .record(d.as_secs_f64());
+}
+
+pub fn local_entries(n: usize) {
+    gauge!("gateway_limiter_local_entries").set(n as f64);
 }
 
 pub fn config_reload(ok: bool) {

@@ -270,3 +270,33 @@ mod tests {
         assert_eq!(t.find("/", "GET"), RouteMatch::NotFound);
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::normalize_path;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Never panics; what it returns is absolute, canonical and stable.
+        #[test]
+        fn normalised_paths_are_canonical(raw in "/[a-zA-Z0-9./%;~_\\-]{0,40}") {
+            if let Ok(n) = normalize_path(&raw) {
+                prop_assert!(n.starts_with('/'), "{raw:?} -> {n:?}");
+                prop_assert!(!n.contains("//"), "{raw:?} -> {n:?}");
+                for seg in n.split('/') {
+                    prop_assert!(seg != "." && seg != "..", "{raw:?} -> {n:?}");
+                }
+                prop_assert!(!n.to_ascii_uppercase().contains("%2F"), "{raw:?} -> {n:?}");
+                prop_assert_eq!(normalize_path(&n), Ok(n.clone()), "idempotent for {:?}", raw);
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(raw in any::<String>()) {
+            let _ = normalize_path(&raw);
+        }
+    }
+}

@@ -374,6 +374,7 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
             "threads",
             "grace_period_secs",
             "max_request_header_bytes",
+            "max_request_headers",
             "header_read_timeout_ms",
         ],
     );
@@ -408,6 +409,10 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
     let max_hdr = opt(r, t, p, "max_request_header_bytes", 65536, |r, path, v| {
         r.int(path, v, 1024, 1 << 24).map(|n| n as usize)
     });
+    // Pingora's parser refuses more than 256 header lines outright (400).
+    let max_headers = opt(r, t, p, "max_request_headers", 100, |r, path, v| {
+        r.int(path, v, 1, 256).map(|n| n as usize)
+    });
     let hdr_timeout = opt(r, t, p, "header_read_timeout_ms", 10_000, |r, path, v| {
         r.int(path, v, 1, 3_600_000)
     });
@@ -417,6 +422,7 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
         threads: threads?,
         grace_period_secs: grace?,
         max_request_header_bytes: max_hdr?,
+        max_request_headers: max_headers?,
         header_read_timeout_ms: hdr_timeout?,
     })
 }

@@ -81,8 +81,12 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "server: threads={} grace_period_secs={} max_request_header_bytes={} header_read_timeout_ms={}",
-            srv.threads, srv.grace_period_secs, srv.max_request_header_bytes, srv.header_read_timeout_ms
+            "server: threads={} grace_period_secs={} max_request_header_bytes={} max_request_headers={} header_read_timeout_ms={}",
+            srv.threads,
+            srv.grace_period_secs,
+            srv.max_request_header_bytes,
+            srv.max_request_headers,
+            srv.header_read_timeout_ms
         );
         let l = &self.limiter;
         let _ = writeln!(
@@ -177,5 +181,39 @@ fn shadow(l: &Limit) -> &'static str {
         " shadow"
     } else {
         ""
+    }
+}
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    const DEMO: &str = include_str!("../../gateway.toml");
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        /// Arbitrary text: an error list or a config, never a panic.
+        #[test]
+        fn any_text_is_answered(src in any::<String>()) {
+            if let Err(errors) = super::parse(&src) {
+                prop_assert!(!errors.is_empty());
+            }
+        }
+
+        /// The demo config with one line replaced by something else: every
+        /// error names a key path (or the syntax), never a panic.
+        #[test]
+        fn mutated_demo_configs_are_answered(line in 0usize..140, junk in "[a-z_\\[\\]=\" 0-9.{},-]{0,30}") {
+            let mut lines: Vec<&str> = DEMO.lines().collect();
+            let i = line % lines.len();
+            lines[i] = &junk;
+            let src = lines.join("\n");
+            if let Err(errors) = super::parse(&src) {
+                for e in errors {
+                    prop_assert!(!e.path.is_empty() && !e.message.is_empty(), "{e}");
+                }
+            }
+        }
     }
 }

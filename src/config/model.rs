@@ -30,6 +30,8 @@ pub struct Server {
     pub threads: usize,
     pub grace_period_secs: u64,
     pub max_request_header_bytes: usize,
+    /// More request header lines than this: 431.
+    pub max_request_headers: usize,
     pub header_read_timeout_ms: u64,
 }
 

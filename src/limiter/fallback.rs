@@ -96,6 +96,11 @@ impl Fallback {
         }
     }
 
+    /// Buckets the local backend holds now (bounded by `local_max_entries`).
+    pub fn local_entries(&self) -> usize {
+        self.local.len()
+    }
+
     pub fn has_redis(&self) -> bool {
         self.redis.is_some()
     }

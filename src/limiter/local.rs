@@ -16,7 +16,7 @@ use super::algorithms::{self, State};
 use super::{Backend, Check, LimiterError, Verdict};
 use crate::clock::Clock;
 
-const SHARDS: usize = 64;
+const MAX_SHARDS: usize = 64;
 const EVICTION_SAMPLE: usize = 8;
 
 struct Entry {
@@ -35,11 +35,13 @@ pub struct LocalBackend {
 
 impl LocalBackend {
     pub fn new(max_entries: usize, clock: Arc<dyn Clock>) -> Self {
+        // shards x per_shard <= max_entries: the cap holds exactly.
+        let shards = MAX_SHARDS.min(max_entries).max(1);
         LocalBackend {
-            shards: (0..SHARDS)
+            shards: (0..shards)
                 .map(|_| Mutex::new(IndexMap::default()))
                 .collect(),
-            per_shard: max_entries.div_ceil(SHARDS).max(1),
+            per_shard: (max_entries / shards).max(1),
             clock,
             hasher: std::hash::RandomState::new(),
         }
@@ -47,7 +49,7 @@ impl LocalBackend {
 
     fn shard_of(&self, key: &str) -> usize {
         use std::hash::BuildHasher;
-        (self.hasher.hash_one(key) as usize) % SHARDS
+        (self.hasher.hash_one(key) as usize) % self.shards.len()
     }
 
     /// Entries currently held, expired or not.

@@ -124,6 +124,12 @@ impl ProxyHttp for Gateway {
         ctx.live = Some(live.clone());
         let policy = &live.policy;
         let cfg = &policy.config;
+        let max_lines = cfg.server.max_request_headers;
+        if session.req_header().headers.len() > max_lines {
+            return self
+                .reply(session, ctx, responses::too_many_headers(max_lines))
+                .await;
+        }
         let limit = cfg.server.max_request_header_bytes;
         if header_bytes(session.req_header()) > limit {
             return self

@@ -93,6 +93,14 @@ pub fn headers_too_large(limit: usize) -> Reply {
     )
 }
 
+pub fn too_many_headers(limit: usize) -> Reply {
+    json(
+        431,
+        "request_header_fields_too_large",
+        &format!("more than {limit} request header fields"),
+    )
+}
+
 pub fn upstream_failure(status: u16) -> Reply {
     match status {
         504 => json(

@@ -38,9 +38,11 @@ impl BackgroundService for Prober {
     }
 }
 
-/// Runs the health checks of whichever pools are current, every second.
+/// Every second: the health checks of whichever pools are current, and the
+/// local limiter's size for `/metrics`.
 struct HealthChecks {
     live: Arc<ArcSwap<Live>>,
+    limiter: Arc<Fallback>,
 }
 
 #[async_trait]
@@ -51,6 +53,7 @@ impl BackgroundService for HealthChecks {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 _ = async {
+                    crate::metrics::local_entries(self.limiter.local_entries());
                     pools.check_health().await;
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 } => {}
@@ -119,7 +122,10 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     }
     server.add_service(background_service(
         "health checks",
-        HealthChecks { live: live.clone() },
+        HealthChecks {
+            live: live.clone(),
+            limiter: limiter.clone(),
+        },
     ));
     server.add_service(background_service(
         "config reload",

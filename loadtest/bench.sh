@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The fast-path benchmark: the gateway side by side with nginx, on loopback.
+#
+#   loadtest/bench.sh [--quick] [--duration SECS] [--connections N] [--threads N]
+#                     [--rounds N] [--latency-duration SECS] [--warmup SECS]
+#                     [--wrk-threads N] [--upstream-threads N] [--rate RPS]
+#                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
+#                     [--memory-clients N] [--memory-max-entries N]
+#                     [--perf] [--publish] [--out DIR]
+#
+# Targets, each measured in every round, rounds alternating the order
+# (forward, reversed, ...) so drift in the machine hits all alike:
+#   direct                the load generator against the upstream itself
+#   nginx_limit_req       nginx proxy_pass (upstream keep-alive) + limit_req
+#                         keyed by client address, admitting everything
+#   gateway_off           the gateway with no limits configured
+#   gateway_local         all three tiers (ip, API key plan, route) on the local backend
+#   gateway_redis         all three tiers on Redis, admitting everything
+#   gateway_redis_denied  one client already over its route limit, flooding: all 429
+#
+# Per target and round: max throughput (wrk, --connections fixed) with the CPU
+# the proxy's processes spent per request (/proc/PID/stat; nginx: master and
+# workers), then p50/p99 latency at a fixed rate of half gateway_off's median
+# max, measured from each request's intended send time (loadtest/bench/
+# fixedrate.c: coordinated-omission corrected). For the Redis targets, Redis's
+# CPU per request (INFO cpu) and script calls per request (INFO commandstats).
+# Each number reported is the median of the rounds.
+#
+# Writes loadtest/results/bench-<timestamp>/: summary.json, summary.md (the
+# table, with the issue's targets passed or failed), chart.png, the configs, the
+# logs and every raw wrk/fixedrate result.
+#
+#   (default)        3 rounds, 15 s max-throughput + 15 s fixed-rate windows,
+#                    then the memory step: about 14 minutes
+#   --quick          3 rounds of 5 s + 4 s windows, no memory step: under 5 minutes
+#   --memory         add the memory step (the default outside --quick): a gateway
+#                    on the local backend with local_max_entries = 1,000,000 and
+#                    an ip tier is sent 1.2 million distinct clients (wrk naming
+#                    each in X-Forwarded-For from trusted 127.0.0.1); its VmRSS
+#                    before, at the cap and after
+#   --memory-only    only the memory step
+#   --perf           also record a perf profile of each proxy during one extra
+#                    max-throughput window (perf-<target>.txt, .data)
+#   --publish        copy the table and chart into BENCHMARKS.md
+#   --threads        the gateway's server.threads = nginx's worker_processes (2)
+#   --upstream-threads  mock-upstream's --threads (1)
+#
+# Everything it starts (redis-server, mock-upstream, nginx, gateways) listens on
+# 127.0.0.1 at free ports and is stopped by PID on exit. The gateways run with
+# GATEWAY_LOG=warn (no access log). Exit status: 0 when every target of the
+# issue holds, 1 when one fails (the results are still written) or the build is
+# missing, 2 on bad usage or a failed run.
+#
+# Needs target/release/gateway and target/release/mock-upstream (it never
+# builds them); wrk, nginx, redis-server, a C compiler (installed with apt-get
+# when missing) and matplotlib in .venv (installed with pip when missing).
+set -euo pipefail
+
+root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+here=$root/loadtest
+venv=$root/.venv
+py=$venv/bin/python
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+for arg in "$@"; do
+  case $arg in -h | --help) usage; exit 0 ;; esac
+done
+
+for bin in "$root/target/release/gateway" "$root/target/release/mock-upstream"; do
+  if [[ ! -x $bin ]]; then
+    echo "bench.sh: $bin is missing: build first: cargo build --release" >&2
+    exit 1
+  fi
+done
+
+as_root() {
+  if ((EUID == 0)); then "$@"; else sudo "$@"; fi
+}
+
+need=()
+command -v wrk >/dev/null || need+=(wrk)
+command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || need+=(nginx)
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v redis-cli >/dev/null || need+=(redis-tools)
+command -v cc >/dev/null || need+=(gcc libc6-dev)
+if ((${#need[@]})); then
+  echo "bench.sh: installing ${need[*]} with apt-get" >&2
+  as_root apt-get update -qq
+  # No service is started by the install (policy-rc.d, or none in a container):
+  # the benchmark runs its own nginx and Redis in the foreground.
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+export PATH=$PATH:/usr/sbin
+
+if [[ ! -x $py ]]; then
+  echo "bench.sh: creating the virtualenv $venv" >&2
+  python3 -m venv "$venv"
+fi
+if ! "$py" -c 'import matplotlib' 2>/dev/null; then
+  echo "bench.sh: installing matplotlib into $venv" >&2
+  "$py" -m pip install --quiet --disable-pip-version-check matplotlib
+fi
+
+# The fixed-rate load generator, compiled when its source is newer.
+tools=$here/results/.tools
+mkdir -p "$tools"
+if [[ ! -x $tools/fixedrate || $here/bench/fixedrate.c -nt $tools/fixedrate ]]; then
+  cc -O2 -Wall -o "$tools/fixedrate.tmp" "$here/bench/fixedrate.c"
+  mv "$tools/fixedrate.tmp" "$tools/fixedrate"
+fi
+
+exec "$py" "$here/bench/bench.py" run --tools "$tools" "$@"
