@@ -97,5 +97,32 @@ fn local_three_tiers(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, decide_once, local_three_tiers);
+/// The API-key lookup costs the same for a near miss (one character off a
+/// real key) as for a far one: the secret is hashed before any comparison.
+fn key_lookup(c: &mut Criterion) {
+    use ratelimit_gateway::config::ApiKey;
+    use ratelimit_gateway::identity::KeyTable;
+    use sha2::{Digest, Sha256};
+    let keys: Vec<ApiKey> = (0..2000)
+        .map(|i| ApiKey {
+            id: format!("rider-{i}"),
+            digest: Sha256::digest(format!("secret-key-{i:06}").as_bytes()).into(),
+            plan: "free".into(),
+        })
+        .collect();
+    let table = KeyTable::new(&keys);
+    let mut group = c.benchmark_group("api key lookup (2000 keys)");
+    group.bench_function("hit", |b| {
+        b.iter(|| table.lookup(black_box(b"secret-key-001000")))
+    });
+    group.bench_function("near miss", |b| {
+        b.iter(|| table.lookup(black_box(b"secret-key-001001x")))
+    });
+    group.bench_function("far miss", |b| {
+        b.iter(|| table.lookup(black_box(b"zzzzzzzzzzzzzzzzzz")))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, decide_once, local_three_tiers, key_lookup);
 criterion_main!(benches);
