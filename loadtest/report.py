@@ -113,6 +113,14 @@ def read_locust_totals(phase_dir):
     return None
 
 
+def read_text(path):
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def locust_cpu_warnings(phase_dir):
     path = os.path.join(phase_dir, "locust.log")
     if not os.path.exists(path):
@@ -204,6 +212,8 @@ def analyse_phase(name, phase_dir, meta):
         },
         "locust_totals": read_locust_totals(phase_dir),
         "locust_cpu_warnings": locust_cpu_warnings(phase_dir),
+        "loadavg_before": read_text(os.path.join(phase_dir, "loadavg-before")),
+        "loadavg_after": read_text(os.path.join(phase_dir, "loadavg-after")),
     }
     series = time_series(rows, up, t0, t_end)
     series["window_start"] = w_start - t0
@@ -382,6 +392,13 @@ def write_report(run_dir, meta, ph, checks, gateway_notes):
         if w:
             lines.append(f"- {name}: Locust warned {w} time(s) about its own CPU usage: its latencies may be inflated.")
         lines.append(f"- {name}: statuses in the window: {ph[name]['statuses']}")
+        la = ph[name].get("loadavg_before")
+        if la:
+            lines.append(
+                f"- {name}: load average before the phase {la} (1/5/15 min, {meta.get('cpus', '?')} CPUs), "
+                f"after {ph[name].get('loadavg_after')}; a load above half the CPUs before a phase means "
+                "something else was running and the latencies are inflated."
+            )
     for note in gateway_notes:
         lines.append(f"- {note}")
     lines.append("")

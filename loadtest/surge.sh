@@ -297,12 +297,26 @@ JSON
 
 # --- the phases ------------------------------------------------------------------
 
+# busy_check FILE: records the load average; warns when something else is
+# already keeping the CPUs busy (a build, another benchmark): every latency
+# measured then is inflated.
+busy_check() {
+  cut -d' ' -f1-3 /proc/loadavg >"$1"
+  local load cpus
+  load=$(cut -d' ' -f1 /proc/loadavg)
+  cpus=$(nproc)
+  if awk -v l="$load" -v c="$cpus" 'BEGIN {exit !(l > c / 2)}'; then
+    echo "surge.sh: warning: the machine is already busy (1-min load $load on $cpus CPUs): latencies will be inflated" >&2
+  fi
+}
+
 # run_phase NAME TARGETS: one headless Locust run into $out/phases/NAME.
 run_phase() {
   local name=$1 tgts=$2 dir=$out/phases/$1 rc
   mkdir -p "$dir"
   curl -fsS -X POST "$mock_url/stats/reset" >/dev/null
   log "== phase $name: $users riders -> $tgts for ${run_secs}s"
+  busy_check "$dir/loadavg-before"
   local extra=()
   if [[ -n $processes && $processes != 1 ]]; then
     extra=(--processes "$processes")
@@ -328,6 +342,7 @@ run_phase() {
   wait "$progress_pid"
   set -e
   locust_pid="" progress_pid=""
+  cut -d' ' -f1-3 /proc/loadavg >"$dir/loadavg-after"
   # Locust exits 1 when any request failed: expected when unprotected.
   if ((rc != 0 && rc != 1)); then
     tail -30 "$dir/locust.log" >&2

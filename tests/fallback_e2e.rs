@@ -9,7 +9,7 @@ mod support;
 use std::time::Duration;
 
 use support::load::{Load, Report};
-use support::{free_port, wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{free_port, Client, GatewayGuard, RedisGuard, UpstreamGuard};
 
 const BUDGET_MS: u64 = 15;
 
@@ -56,38 +56,6 @@ limit = {limit}
 /// Admits everything: the tests measure availability and latency, not limits.
 const OPEN: &str = r#"{ algorithm = "token_bucket", capacity = 1000000000, refill_per_sec = 1000000000, scope = "global" }"#;
 
-fn wait_backend(gw: &GatewayGuard, backend: &str) {
-    wait_for(
-        &format!("backend {backend}"),
-        Duration::from_secs(15),
-        || {
-            gw.admin_get("/readyz")
-                .text()
-                .contains(&format!("\"{backend}\""))
-                .then_some(())
-        },
-    );
-}
-
-fn figures(name: &str, r: &Report, fault: Duration, recover: Duration) {
-    let fallback = r
-        .backend_at("local", fault)
-        .map(|t| (t - fault).as_millis());
-    let failback = r
-        .backend_at("redis", recover)
-        .map(|t| (t - recover).as_millis());
-    let open_from = r.backend_at("local", fault).unwrap_or(fault);
-    eprintln!(
-        "FIGURES {name}: requests={} 5xx={} slowest_during_fault_ms={:.1} slowest_once_open_ms={:.1} fallback_ms={:?} failback_ms={:?}",
-        r.samples.len(),
-        r.server_errors(),
-        r.slowest(fault, recover).as_secs_f64() * 1000.0,
-        r.slowest(open_from + Duration::from_millis(20), recover).as_secs_f64() * 1000.0,
-        fallback,
-        failback,
-    );
-}
-
 fn assert_served(name: &str, r: &Report) {
     assert_eq!(r.server_errors(), 0, "{name}: 5xx or dropped requests");
     assert_eq!(
@@ -112,14 +80,14 @@ fn kill_9_then_restart() {
     std::thread::sleep(Duration::from_millis(300));
     let fault = load.now();
     drop(redis); // SIGKILL, reaped
-    wait_backend(&gw, "local");
+    gw.wait_backend("local", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(700));
     let recover = load.now();
     let _redis = RedisGuard::start_on(port, &[]);
-    wait_backend(&gw, "redis");
+    gw.wait_backend("redis", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(300));
     let r = load.stop();
-    figures("kill-9+restart", &r, fault, recover);
+    r.print_figures("kill-9+restart", fault, recover);
     assert_served("kill -9", &r);
     assert!(
         r.slowest(fault, recover) < Duration::from_secs(2),
@@ -142,14 +110,14 @@ fn sigstop_then_sigcont() {
     std::thread::sleep(Duration::from_millis(300));
     let fault = load.now();
     redis.signal("STOP");
-    wait_backend(&gw, "local");
+    gw.wait_backend("local", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(1000));
     let recover = load.now();
     redis.signal("CONT");
-    wait_backend(&gw, "redis");
+    gw.wait_backend("redis", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(300));
     let r = load.stop();
-    figures("sigstop+sigcont", &r, fault, recover);
+    r.print_figures("sigstop+sigcont", fault, recover);
     assert_served("SIGSTOP", &r);
     let open = r.backend_at("local", fault).expect("fell back") + Duration::from_millis(20);
     assert!(
@@ -170,12 +138,12 @@ fn client_pause() {
     assert!(redis
         .cmd(&["CLIENT", "PAUSE", "1200", "ALL"])
         .contains("OK"));
-    wait_backend(&gw, "local");
+    gw.wait_backend("local", Duration::from_secs(15));
     let recover = fault + Duration::from_millis(1200);
-    wait_backend(&gw, "redis");
+    gw.wait_backend("redis", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(300));
     let r = load.stop();
-    figures("client-pause", &r, fault, recover);
+    r.print_figures("client-pause", fault, recover);
     assert_served("CLIENT PAUSE", &r);
 }
 
@@ -194,7 +162,7 @@ fn script_flush_reloads_without_failing_over() {
     let recover = load.now();
     std::thread::sleep(Duration::from_millis(200));
     let r = load.stop();
-    figures("script-flush", &r, fault, recover);
+    r.print_figures("script-flush", fault, recover);
     assert_served("SCRIPT FLUSH", &r);
     assert_eq!(
         r.backend_at("local", fault),
@@ -225,14 +193,14 @@ fn a_full_redis_fails_over_and_back() {
         }
     }
     assert!(filled, "Redis reached maxmemory");
-    wait_backend(&gw, "local");
+    gw.wait_backend("local", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(500));
     let recover = load.now();
     assert!(redis.cmd(&["FLUSHALL"]).contains("OK"));
-    wait_backend(&gw, "redis");
+    gw.wait_backend("redis", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(300));
     let r = load.stop();
-    figures("oom", &r, fault, recover);
+    r.print_figures("oom", fault, recover);
     assert_served("OOM", &r);
 }
 

@@ -84,19 +84,6 @@ upstream = "up"
 limit = { algorithm = "token_bucket", capacity = 1000000000, refill_per_sec = 1000000000, scope = "global" }
 "#;
 
-fn wait_backend(gw: &GatewayGuard, backend: &str, secs: u64) {
-    wait_for(
-        &format!("backend {backend}"),
-        Duration::from_secs(secs),
-        || {
-            gw.admin_get("/readyz")
-                .text()
-                .contains(&format!("\"{backend}\""))
-                .then_some(())
-        },
-    );
-}
-
 #[test]
 fn cluster_tiers_in_different_slots_are_all_or_nothing() {
     let cluster = ClusterGuard::start();
@@ -138,27 +125,13 @@ fn cluster_master_killed_under_load() {
     let victim = cluster.masters()[0];
     let fault = load.now();
     cluster.kill(victim);
-    wait_backend(&gw, "local", 20);
+    gw.wait_backend("local", Duration::from_secs(20));
     cluster.wait_ok(); // a replica has been promoted
     let recovered = load.now();
-    wait_backend(&gw, "redis", 30);
+    gw.wait_backend("redis", Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(500));
     let r = load.stop();
-    let fallback = r
-        .backend_at("local", fault)
-        .map(|t| (t - fault).as_millis());
-    let failback = r
-        .backend_at("redis", recovered)
-        .map(|t| (t - recovered).as_millis());
-    let open_from = r.backend_at("local", fault).unwrap_or(fault) + Duration::from_millis(20);
-    eprintln!(
-        "FIGURES cluster-master-killed: requests={} 5xx={} slowest_during_fault_ms={:.1} slowest_once_open_ms={:.1} fallback_ms={fallback:?} failback_after_cluster_ok_ms={failback:?} outage_ms={}",
-        r.samples.len(),
-        r.server_errors(),
-        r.slowest(fault, recovered).as_secs_f64() * 1000.0,
-        r.slowest(open_from, recovered).as_secs_f64() * 1000.0,
-        (recovered - fault).as_millis()
-    );
+    r.print_figures("cluster-master-killed", fault, recovered);
     assert_eq!(r.server_errors(), 0);
     assert_eq!(r.count(|s| s.status != 200), 0);
     assert!(
@@ -182,32 +155,18 @@ fn sentinel_failover_is_followed() {
     std::thread::sleep(Duration::from_millis(500));
     let fault = load.now();
     s.master = None; // kill -9 the master
-    wait_backend(&gw, "local", 10);
+    gw.wait_backend("local", Duration::from_secs(10));
     wait_for(
         "the sentinels to promote the replica",
         Duration::from_secs(30),
         || (s.master_port() == Some(replica_port)).then_some(()),
     );
     let recovered = load.now();
-    wait_backend(&gw, "redis", 30);
+    gw.wait_backend("redis", Duration::from_secs(30));
     let calls = s.replica.as_ref().map(|r| r.calls("evalsha")).unwrap_or(0);
     std::thread::sleep(Duration::from_millis(500));
     let r = load.stop();
-    let fallback = r
-        .backend_at("local", fault)
-        .map(|t| (t - fault).as_millis());
-    let failback = r
-        .backend_at("redis", recovered)
-        .map(|t| (t - recovered).as_millis());
-    let open_from = r.backend_at("local", fault).unwrap_or(fault) + Duration::from_millis(20);
-    eprintln!(
-        "FIGURES sentinel-failover: requests={} 5xx={} slowest_during_fault_ms={:.1} slowest_once_open_ms={:.1} fallback_ms={fallback:?} failback_after_promotion_ms={failback:?} outage_ms={}",
-        r.samples.len(),
-        r.server_errors(),
-        r.slowest(fault, recovered).as_secs_f64() * 1000.0,
-        r.slowest(open_from, recovered).as_secs_f64() * 1000.0,
-        (recovered - fault).as_millis()
-    );
+    r.print_figures("sentinel-failover", fault, recovered);
     assert_eq!(r.server_errors(), 0);
     assert_eq!(r.count(|s| s.status != 200), 0);
     let after = s.replica.as_ref().map(|r| r.calls("evalsha")).unwrap_or(0);

@@ -213,10 +213,21 @@ def proc_status_kb(pid: int, field: str) -> int:
     return 0
 
 
-def machine_busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return v[0] + v[1] + v[2] + v[5] + v[6]  # user + nice + system + irq + softirq
+def all_process_ticks() -> dict[int, int]:
+    """utime + stime of every user-space process (kernel threads left out)."""
+    d = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[6]) & 0x00200000:  # PF_KTHREAD
+            continue
+        d[int(p)] = int(fields[11]) + int(fields[12])
+    return d
 
 
 class Redis:
@@ -435,18 +446,11 @@ class Bench:
 
     def snapshot(self, target: str) -> dict:
         info = self.t[target]
-        s = {"wall": time.monotonic(), "machine": machine_busy_ticks()}
+        s = {"wall": time.monotonic(), "all": all_process_ticks()}
         pids = info["pids"]()
         s["pids"] = pids
         s["proxy"] = sum(cpu_ticks(p) for p in pids)
         s["upstream"] = cpu_ticks(self.mock_proc.pid)
-        ours = 0
-        for p in set(self.our_pids) | set(pids):
-            try:
-                ours += cpu_ticks(p)
-            except OSError:
-                pass
-        s["ours"] = ours
         if self.redis is not None:
             s["redis"] = self.redis.info()
         if "admin" in info:
@@ -462,8 +466,11 @@ class Bench:
         r["cpu_us_per_req"] = (e["proxy"] - b["proxy"]) * us / n
         r["upstream_cpu_us_per_req"] = (e["upstream"] - b["upstream"]) * us / n
         r["proxy_cpu_cores"] = (e["proxy"] - b["proxy"]) / CLK_TCK / wall
-        foreign = (e["machine"] - b["machine"]) - (e["ours"] - b["ours"]) - loadgen_ticks
-        r["other_cpu_pct"] = round(100.0 * foreign / CLK_TCK / wall, 1)  # of one core
+        # Noise: CPU that user-space processes this run did not start used
+        # meanwhile (those that started and ended inside the window are missed).
+        ours = set(self.our_pids) | set(b["pids"]) | set(e["pids"]) | {os.getpid()}
+        foreign = sum(t - b["all"].get(p, 0) for p, t in e["all"].items() if p not in ours)
+        r["other_cpu_pct"] = round(100.0 * max(foreign, 0) / CLK_TCK / wall, 1)  # of one core
         if "redis" in b:
             rb, re_ = b["redis"], e["redis"]
             r["redis_cpu_us_per_req"] = (re_["cpu"] - rb["cpu"]) * 1e6 / n
@@ -500,16 +507,21 @@ class Bench:
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errf, env=env)
         errf.close()
         deadline = time.monotonic() + timeout
-        while True:
-            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                p.returncode = os.waitstatus_to_exitcode(status)
-                return p.returncode, (ru.ru_utime + ru.ru_stime) * CLK_TCK, ""
-            if time.monotonic() > deadline:
+        try:
+            while True:
+                pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    return p.returncode, (ru.ru_utime + ru.ru_stime) * CLK_TCK, ""
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{argv[0]} did not finish within {timeout:.0f}s")
+                time.sleep(0.05)
+        except BaseException:
+            if p.returncode is None:  # interrupted or timed out: stop it, by PID
                 p.kill()
                 os.wait4(p.pid, 0)
-                raise BenchError(f"{argv[0]} did not finish within {timeout:.0f}s")
-            time.sleep(0.05)
+                p.returncode = -9
+            raise
 
     def wrk_argv(self, target: str, secs: float, json_path: Path | None) -> tuple[list[str], dict]:
         info = self.t[target]
@@ -619,14 +631,16 @@ class Bench:
             rec = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-o", str(data), "-p", ",".join(map(str, pids)),
                                     "--", "sleep", f"{secs + 1:g}"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(0.5)
-            argv, env = self.wrk_argv(t, secs, None)
-            self.loadgen(argv, secs + 30, env)
             try:
+                time.sleep(0.5)
+                argv, env = self.wrk_argv(t, secs, None)
+                self.loadgen(argv, secs + 30, env)
                 rec.wait(timeout=secs + 30)
-            except subprocess.TimeoutExpired:
-                rec.send_signal(signal.SIGINT)
-                rec.wait()
+            except BaseException:
+                if rec.poll() is None:
+                    rec.send_signal(signal.SIGINT)
+                    rec.wait()
+                raise
             txt = self.out / f"perf-{t}.txt"
             with open(txt, "w") as f:
                 subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "-g", "none",
@@ -840,6 +854,11 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
             d["redis_cpu_us_per_req"] = median(r.get("redis_cpu_us_per_req") for r in tr)
             d["script_calls_per_req"] = median(r.get("script_calls_per_req") for r in tr)
             d["redis_script_usec_per_call"] = median(r.get("redis_script_usec_per_call") for r in tr)
+            # Every Redis command per request, the ones scripts run inside included.
+            cmds = sorted({c for r in tr for c in r.get("redis_calls", {})})
+            d["redis_commands_per_req"] = {
+                c: round(median(r.get("redis_calls", {}).get(c, 0) / max(r["requests"], 1) for r in tr), 4)
+                for c in cmds}
         statuses: dict = {}
         for r in lr:
             for k, v in r["status"].items():
@@ -849,7 +868,8 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
     if "gateway_redis" in s["targets"]:
         g = s["targets"]["gateway_redis"]
         s["redis"] = {"cpu_us_per_req": g["redis_cpu_us_per_req"], "script_calls_per_req": g["script_calls_per_req"],
-                      "script_usec_per_call": g["redis_script_usec_per_call"]}
+                      "script_usec_per_call": g["redis_script_usec_per_call"],
+                      "commands_per_req": g["redis_commands_per_req"]}
     if "gateway_redis_denied" in s["targets"]:
         g = s["targets"]["gateway_redis_denied"]
         s.setdefault("redis", {})["denied_cpu_us_per_req"] = g["redis_cpu_us_per_req"]
@@ -939,9 +959,18 @@ def markdown(s: dict) -> str:
             f"{fmt(d['p50_ms'], 3)} | {fmt(d['p99_ms'], 3)} | {fmt(d.get('redis_cpu_us_per_req'), 2) if t in REDIS_TARGETS else ''} | "
             f"{fmt(d.get('script_calls_per_req'), 3) if t in REDIS_TARGETS else ''} | {fmt(d['other_cpu_pct'], 0)} |")
     L.append("")
+    rd = s.get("redis")
+    if rd and rd.get("cpu_us_per_req") is not None:
+        cmds = ", ".join(f"{k} {v:g}" for k, v in (rd.get("commands_per_req") or {}).items())
+        L.append(f"Redis during `gateway_redis`: {fmt(rd['cpu_us_per_req'], 2)} µs CPU and "
+                 f"{fmt(rd['script_calls_per_req'], 3)} script calls per request"
+                 + (f", {fmt(rd['script_usec_per_call'], 2)} µs inside the script per call" if rd.get('script_usec_per_call') else "")
+                 + (f"; commands per request (those a script runs included): {cmds}" if cmds else "") + ".")
+        L.append("")
     L.append("*proxy CPU*: the proxy's processes (for `direct`, the upstream itself) from `/proc/PID/stat` over the "
              "max-throughput window, per request. *other load*: CPU used meanwhile by processes this benchmark did "
-             "not start, in % of one core (noise).")
+             "not start, in % of one core (noise; kernel threads and processes that came and went inside a window are not "
+             "counted).")
     L.append("")
     L.append("| target (issue) | value | limit | result |")
     L.append("|---|--:|--:|---|")
@@ -1065,22 +1094,38 @@ def write_report(out: Path) -> dict:
     return s
 
 
+def replace_block(text: str, name: str, body: str) -> str:
+    begin = f"<!-- {name}:begin (written by loadtest/bench.sh --publish) -->"
+    block = f"{begin}\n{body}\n<!-- {name}:end -->"
+    pat = re.compile(rf"<!-- {name}:begin.*?<!-- {name}:end -->", re.S)
+    if pat.search(text):
+        return pat.sub(lambda _: block, text)
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
 def publish(out: Path) -> None:
-    """Puts a run's table and chart into BENCHMARKS.md, between its markers."""
+    """Puts a run's tables and charts into BENCHMARKS.md, between its markers.
+
+    The targets table goes between <!-- bench:begin --> and <!-- bench:end -->,
+    the memory step's result between <!-- bench-memory:begin/end -->; the rest
+    of the file is left as it is. The charts are copied to loadtest/bench/."""
     s = write_report(out)
     bm = ROOT / "BENCHMARKS.md"
-    img = HERE / "latest-chart.png"
-    shutil.copyfile(out / "chart.png", img)
-    json_copy = HERE / "latest-summary.json"
-    shutil.copyfile(out / "summary.json", json_copy)
-    block = "<!-- bench:begin (written by loadtest/bench.sh --publish) -->\n" + markdown(s) + \
-            "\n![the targets side by side](loadtest/bench/latest-chart.png)\n<!-- bench:end -->"
-    text = bm.read_text() if bm.exists() else "# Benchmarks\n\n<!-- bench:begin -->\n<!-- bench:end -->\n"
-    new = re.sub(r"<!-- bench:begin.*?<!-- bench:end -->", lambda _: block, text, flags=re.S)
-    if new == text and "bench:begin" not in text:
-        new = text + "\n" + block + "\n"
-    bm.write_text(new)
-    log(f"published {out.name} into {bm} (chart: {img.relative_to(ROOT)})")
+    text = bm.read_text() if bm.exists() else "# Benchmarks\n"
+    if s["targets"]:
+        shutil.copyfile(out / "chart.png", HERE / "latest-chart.png")
+        shutil.copyfile(out / "summary.json", HERE / "latest-summary.json")
+        body = markdown(dict(s, memory=None)) + "\n![the targets side by side](loadtest/bench/latest-chart.png)\n"
+        text = replace_block(text, "bench", body)
+    if s.get("memory"):
+        shutil.copyfile(out / "memory.png", HERE / "latest-memory.png")
+        m = s["machine"]
+        body = (f"Run `{s['run']['dir']}` ({s['run']['started_at']}; {m['gateway']}, commit {m['git_commit']}"
+                f"{', dirty tree' if m['git_dirty'] else ''}).\n" + "\n".join(memory_md(dict(s, warnings=[])))
+                + "\n\n![RSS while new clients arrive](loadtest/bench/latest-memory.png)\n")
+        text = replace_block(text, "bench-memory", body)
+    bm.write_text(text)
+    log(f"published {out.name} into {bm}")
 
 
 # --- main ---------------------------------------------------------------------------------
@@ -1214,7 +1259,8 @@ def run(args) -> int:
     write_report(out)
     print()
     print((out / "summary.md").read_text())
-    log(f"wrote {out}/summary.json, summary.md, chart.png")
+    log(f"wrote {out}/: summary.json, summary.md" + (", chart.png" if summary["targets"] else "")
+        + (", memory.png" if summary.get("memory") else ""))
     if args.publish:
         publish(out)
     failed = [c for c in summary["checks"] if c["pass"] is False]

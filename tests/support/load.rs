@@ -153,3 +153,27 @@ impl Report {
             .map(|(t, _)| *t)
     }
 }
+
+impl Report {
+    /// Prints the figures of a fault test: 5xx, the slowest request during
+    /// the fault and once the breaker was open, time to fall back (from
+    /// `fault`) and to fail back (from `recover`).
+    pub fn print_figures(&self, name: &str, fault: Duration, recover: Duration) {
+        let fallback = self
+            .backend_at("local", fault)
+            .map(|t| (t - fault).as_millis());
+        let failback = self
+            .backend_at("redis", recover)
+            .map(|t| (t - recover).as_millis());
+        let open_from =
+            self.backend_at("local", fault).unwrap_or(fault) + Duration::from_millis(20);
+        eprintln!(
+            "FIGURES {name}: requests={} 5xx={} slowest_during_fault_ms={:.1} slowest_once_open_ms={:.1} fallback_ms={fallback:?} failback_ms={failback:?} fault_to_recovery_ms={}",
+            self.samples.len(),
+            self.server_errors(),
+            self.slowest(fault, recover).as_secs_f64() * 1000.0,
+            self.slowest(open_from, recover).as_secs_f64() * 1000.0,
+            (recover - fault).as_millis()
+        );
+    }
+}

@@ -364,6 +364,16 @@ impl GatewayGuard {
         fs::rename(&tmp, &self.config_path).expect("replace config");
     }
 
+    /// Waits until `/readyz` names `backend` ("redis" or "local").
+    pub fn wait_backend(&self, backend: &str, timeout: Duration) {
+        wait_for(&format!("backend {backend}"), timeout, || {
+            self.admin_get("/readyz")
+                .text()
+                .contains(&format!("\"{backend}\""))
+                .then_some(())
+        });
+    }
+
     /// The value of one Prometheus series (exact name and labels), or 0.
     pub fn metric(&self, series: &str) -> f64 {
         self.metrics()

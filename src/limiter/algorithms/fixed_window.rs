@@ -33,17 +33,6 @@ pub fn check(limit: u64, window_secs: u64, state: Option<(i64, u64)>, now: Micro
             ttl_us: until_end,
         }
     } else {
-        Evaluation {
-            decision: Decision {
-                allowed: false,
-                limit,
-                remaining: 0,
-                retry_after_us: until_end,
-                reset_after_us: until_end,
-                delay_us: 0,
-            },
-            update: Update::None,
-            ttl_us: until_end,
-        }
+        Evaluation::rejected(limit, until_end, until_end)
     }
 }

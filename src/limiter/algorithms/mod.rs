@@ -76,6 +76,24 @@ pub struct Evaluation {
     pub ttl_us: u64,
 }
 
+impl Evaluation {
+    /// A rejection: nothing to commit, retry (and reset) after `retry_us`.
+    fn rejected(limit: u64, retry_us: u64, ttl_us: u64) -> Self {
+        Evaluation {
+            decision: Decision {
+                allowed: false,
+                limit,
+                remaining: 0,
+                retry_after_us: retry_us,
+                reset_after_us: retry_us,
+                delay_us: 0,
+            },
+            update: Update::None,
+            ttl_us,
+        }
+    }
+}
+
 /// Decides one request against one bucket without changing it.
 pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros) -> Evaluation {
     match *alg {

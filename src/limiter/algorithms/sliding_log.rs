@@ -33,18 +33,7 @@ pub fn check(limit: u64, window_secs: u64, log: &VecDeque<Micros>, now: Micros) 
         // Enough entries must expire to leave limit - 1: the (count - limit)th live one.
         let idx = first_live + (count - limit) as usize;
         let retry = (log[idx] + w - now).max(1) as u64;
-        Evaluation {
-            decision: Decision {
-                allowed: false,
-                limit,
-                remaining: 0,
-                retry_after_us: retry,
-                reset_after_us: retry,
-                delay_us: 0,
-            },
-            update: Update::None,
-            ttl_us: w as u64,
-        }
+        Evaluation::rejected(limit, retry, w as u64)
     }
 }
 

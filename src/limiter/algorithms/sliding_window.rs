@@ -50,18 +50,7 @@ pub fn check(
         }
     } else {
         let retry = ceil_us(allow_at.ceil() - now_f);
-        Evaluation {
-            decision: Decision {
-                allowed: false,
-                limit,
-                remaining: 0,
-                retry_after_us: retry,
-                reset_after_us: retry,
-                delay_us: 0,
-            },
-            update: Update::None,
-            ttl_us: ceil_us(wsf + 2.0 * wf - now_f),
-        }
+        Evaluation::rejected(limit, retry, ceil_us(wsf + 2.0 * wf - now_f))
     }
 }
 
