@@ -1251,6 +1251,11 @@ def run(args) -> int:
                             "latency": "loadtest/bench/fixedrate.c (open loop, latency from the intended send time)"},
     }
     summary = summarize(args, targets if not args.memory_only else [], thr, lat, rate, extra)
+    noise = [d["other_cpu_pct"] for d in summary["targets"].values() if d.get("other_cpu_pct") is not None]
+    if noise and max(noise) > 25:
+        warn(f"noisy run: processes this run did not start used up to {max(noise):.0f}% of a core (median per "
+             f"target) during the windows; re-run on a quiet machine before drawing conclusions", b.warnings)
+    summary["noisy"] = bool(noise and max(noise) > 25)
     summary["run"] = run_info
     summary["machine"] = machine
     summary["warnings"] = b.warnings

@@ -485,8 +485,9 @@ int main(int argc, char **argv) {
         int64_t now = now_ns();
         int any_busy = 0;
         if (now >= end_ns) {
+            dispatch(); /* requests intended just before the end still go out */
             for (int i = 0; i < nconns; i++) any_busy |= conns[i].busy;
-            if (!any_busy || now >= deadline) break;
+            if ((!any_busy && intended_of(next_idx) >= end_ns) || now >= deadline) break;
         }
         int wait_ms = now >= end_ns ? 10 : (int)((end_ns - now) / 1000000LL) + 1;
         int n = epoll_wait(epfd, evs, 256, wait_ms);

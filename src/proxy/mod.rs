@@ -90,7 +90,7 @@ fn header_bytes(req: &RequestHeader) -> usize {
         .iter()
         .map(|(n, v)| n.as_str().len() + v.len() + 4)
         .sum::<usize>()
-        + req.uri.to_string().len()
+        + req.uri.path_and_query().map_or(0, |p| p.as_str().len())
 }
 
 #[async_trait]
@@ -353,6 +353,10 @@ impl ProxyHttp for Gateway {
         metrics::request(route, status);
         for (tier, decision) in &ctx.tiers {
             metrics::decision(*tier, route, *decision);
+        }
+        // Build the line only if someone reads it (benchmarks run at warn).
+        if !tracing::enabled!(target: "access", tracing::Level::INFO) {
+            return;
         }
         let tiers_with = |label: DecisionLabel| {
             let names: Vec<&str> = ctx
