@@ -5,6 +5,8 @@
 //! sent, or an API key.
 
 use std::sync::OnceLock;
+
+use metrics::{Counter, Histogram};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
@@ -73,11 +75,6 @@ pub fn render() -> String {
     }
 }
 
-pub fn request(route: &str, status: u16) {
-    counter!("gateway_requests_total", "route" => route.to_string(), "status" => status_label(status))
-        .increment(1);
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecisionLabel {
     Allowed,
@@ -93,16 +90,6 @@ impl DecisionLabel {
             DecisionLabel::ShadowRejected => "shadow_rejected",
         }
     }
-}
-
-pub fn decision(tier: Tier, route: &str, decision: DecisionLabel) {
-    counter!(
-        "gateway_ratelimit_decisions_total",
-        "tier" => tier.as_str(),
-        "route" => route.to_string(),
-        "decision" => decision.as_str()
-    )
-    .increment(1);
 }
 
 pub fn set_backend(state: FallbackState) {
@@ -123,11 +110,6 @@ pub fn redis_call(d: Duration) {
     histogram!("gateway_redis_call_duration_seconds").record(d.as_secs_f64());
 }
 
-pub fn upstream(route: &str, d: Duration) {
-    histogram!("gateway_upstream_duration_seconds", "route" => route.to_string())
-        .record(d.as_secs_f64());
-}
-
 pub fn local_entries(n: usize) {
     gauge!("gateway_limiter_local_entries").set(n as f64);
 }
@@ -137,36 +119,89 @@ pub fn config_reload(ok: bool) {
         .increment(1);
 }
 
-fn status_label(status: u16) -> &'static str {
-    // Common codes by name; anything else by class, so the label set stays closed.
-    const NAMED: &[(u16, &str)] = &[
-        (200, "200"),
-        (201, "201"),
-        (204, "204"),
-        (301, "301"),
-        (302, "302"),
-        (304, "304"),
-        (400, "400"),
-        (401, "401"),
-        (403, "403"),
-        (404, "404"),
-        (405, "405"),
-        (408, "408"),
-        (429, "429"),
-        (431, "431"),
-        (500, "500"),
-        (502, "502"),
-        (503, "503"),
-        (504, "504"),
-    ];
-    if let Some((_, label)) = NAMED.iter().find(|(code, _)| *code == status) {
-        return label;
+/// One route's series, registered on first use and then reused: the request
+/// path increments a handle instead of looking labels up in the registry.
+pub struct RouteMetrics {
+    route: String,
+    requests: [OnceLock<Counter>; STATUS_LABELS],
+    decisions: [[OnceLock<Counter>; 3]; 3],
+    upstream: OnceLock<Histogram>,
+}
+
+const STATUS_LABELS: usize = NAMED.len() + 5;
+
+impl RouteMetrics {
+    pub fn new(route: &str) -> Self {
+        RouteMetrics {
+            route: route.to_string(),
+            requests: std::array::from_fn(|_| OnceLock::new()),
+            decisions: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
+            upstream: OnceLock::new(),
+        }
     }
+
+    pub fn request(&self, status: u16) {
+        let (i, label) = status_label_indexed(status);
+        self.requests[i]
+            .get_or_init(|| counter!("gateway_requests_total", "route" => self.route.clone(), "status" => label))
+            .increment(1);
+    }
+
+    pub fn decision(&self, tier: Tier, decision: DecisionLabel) {
+        let (t, d) = (tier as usize, decision as usize);
+        self.decisions[t][d]
+            .get_or_init(|| {
+                counter!(
+                    "gateway_ratelimit_decisions_total",
+                    "tier" => tier.as_str(),
+                    "route" => self.route.clone(),
+                    "decision" => decision.as_str()
+                )
+            })
+            .increment(1);
+    }
+
+    pub fn upstream(&self, d: Duration) {
+        self.upstream
+            .get_or_init(
+                || histogram!("gateway_upstream_duration_seconds", "route" => self.route.clone()),
+            )
+            .record(d.as_secs_f64());
+    }
+}
+
+// Common codes by name; anything else by class, so the label set stays closed.
+const NAMED: &[(u16, &str)] = &[
+    (200, "200"),
+    (201, "201"),
+    (204, "204"),
+    (301, "301"),
+    (302, "302"),
+    (304, "304"),
+    (400, "400"),
+    (401, "401"),
+    (403, "403"),
+    (404, "404"),
+    (405, "405"),
+    (408, "408"),
+    (429, "429"),
+    (431, "431"),
+    (500, "500"),
+    (502, "502"),
+    (503, "503"),
+    (504, "504"),
+];
+
+fn status_label_indexed(status: u16) -> (usize, &'static str) {
+    if let Some(i) = NAMED.iter().position(|(code, _)| *code == status) {
+        return (i, NAMED[i].1);
+    }
+    let n = NAMED.len();
     match status {
-        100..=199 => "1xx",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        _ => "5xx",
+        100..=199 => (n, "1xx"),
+        200..=299 => (n + 1, "2xx"),
+        300..=399 => (n + 2, "3xx"),
+        400..=499 => (n + 3, "4xx"),
+        _ => (n + 4, "5xx"),
     }
 }

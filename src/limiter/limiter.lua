@@ -35,9 +35,17 @@ local function ceil_us(x)
   return math.ceil(x)
 end
 
+-- Writes are collected as (key, value, ttl in ms) and applied only if every
+-- enforcing tier admits; a sliding log's write is marked with value false.
+local wkey, wval, wttl, nw = {}, {}, {}, 0
+local function write(key, value, ttl_us)
+  nw = nw + 1
+  wkey[nw], wval[nw], wttl[nw] = key, value, math.max(1, math.ceil(ttl_us / 1000))
+end
+
 -- GCRA: token bucket (tau = (capacity-1)*T) and leaky bucket (tau = max delay).
-local function gcra(key, t, tau, limit, shaping, now)
-  local v = redis.call('GET', key)
+-- `v` is the bucket's stored value, read for every tier with one MGET.
+local function gcra(key, v, t, tau, shaping, now)
   local tat = now
   if v then tat = tonumber(v) end
   local allow_at = tat - tau
@@ -49,12 +57,10 @@ local function gcra(key, t, tau, limit, shaping, now)
     local reset = ceil_us(new_tat - now)
     local delay = 0
     if shaping then delay = ceil_us(slot - now) end
-    return {1, remaining, 0, reset, delay}, function()
-      redis.call('SET', key, string.format('%.17g', new_tat), 'PX', math.max(1, math.ceil(reset / 1000)))
-    end
+    return 1, remaining, 0, reset, delay, string.format('%.17g', new_tat), reset
   end
   local retry = ceil_us(math.ceil(allow_at) - now)
-  return {0, 0, retry, retry, 0}, nil
+  return 0, 0, retry, retry, 0
 end
 
 local function window_index(now, w, stored)
@@ -63,8 +69,7 @@ local function window_index(now, w, stored)
   return n
 end
 
-local function fixed_window(key, limit, w, now)
-  local v = redis.call('GET', key)
+local function fixed_window(v, limit, w, now)
   local win, count = nil, 0
   if v then
     local a, b = string.match(v, '^(%-?%d+) (%d+)$')
@@ -75,15 +80,12 @@ local function fixed_window(key, limit, w, now)
   if win ~= n then count = 0 end
   local until_end = math.max(0, (n + 1) * w - now)
   if count < limit then
-    return {1, limit - count - 1, 0, until_end, 0}, function()
-      redis.call('SET', key, string.format('%d %d', n, count + 1), 'PX', math.max(1, math.ceil(until_end / 1000)))
-    end
+    return 1, limit - count - 1, 0, until_end, 0, string.format('%d %d', n, count + 1), until_end
   end
-  return {0, 0, until_end, until_end, 0}, nil
+  return 0, 0, until_end, until_end, 0
 end
 
-local function sliding_window(key, limit, w, now)
-  local v = redis.call('GET', key)
+local function sliding_window(v, limit, w, now)
   local win, sprev, scur = nil, 0, 0
   if v then
     local a, b, c = string.match(v, '^(%-?%d+) (%d+) (%d+)$')
@@ -108,12 +110,10 @@ local function sliding_window(key, limit, w, now)
     if remaining < 0 then remaining = 0 end
     local until_end = ceil_us(ws + w - now)
     local ttl = ceil_us(ws + 2 * w - now)
-    return {1, remaining, 0, until_end, 0}, function()
-      redis.call('SET', key, string.format('%d %d %d', n, prev, cur1), 'PX', math.max(1, math.ceil(ttl / 1000)))
-    end
+    return 1, remaining, 0, until_end, 0, string.format('%d %d %d', n, prev, cur1), ttl
   end
   local retry = ceil_us(math.ceil(allow_at) - now)
-  return {0, 0, retry, retry, 0}, nil
+  return 0, 0, retry, retry, 0
 end
 
 local function sliding_log(key, limit, w, now)
@@ -124,15 +124,12 @@ local function sliding_log(key, limit, w, now)
     local oldest = now
     local first = redis.call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     if first[2] then oldest = tonumber(first[2]) end
-    return {1, limit - count - 1, 0, math.max(0, oldest + w - now), 0}, function()
-      redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', lower))
-      redis.call('ZADD', key, string.format('%d', now), string.format('%d:%d', now, count))
-      redis.call('PEXPIRE', key, math.max(1, math.ceil(w / 1000)))
-    end
+    -- The log's write: value false marks it; the member is "<now>:<count>".
+    return 1, limit - count - 1, 0, math.max(0, oldest + w - now), 0, false, w, count
   end
   local entry = redis.call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', count - limit, 1)
   local retry = math.max(1, tonumber(entry[2]) + w - now)
-  return {0, 0, retry, retry, 0}, nil
+  return 0, 0, retry, retry, 0
 end
 
 local now
@@ -147,34 +144,56 @@ if n == nil or #KEYS ~= n or #ARGV ~= 2 + 4 * n then
   return redis.error_reply('limiter.lua: expected n keys and 2 + 4n arguments, got ' .. #KEYS .. ' keys and ' .. #ARGV .. ' arguments')
 end
 
-local out, commits, admit = {}, {}, true
+-- One read for every string-valued bucket (a sliding log's zset reads as nil).
+local values = redis.call('MGET', unpack(KEYS))
+
+local out, admit = {}, true
+local logs = {}
 for i = 1, n do
   local b = 2 + (i - 1) * 4
   local kind, p1, p2 = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   local shadow = ARGV[b + 4] == '1'
-  local r, commit
+  local key, v = KEYS[i], values[i]
+  local ok, remaining, retry, reset, delay, value, ttl, count
   if kind == 1 then
     local t = 1e6 / p2
-    r, commit = gcra(KEYS[i], t, t * (p1 - 1), p1, false, now)
+    ok, remaining, retry, reset, delay, value, ttl = gcra(key, v, t, t * (p1 - 1), false, now)
   elseif kind == 2 then
     local t = 1e6 / p1
-    local tau = p2 * 1000.0
-    r, commit = gcra(KEYS[i], t, tau, math.floor(tau / t) + 1, true, now)
+    ok, remaining, retry, reset, delay, value, ttl = gcra(key, v, t, p2 * 1000.0, true, now)
   elseif kind == 3 then
-    r, commit = fixed_window(KEYS[i], p1, p2 * 1000000, now)
+    ok, remaining, retry, reset, delay, value, ttl = fixed_window(v, p1, p2 * 1000000, now)
   elseif kind == 4 then
-    r, commit = sliding_window(KEYS[i], p1, p2 * 1000000, now)
+    ok, remaining, retry, reset, delay, value, ttl = sliding_window(v, p1, p2 * 1000000, now)
   elseif kind == 5 then
-    r, commit = sliding_log(KEYS[i], p1, p2 * 1000000, now)
+    ok, remaining, retry, reset, delay, value, ttl, count = sliding_log(key, p1, p2 * 1000000, now)
   else
     return redis.error_reply('limiter.lua: unknown algorithm kind ' .. tostring(ARGV[b + 1]))
   end
-  if r[1] == 0 and not shadow then admit = false end
-  if commit then commits[#commits + 1] = commit end
-  for j = 1, 5 do out[#out + 1] = r[j] end
+  if ok == 0 and not shadow then admit = false end
+  if ok == 1 then
+    if value then
+      write(key, value, ttl)
+    else
+      logs[#logs + 1] = {key, ttl, count}
+    end
+  end
+  out[#out + 1] = ok
+  out[#out + 1] = remaining
+  out[#out + 1] = retry
+  out[#out + 1] = reset
+  out[#out + 1] = delay
 end
 if admit then
-  for _, c in ipairs(commits) do c() end
+  for i = 1, nw do
+    redis.call('SET', wkey[i], wval[i], 'PX', wttl[i])
+  end
+  for _, l in ipairs(logs) do
+    local key, w, count = l[1], l[2], l[3]
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now - w))
+    redis.call('ZADD', key, string.format('%d', now), string.format('%d:%d', now, count))
+    redis.call('PEXPIRE', key, math.max(1, math.ceil(w / 1000)))
+  end
 end
 out[#out + 1] = now
 return out

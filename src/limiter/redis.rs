@@ -55,8 +55,12 @@ enum Topology {
 pub struct RedisBackend {
     topology: Topology,
     connected: ArcSwapOption<Connected>,
-    /// Standalone: created on first use, in the caller's runtime.
+    /// Standalone: the request path's connection, created on first use.
     single: OnceLock<ConnectionManager>,
+    /// Standalone: the probe's connection.
+    probe_single: OnceLock<ConnectionManager>,
+    /// Sentinel: the request path's connection to the current master.
+    request_conn: ArcSwapOption<Connected>,
     script: redis::Script,
     refund: redis::Script,
     budget: Duration,
@@ -127,6 +131,8 @@ impl RedisBackend {
             topology,
             connected: ArcSwapOption::empty(),
             single: OnceLock::new(),
+            probe_single: OnceLock::new(),
+            request_conn: ArcSwapOption::empty(),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
             budget,
@@ -134,16 +140,54 @@ impl RedisBackend {
         }
     }
 
-    /// The connection requests use; sentinel and cluster connections are
-    /// made by the probe, standalone lazily here.
+    /// The connection requests use, made in the caller's runtime (the
+    /// proxy's), so a Redis call costs no hop to another thread. Sentinel:
+    /// to the master the probe last found. Cluster: the probe's connection.
     fn connection(&self) -> Result<Conn, LimiterError> {
+        match &self.topology {
+            Topology::Standalone(client) => {
+                if let Some(c) = self.single.get() {
+                    return Ok(Conn::Single(c.clone()));
+                }
+                let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config())
+                    .map_err(redis_err)?;
+                Ok(Conn::Single(self.single.get_or_init(|| c).clone()))
+            }
+            Topology::Sentinel { .. } => {
+                let target = self.connected.load();
+                let master = target
+                    .as_ref()
+                    .and_then(|c| c.master.clone())
+                    .ok_or(LimiterError::NotConnected)?;
+                if let Some(rc) = self.request_conn.load().as_ref() {
+                    if rc.master.as_deref() == Some(master.as_str()) {
+                        return Ok(rc.conn.clone());
+                    }
+                }
+                let client = redis::Client::open(format!("redis://{master}")).map_err(redis_err)?;
+                let conn = Conn::Single(
+                    ConnectionManager::new_lazy_with_config(client, manager_config())
+                        .map_err(redis_err)?,
+                );
+                self.request_conn.store(Some(Arc::new(Connected {
+                    conn: conn.clone(),
+                    master: Some(master),
+                })));
+                Ok(conn)
+            }
+            Topology::Cluster(_) => self.probe_connection(),
+        }
+    }
+
+    /// The probe's own connection (made in the probe's runtime).
+    fn probe_connection(&self) -> Result<Conn, LimiterError> {
         if let Topology::Standalone(client) = &self.topology {
-            if let Some(c) = self.single.get() {
+            if let Some(c) = self.probe_single.get() {
                 return Ok(Conn::Single(c.clone()));
             }
             let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config())
                 .map_err(redis_err)?;
-            return Ok(Conn::Single(self.single.get_or_init(|| c).clone()));
+            return Ok(Conn::Single(self.probe_single.get_or_init(|| c).clone()));
         }
         self.connected
             .load()
@@ -225,7 +269,7 @@ impl RedisBackend {
     pub async fn probe(&self, probe_key: &str) -> Result<(), LimiterError> {
         let work = async {
             self.ensure_connected().await?;
-            let conn = self.connection()?;
+            let conn = self.probe_connection()?;
             match conn {
                 Conn::Single(mut c) => self.probe_on(&mut c, probe_key).await,
                 Conn::Cluster(mut c) => {
@@ -360,29 +404,41 @@ impl RedisBackend {
     }
 }
 
-/// One call of limiter.lua over some checks.
+/// One call of limiter.lua over some checks: EVALSHA, and on NOSCRIPT (after
+/// a restart or SCRIPT FLUSH) load the script and send it again.
 async fn run_script(
     script: &redis::Script,
     clock: Option<&Arc<dyn Clock>>,
     conn: &mut Conn,
     checks: &[&Check],
 ) -> Result<Vec<i64>, LimiterError> {
-    let mut inv = script.prepare_invoke();
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(checks.len());
     for c in checks {
-        inv.key(&c.key);
+        cmd.arg(c.key.as_str());
     }
-    let now = clock.map(|c| c.now_us().to_string());
-    inv.arg(now.unwrap_or_default()).arg(checks.len());
+    match clock {
+        Some(clock) => cmd.arg(clock.now_us()),
+        None => cmd.arg(""),
+    };
+    cmd.arg(checks.len());
     for c in checks {
         let (kind, p1, p2) = script_args(&c.algorithm);
-        inv.arg(kind)
+        cmd.arg(kind)
             .arg(p1)
             .arg(p2)
             .arg(if c.shadow { "1" } else { "0" });
     }
-    let reply: Vec<i64> = match conn {
-        Conn::Single(c) => inv.invoke_async(c).await,
-        Conn::Cluster(c) => inv.invoke_async(c).await,
+    let reply: Vec<i64> = match query(conn, &cmd).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            match conn {
+                Conn::Single(c) => script.load_async(c).await,
+                Conn::Cluster(c) => script.load_async(c).await,
+            }
+            .map_err(redis_err)?;
+            query(conn, &cmd).await
+        }
+        other => other,
     }
     .map_err(redis_err)?;
     if reply.len() != checks.len() * 5 + 1 {
@@ -394,6 +450,16 @@ async fn run_script(
         )));
     }
     Ok(reply)
+}
+
+async fn query<T: redis::FromRedisValue>(
+    conn: &mut Conn,
+    cmd: &redis::Cmd,
+) -> redis::RedisResult<T> {
+    match conn {
+        Conn::Single(c) => cmd.query_async(c).await,
+        Conn::Cluster(c) => cmd.query_async(c).await,
+    }
 }
 
 /// Redis Cluster's hash slot of a key (CRC16/XMODEM, honouring `{hash tags}`).

@@ -30,14 +30,35 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 
 use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
 use crate::limiter::{Fallback, Outcome, Tier};
-use crate::metrics::{self, DecisionLabel};
+use crate::metrics::{DecisionLabel, RouteMetrics};
 use responses::Reply;
 use upstreams::Pools;
 
-/// What a reload replaces as one: the admission policy and the upstream pools.
+/// What a reload replaces as one: the admission policy, the upstream pools
+/// and each route's metric handles.
 pub struct Live {
     pub policy: Arc<Policy>,
     pub pools: Arc<Pools>,
+    /// Indexed like the config's routes.
+    route_metrics: Vec<RouteMetrics>,
+    /// Requests that matched no route.
+    unrouted: RouteMetrics,
+}
+
+impl Live {
+    pub fn new(policy: Arc<Policy>, pools: Arc<Pools>) -> Self {
+        Live {
+            route_metrics: policy
+                .config
+                .routes
+                .iter()
+                .map(|r| RouteMetrics::new(&r.name))
+                .collect(),
+            unrouted: RouteMetrics::new("(none)"),
+            policy,
+            pools,
+        }
+    }
 }
 
 pub struct Gateway {
@@ -63,6 +84,14 @@ impl Gateway {
     async fn reply(&self, session: &mut Session, ctx: &Ctx, reply: Reply) -> Result<bool> {
         responses::send(session, reply, &ctx.request_id).await?;
         Ok(true)
+    }
+
+    fn route_metrics(ctx: &Ctx) -> Option<&RouteMetrics> {
+        let live = ctx.live.as_ref()?;
+        Some(match &ctx.plan {
+            Some(plan) => &live.route_metrics[plan.route],
+            None => &live.unrouted,
+        })
     }
 
     fn route_name(ctx: &Ctx) -> &str {
@@ -287,8 +316,8 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(sent) = ctx.upstream_sent {
-            metrics::upstream(Self::route_name(ctx), sent.elapsed());
+        if let (Some(sent), Some(m)) = (ctx.upstream_sent, Self::route_metrics(ctx)) {
+            m.upstream(sent.elapsed());
         }
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
@@ -350,9 +379,11 @@ impl ProxyHttp for Gateway {
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let route = Self::route_name(ctx);
-        metrics::request(route, status);
-        for (tier, decision) in &ctx.tiers {
-            metrics::decision(*tier, route, *decision);
+        if let Some(m) = Self::route_metrics(ctx) {
+            m.request(status);
+            for (tier, decision) in &ctx.tiers {
+                m.decision(*tier, *decision);
+            }
         }
         // Build the line only if someone reads it (benchmarks run at warn).
         if !tracing::enabled!(target: "access", tracing::Level::INFO) {

@@ -61,10 +61,8 @@ impl Reloader {
                         "config reload: this key changed but takes effect only after a restart"
                     );
                 }
-                self.live.store(Arc::new(Live {
-                    policy: Arc::new(Policy::new(new)),
-                    pools,
-                }));
+                self.live
+                    .store(Arc::new(Live::new(Arc::new(Policy::new(new)), pools)));
                 metrics::config_reload(true);
                 tracing::info!(trigger = why, path = %self.path.display(), "config reloaded");
             }

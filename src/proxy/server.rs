@@ -90,10 +90,10 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
 
     let limiter = build_limiter(&config)?;
     let pools = Pools::build(&config.upstreams)?;
-    let live = Arc::new(ArcSwap::from_pointee(Live {
-        policy: Arc::new(Policy::new(config.clone())),
-        pools: Arc::new(pools),
-    }));
+    let live = Arc::new(ArcSwap::from_pointee(Live::new(
+        Arc::new(Policy::new(config.clone())),
+        Arc::new(pools),
+    )));
     let gateway = Gateway {
         live: live.clone(),
         limiter: limiter.clone(),
