@@ -97,7 +97,8 @@ to_secs() {
   echo "$total"
 }
 run_secs=$(to_secs "$run_time") || { echo "surge.sh: bad --run-time '$run_time'" >&2; exit 2; }
-for v in users spawn capacity; do
+[[ $users =~ ^[1-9][0-9]*$ ]] || { echo "surge.sh: --users must be a whole number" >&2; exit 2; }
+for v in spawn capacity; do
   [[ ${!v} =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "surge.sh: --${v/spawn/spawn-rate} must be a number" >&2; exit 2; }
 done
 [[ $max_queue_ms =~ ^[0-9]+$ ]] || { echo "surge.sh: --max-queue-ms must be a whole number" >&2; exit 2; }
@@ -244,7 +245,7 @@ wait_until 10 "redis-server on 127.0.0.1:$redis_port" \
 mock_pid=$!
 wait_until 10 "mock-upstream on $mock_url" bash -c "kill -0 $mock_pid && curl -fsS $mock_url/healthz"
 
-"$py" "$here/prepare.py" riders --count "${users%.*}" --out "$out/riders.csv"
+"$py" "$here/prepare.py" riders --count "$users" --out "$out/riders.csv"
 "$py" "$here/prepare.py" configs --template "$here/surge.gateway.toml" --riders "$out/riders.csv" \
   --out-dir "$out/config" --replicas "$replicas" \
   --proxy-ports "$(IFS=,; echo "${proxy_ports[*]}")" --admin-ports "$(IFS=,; echo "${admin_ports[*]}")" \

@@ -30,9 +30,13 @@ The arithmetic mirrors src/limiter/algorithms/*.rs operation for operation, in
 the same order, so Lua's doubles and Rust's f64 agree to the bit.
 ]]
 
+-- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
+local floor, ceil, max, fmod, format = math.floor, math.ceil, math.max, math.fmod, string.format
+local call, tonum, unpack = redis.call, tonumber, unpack
+
 local function ceil_us(x)
   if x <= 0 then return 0 end
-  return math.ceil(x)
+  return ceil(x)
 end
 
 -- Writes are collected as (key, value, ttl in ms) and applied only if every
@@ -40,31 +44,31 @@ end
 local wkey, wval, wttl, nw = {}, {}, {}, 0
 local function write(key, value, ttl_us)
   nw = nw + 1
-  wkey[nw], wval[nw], wttl[nw] = key, value, math.max(1, math.ceil(ttl_us / 1000))
+  wkey[nw], wval[nw], wttl[nw] = key, value, max(1, ceil(ttl_us / 1000))
 end
 
 -- GCRA: token bucket (tau = (capacity-1)*T) and leaky bucket (tau = max delay).
 -- `v` is the bucket's stored value, read for every tier with one MGET.
 local function gcra(key, v, t, tau, shaping, now)
   local tat = now
-  if v then tat = tonumber(v) end
+  if v then tat = tonum(v) end
   local allow_at = tat - tau
   if now >= allow_at then
-    local slot = math.max(tat, now)
+    local slot = max(tat, now)
     local new_tat = slot + t
-    local remaining = math.floor((now + tau - new_tat) / t) + 1
+    local remaining = floor((now + tau - new_tat) / t) + 1
     if remaining < 0 then remaining = 0 end
     local reset = ceil_us(new_tat - now)
     local delay = 0
     if shaping then delay = ceil_us(slot - now) end
-    return 1, remaining, 0, reset, delay, string.format('%.17g', new_tat), reset
+    return 1, remaining, 0, reset, delay, format('%.17g', new_tat), reset
   end
-  local retry = ceil_us(math.ceil(allow_at) - now)
+  local retry = ceil_us(ceil(allow_at) - now)
   return 0, 0, retry, retry, 0
 end
 
 local function window_index(now, w, stored)
-  local n = (now - math.fmod(now, w)) / w
+  local n = (now - fmod(now, w)) / w
   if stored and stored > n then n = stored end
   return n
 end
@@ -73,14 +77,14 @@ local function fixed_window(v, limit, w, now)
   local win, count = nil, 0
   if v then
     local a, b = string.match(v, '^(%-?%d+) (%d+)$')
-    win = tonumber(a)
-    count = tonumber(b)
+    win = tonum(a)
+    count = tonum(b)
   end
   local n = window_index(now, w, win)
   if win ~= n then count = 0 end
-  local until_end = math.max(0, (n + 1) * w - now)
+  local until_end = max(0, (n + 1) * w - now)
   if count < limit then
-    return 1, limit - count - 1, 0, until_end, 0, string.format('%d %d', n, count + 1), until_end
+    return 1, limit - count - 1, 0, until_end, 0, format('%d %d', n, count + 1), until_end
   end
   return 0, 0, until_end, until_end, 0
 end
@@ -89,7 +93,7 @@ local function sliding_window(v, limit, w, now)
   local win, sprev, scur = nil, 0, 0
   if v then
     local a, b, c = string.match(v, '^(%-?%d+) (%d+) (%d+)$')
-    win, sprev, scur = tonumber(a), tonumber(b), tonumber(c)
+    win, sprev, scur = tonum(a), tonum(b), tonum(c)
   end
   local n = window_index(now, w, win)
   local prev, cur = 0, 0
@@ -106,52 +110,52 @@ local function sliding_window(v, limit, w, now)
   end
   if now >= allow_at then
     local cur1 = cur + 1
-    local remaining = math.floor(limit - cur1 - prev * (ws + w - now) / w)
+    local remaining = floor(limit - cur1 - prev * (ws + w - now) / w)
     if remaining < 0 then remaining = 0 end
     local until_end = ceil_us(ws + w - now)
     local ttl = ceil_us(ws + 2 * w - now)
-    return 1, remaining, 0, until_end, 0, string.format('%d %d %d', n, prev, cur1), ttl
+    return 1, remaining, 0, until_end, 0, format('%d %d %d', n, prev, cur1), ttl
   end
-  local retry = ceil_us(math.ceil(allow_at) - now)
+  local retry = ceil_us(ceil(allow_at) - now)
   return 0, 0, retry, retry, 0
 end
 
 local function sliding_log(key, limit, w, now)
   local lower = now - w
-  local live = '(' .. string.format('%d', lower)
-  local count = redis.call('ZCOUNT', key, live, '+inf')
+  local live = '(' .. format('%d', lower)
+  local count = call('ZCOUNT', key, live, '+inf')
   if count < limit then
     local oldest = now
-    local first = redis.call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    if first[2] then oldest = tonumber(first[2]) end
+    local first = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if first[2] then oldest = tonum(first[2]) end
     -- The log's write: value false marks it; the member is "<now>:<count>".
-    return 1, limit - count - 1, 0, math.max(0, oldest + w - now), 0, false, w, count
+    return 1, limit - count - 1, 0, max(0, oldest + w - now), 0, false, w, count
   end
-  local entry = redis.call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', count - limit, 1)
-  local retry = math.max(1, tonumber(entry[2]) + w - now)
+  local entry = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', count - limit, 1)
+  local retry = max(1, tonum(entry[2]) + w - now)
   return 0, 0, retry, retry, 0
 end
 
 local now
 if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
+  now = tonum(ARGV[1])
 else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local t = call('TIME')
+  now = tonum(t[1]) * 1000000 + tonum(t[2])
 end
-local n = tonumber(ARGV[2])
+local n = tonum(ARGV[2])
 if n == nil or #KEYS ~= n or #ARGV ~= 2 + 4 * n then
   return redis.error_reply('limiter.lua: expected n keys and 2 + 4n arguments, got ' .. #KEYS .. ' keys and ' .. #ARGV .. ' arguments')
 end
 
 -- One read for every string-valued bucket (a sliding log's zset reads as nil).
-local values = redis.call('MGET', unpack(KEYS))
+local values = call('MGET', unpack(KEYS))
 
 local out, admit = {}, true
 local logs = {}
 for i = 1, n do
   local b = 2 + (i - 1) * 4
-  local kind, p1, p2 = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  local kind, p1, p2 = tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
   local shadow = ARGV[b + 4] == '1'
   local key, v = KEYS[i], values[i]
   local ok, remaining, retry, reset, delay, value, ttl, count
@@ -186,13 +190,13 @@ for i = 1, n do
 end
 if admit then
   for i = 1, nw do
-    redis.call('SET', wkey[i], wval[i], 'PX', wttl[i])
+    call('SET', wkey[i], wval[i], 'PX', wttl[i])
   end
   for _, l in ipairs(logs) do
     local key, w, count = l[1], l[2], l[3]
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now - w))
-    redis.call('ZADD', key, string.format('%d', now), string.format('%d:%d', now, count))
-    redis.call('PEXPIRE', key, math.max(1, math.ceil(w / 1000)))
+    call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - w))
+    call('ZADD', key, format('%d', now), format('%d:%d', now, count))
+    call('PEXPIRE', key, max(1, ceil(w / 1000)))
   end
 end
 out[#out + 1] = now
