@@ -128,7 +128,7 @@ pub struct RouteMetrics {
     upstream: OnceLock<Histogram>,
 }
 
-const STATUS_LABELS: usize = NAMED.len() + 5;
+const STATUS_LABELS: usize = NAMED.len() + 6;
 
 impl RouteMetrics {
     pub fn new(route: &str) -> Self {
@@ -198,6 +198,8 @@ fn status_label_indexed(status: u16) -> (usize, &'static str) {
     }
     let n = NAMED.len();
     match status {
+        // No response was written: the client went away first (nginx's 499).
+        0 => (n + 5, "aborted"),
         100..=199 => (n, "1xx"),
         200..=299 => (n + 1, "2xx"),
         300..=399 => (n + 2, "3xx"),
