@@ -196,7 +196,8 @@ fn a_changed_file_is_picked_up_and_a_broken_one_changes_nothing() {
     let gw = GatewayGuard::start(&config(&redis.url(), &up, TB3));
     let addr = gw.addr;
     let in_flight = std::thread::spawn(move || {
-        Client::connect(addr).and_then(|mut c| c.request("GET", "/open/slow", &[("x-mock-delay-ms", "1500")], b""))
+        Client::connect(addr)
+            .and_then(|mut c| c.request("GET", "/open/slow", &[("x-mock-delay-ms", "1500")], b""))
     });
     wait_for("the slow request upstream", Duration::from_secs(5), || {
         (up.count("/open/slow") == 1).then_some(())
@@ -205,8 +206,14 @@ fn a_changed_file_is_picked_up_and_a_broken_one_changes_nothing() {
     wait_for("the file-change reload", Duration::from_secs(10), || {
         (gw.metric("gateway_config_reloads_total{result=\"ok\"}") >= 1.0).then_some(())
     });
-    let r = in_flight.join().expect("thread").expect("the in-flight request completes");
-    assert_eq!(r.status, 200, "no request in flight is dropped by a file-change reload");
+    let r = in_flight
+        .join()
+        .expect("thread")
+        .expect("the in-flight request completes");
+    assert_eq!(
+        r.status, 200,
+        "no request in flight is dropped by a file-change reload"
+    );
     assert_eq!(admitted(&gw, 8, "/limited"), 6);
 
     // A broken file: a wrong type and a dangling upstream.
