@@ -444,8 +444,23 @@ limit = { algorithm = "token_bucket", capacity = 2, refill_per_sec = 0.5, scope 
         "Retry-After is the wait rounded up to whole seconds"
     );
     assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
-    // The connection stays open after a 429.
+    // The connection stays open after a 429, for a POST with a body too.
     assert_eq!(get(&mut c, "/other", &[]).status, 404);
+    let r = c
+        .request("POST", "/r", &h, b"{\"pickup\":\"stadium\"}")
+        .expect("post");
+    assert_eq!(r.status, 429);
+    assert_eq!(
+        r.header("connection"),
+        Some("keep-alive"),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(
+        get(&mut c, "/other", &[]).status,
+        404,
+        "the same connection serves on"
+    );
 }
 
 #[test]

@@ -116,8 +116,30 @@ pub fn internal() -> Reply {
     json(500, "internal", "internal error")
 }
 
+/// Request bodies up to this size are read and dropped before a reply the
+/// gateway writes itself, so the connection can serve the next request
+/// (Pingora closes a connection answered before its request body was read).
+const DRAIN_LIMIT: u64 = 64 * 1024;
+
 /// Writes a reply; the connection stays open for the next request.
 pub async fn send(session: &mut Session, reply: Reply, request_id: &str) -> Result<()> {
+    let small_body = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .is_some_and(|n| n <= DRAIN_LIMIT);
+    if small_body && !session.is_body_done() {
+        // A client that announces a body and never sends it only loses its connection.
+        let drained = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            session.drain_request_body(),
+        )
+        .await;
+        if !matches!(drained, Ok(Ok(()))) {
+            session.set_keepalive(None);
+        }
+    }
     let mut h = ResponseHeader::build(reply.status, Some(4 + reply.headers.len()))?;
     h.insert_header("content-type", reply.content_type)?;
     h.insert_header("content-length", reply.body.len().to_string())?;
