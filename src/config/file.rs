@@ -277,6 +277,34 @@ fn req<T>(
     }
 }
 
+/// Checks one string of a list (with its span); `None` once reported.
+type CheckItem = fn(&mut Reader<'_>, &str, &(String, Range<usize>)) -> Option<String>;
+
+/// A non-empty array of strings, each checked by `item` (every bad one reported).
+fn non_empty(
+    r: &mut Reader<'_>,
+    path: &str,
+    v: &Value<'_>,
+    what: &str,
+    item: CheckItem,
+) -> Option<Vec<String>> {
+    let items = r.strings(path, v)?;
+    if items.is_empty() {
+        r.error(
+            path,
+            Some(&v.span()),
+            format!("expected at least one {what}"),
+        );
+        return None;
+    }
+    let checked: Vec<Option<String>> = items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| item(r, &format!("{path}[{i}]"), x))
+        .collect();
+    checked.into_iter().collect()
+}
+
 fn socket_addr(
     r: &mut Reader<'_>,
     path: &str,
@@ -379,21 +407,7 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
         ],
     );
     let listen = req(r, t, p, None, "listen", |r, path, v| {
-        let items = r.strings(path, v)?;
-        if items.is_empty() {
-            r.error(
-                path,
-                Some(&v.span()),
-                "expected at least one listen address",
-            );
-            return None;
-        }
-        let addrs: Vec<Option<String>> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| socket_addr(r, &format!("{path}[{i}]"), item))
-            .collect();
-        addrs.into_iter().collect()
+        non_empty(r, path, v, "listen address", socket_addr)
     });
     let admin_listen = opt(r, t, p, "admin_listen", None, |r, path, v| {
         let s = r.string(path, v)?;
@@ -890,17 +904,7 @@ fn upstream(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -
     );
     let uname = req(r, t, p, Some(span), "name", name);
     let servers = req(r, t, p, Some(span), "servers", |r, path, v| {
-        let items = r.strings(path, v)?;
-        if items.is_empty() {
-            r.error(path, Some(&v.span()), "expected at least one server");
-            return None;
-        }
-        let servers: Vec<Option<String>> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| host_port(r, &format!("{path}[{i}]"), item))
-            .collect();
-        servers.into_iter().collect()
+        non_empty(r, path, v, "server", host_port)
     });
     let hc = opt(r, t, p, "health_check_path", None, |r, path, v| {
         let s = r.string(path, v)?;

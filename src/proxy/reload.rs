@@ -79,40 +79,35 @@ impl Reloader {
 
 /// Keys read once at start-up (listeners, runtime, limiter backend).
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
-    let mut changed = Vec::new();
-    let (a, b) = (&old.server, &new.server);
-    if a.listen != b.listen {
-        changed.push("server.listen");
-    }
-    if a.admin_listen != b.admin_listen {
-        changed.push("server.admin_listen");
-    }
-    if a.threads != b.threads {
-        changed.push("server.threads");
-    }
-    if a.grace_period_secs != b.grace_period_secs {
-        changed.push("server.grace_period_secs");
-    }
-    if a.header_read_timeout_ms != b.header_read_timeout_ms {
-        changed.push("server.header_read_timeout_ms");
-    }
-    let (a, b) = (&old.limiter, &new.limiter);
-    if a.backend != b.backend {
-        changed.push("limiter.backend");
-    }
-    if a.on_redis_failure != b.on_redis_failure {
-        changed.push("limiter.on_redis_failure");
-    }
-    if a.instances != b.instances {
-        changed.push("limiter.instances");
-    }
-    if a.local_max_entries != b.local_max_entries {
-        changed.push("limiter.local_max_entries");
-    }
-    if old.redis != new.redis {
-        changed.push("redis");
-    }
-    changed
+    let (s0, s1) = (&old.server, &new.server);
+    let (l0, l1) = (&old.limiter, &new.limiter);
+    [
+        ("server.listen", s0.listen != s1.listen),
+        ("server.admin_listen", s0.admin_listen != s1.admin_listen),
+        ("server.threads", s0.threads != s1.threads),
+        (
+            "server.grace_period_secs",
+            s0.grace_period_secs != s1.grace_period_secs,
+        ),
+        (
+            "server.header_read_timeout_ms",
+            s0.header_read_timeout_ms != s1.header_read_timeout_ms,
+        ),
+        ("limiter.backend", l0.backend != l1.backend),
+        (
+            "limiter.on_redis_failure",
+            l0.on_redis_failure != l1.on_redis_failure,
+        ),
+        ("limiter.instances", l0.instances != l1.instances),
+        (
+            "limiter.local_max_entries",
+            l0.local_max_entries != l1.local_max_entries,
+        ),
+        ("redis", old.redis != new.redis),
+    ]
+    .into_iter()
+    .filter_map(|(key, changed)| changed.then_some(key))
+    .collect()
 }
 
 #[async_trait]
