@@ -1,15 +1,15 @@
-//! Configuration: the file (`file`, read through `reader`), the validated model
-//! (`model`), and the live handle the proxy reads one snapshot from per request.
+//! Configuration: the file (`file`, read through `reader`) and the validated
+//! model (`model`). The live snapshot the proxy reads per request, and its
+//! reload, live in `proxy` (`Live`, `reload`): a reload swaps the policy, the
+//! upstream pools and the metric handles together.
 
 mod file;
-mod handle;
 pub mod model;
 mod reader;
 
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
-pub use handle::ConfigHandle;
 pub use model::*;
 
 /// One problem in a config file: where it is and what was expected.
