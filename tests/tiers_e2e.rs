@@ -198,7 +198,7 @@ require_api_key = true
         [200; 5]
     );
 
-    let keys_before = redis.dbsize();
+    let keys_before = redis.keys();
     let calls_before = redis.calls("evalsha");
     for i in 0..50 {
         let r = get(&mut c, "/k", &[("x-api-key", &format!("guess-{i}"))]);
@@ -209,10 +209,11 @@ require_api_key = true
             r.text()
         );
     }
-    assert_eq!(
-        redis.dbsize(),
-        keys_before,
-        "unknown keys create no Redis key"
+    // Keys may expire meanwhile (a refilled bucket, the probe's key); none may appear.
+    let keys_after = redis.keys();
+    assert!(
+        keys_after.is_subset(&keys_before),
+        "unknown keys created Redis keys: {keys_after:?} vs {keys_before:?}"
     );
     assert_eq!(
         redis.calls("evalsha"),

@@ -128,6 +128,15 @@ impl RedisGuard {
         String::from_utf8_lossy(&out.stdout).to_string()
     }
 
+    /// Every key name now.
+    pub fn keys(&self) -> std::collections::BTreeSet<String> {
+        self.cmd(&["KEYS", "*"])
+            .lines()
+            .map(str::to_string)
+            .filter(|k| !k.is_empty())
+            .collect()
+    }
+
     pub fn dbsize(&self) -> u64 {
         self.cmd(&["DBSIZE"]).trim().parse().unwrap_or(u64::MAX)
     }
