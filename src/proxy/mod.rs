@@ -365,6 +365,17 @@ impl ProxyHttp for Gateway {
         }
     }
 
+    /// A client that hangs up before its answer is its own business (nginx
+    /// logs a 499, not an error): the access line and the `aborted` status
+    /// label record it; Pingora's ERROR line would only be noise in a surge.
+    fn suppress_error_log(&self, _session: &Session, _ctx: &Ctx, error: &Error) -> bool {
+        error.esource() == &ErrorSource::Downstream
+            && matches!(
+                error.etype(),
+                ErrorType::ConnectionClosed | ErrorType::ReadError | ErrorType::WriteError
+            )
+    }
+
     /// What Pingora's own error logs say about a request: never the raw
     /// path or query (they may carry secrets), only the method and route.
     fn request_summary(&self, session: &Session, ctx: &Ctx) -> String {
