@@ -609,8 +609,9 @@ class Bench:
         if gs:
             others = {s: n for s, n in gs.items() if s != want}
             # wrk stops with up to one request in flight per connection; the
-            # gateway counts each such abandoned request (as 5xx today).
-            aborted = sum(others.values()) if tool == "wrk" and set(others) <= {"5xx", "499"} else 0
+            # gateway counts each such abandoned request as "aborted" (as "5xx"
+            # in builds before that label existed).
+            aborted = sum(others.values()) if tool == "wrk" and set(others) <= {"aborted", "5xx", "499"} else 0
             if aborted and aborted <= self.a.connections:
                 r["aborted_at_wrk_stop"] = aborted
             elif others:
