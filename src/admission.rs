@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use crate::config::{Algorithm, Config, HeaderStyle, Scope};
 use crate::identity::{self, ClientAddr, KeyError, KeyTable};
+use crate::limiter::algorithms::quota;
 use crate::limiter::keys::bucket_key;
 use crate::limiter::{Check, Decision, Outcome, Tier};
 use crate::metrics::DecisionLabel;
@@ -295,11 +296,8 @@ fn quota_window(alg: &Algorithm) -> (u64, u64) {
             capacity,
             ((capacity as f64 / refill_per_sec).ceil() as u64).max(1),
         ),
-        Algorithm::LeakyBucket {
-            rate_per_sec,
-            max_delay_ms,
-        } => {
-            let burst = ((max_delay_ms as f64 / 1000.0) * rate_per_sec).floor() as u64 + 1;
+        Algorithm::LeakyBucket { rate_per_sec, .. } => {
+            let burst = quota(alg);
             (burst, ((burst as f64 / rate_per_sec).ceil() as u64).max(1))
         }
         Algorithm::FixedWindow { limit, window_secs }

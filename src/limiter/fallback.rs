@@ -164,7 +164,7 @@ impl Fallback {
             verdict: Verdict {
                 decisions: vec![Decision {
                     allowed: false,
-                    limit: super::redis::shown_limit(&c.algorithm),
+                    limit: super::algorithms::quota(&c.algorithm),
                     remaining: 0,
                     retry_after_us: wait_us,
                     reset_after_us: wait_us,

@@ -24,6 +24,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 
+use super::algorithms::quota;
 use super::{Backend, Check, Decision, LimiterError, Verdict};
 use crate::clock::Clock;
 use crate::config::{Algorithm, RedisMode, RedisSettings};
@@ -508,27 +509,10 @@ fn script_args(alg: &Algorithm) -> (u8, String, String) {
     }
 }
 
-/// The quota a client is shown for a rule; the script does not return it.
-pub(super) fn shown_limit(alg: &Algorithm) -> u64 {
-    match *alg {
-        Algorithm::TokenBucket { capacity, .. } => capacity,
-        Algorithm::LeakyBucket {
-            rate_per_sec,
-            max_delay_ms,
-        } => {
-            let t = 1e6 / rate_per_sec;
-            ((max_delay_ms as f64 * 1000.0) / t).floor() as u64 + 1
-        }
-        Algorithm::FixedWindow { limit, .. }
-        | Algorithm::SlidingWindow { limit, .. }
-        | Algorithm::SlidingLog { limit, .. } => limit,
-    }
-}
-
 fn decision(c: &Check, r: &[i64]) -> Decision {
     Decision {
         allowed: r[0] == 1,
-        limit: shown_limit(&c.algorithm),
+        limit: quota(&c.algorithm),
         remaining: r[1].max(0) as u64,
         retry_after_us: r[2].max(0) as u64,
         reset_after_us: r[3].max(0) as u64,

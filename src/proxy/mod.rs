@@ -195,13 +195,12 @@ impl ProxyHttp for Gateway {
             Ok(plan) => plan,
             Err(refusal) => return self.reply(session, ctx, responses::refusal(&refusal)).await,
         };
-        let checks = plan.checks.clone();
-        ctx.plan = Some(plan);
-        if checks.is_empty() {
+        if plan.checks.is_empty() {
+            ctx.plan = Some(plan);
             return Ok(false);
         }
-
-        let outcome = self.limiter.decide(&checks).await;
+        let outcome = self.limiter.decide(&plan.checks).await;
+        ctx.plan = Some(plan);
         ctx.backend = admission::backend_of(&outcome);
         if let Outcome::Decided {
             verdict, checks, ..

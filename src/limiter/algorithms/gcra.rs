@@ -20,9 +20,12 @@ pub fn token_bucket(capacity: u64, rate: f64, tat: Option<f64>, now: Micros) -> 
 pub fn leaky_bucket(rate: f64, max_delay_ms: u64, tat: Option<f64>, now: Micros) -> Evaluation {
     let t = 1e6 / rate;
     let tau = max_delay_ms as f64 * 1000.0;
-    // The most requests that can be queued at once: one now, one per T of delay.
-    let burst = (tau / t).floor() as u64 + 1;
-    decide(t, tau, burst, tat, now, true)
+    decide(t, tau, leaky_burst(t, tau), tat, now, true)
+}
+
+/// The most requests a leaky bucket queues at once: one now, one per T of delay.
+pub(super) fn leaky_burst(t: f64, tau: f64) -> u64 {
+    (tau / t).floor() as u64 + 1
 }
 
 fn decide(

@@ -94,6 +94,22 @@ impl Evaluation {
     }
 }
 
+/// The quota a client is shown for a rule: capacity, limit, or for a leaky
+/// bucket the most requests that can be queued at once (one now, one per
+/// emission interval of delay). One formula for both backends and the headers.
+pub fn quota(alg: &Algorithm) -> u64 {
+    match *alg {
+        Algorithm::TokenBucket { capacity, .. } => capacity,
+        Algorithm::LeakyBucket {
+            rate_per_sec,
+            max_delay_ms,
+        } => gcra::leaky_burst(1e6 / rate_per_sec, max_delay_ms as f64 * 1000.0),
+        Algorithm::FixedWindow { limit, .. }
+        | Algorithm::SlidingWindow { limit, .. }
+        | Algorithm::SlidingLog { limit, .. } => limit,
+    }
+}
+
 /// Decides one request against one bucket without changing it.
 pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros) -> Evaluation {
     match *alg {
