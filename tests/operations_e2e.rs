@@ -63,6 +63,24 @@ const TB3: &str =
 const TB6: &str =
     r#"{ algorithm = "token_bucket", capacity = 6, refill_per_sec = 0.001, scope = "global" }"#;
 
+/// Starts a request the upstream holds for `delay_ms` and waits until it is
+/// there, so a reload happens while it is in flight.
+fn slow_request_in_flight(
+    gw: &GatewayGuard,
+    up: &UpstreamGuard,
+    delay_ms: &'static str,
+) -> std::thread::JoinHandle<std::io::Result<support::Response>> {
+    let addr = gw.addr;
+    let handle = std::thread::spawn(move || {
+        Client::connect(addr)
+            .and_then(|mut c| c.request("GET", "/open/slow", &[("x-mock-delay-ms", delay_ms)], b""))
+    });
+    wait_for("the slow request upstream", Duration::from_secs(5), || {
+        (up.count("/open/slow") == 1).then_some(())
+    });
+    handle
+}
+
 fn admitted(gw: &GatewayGuard, n: usize, path: &str) -> usize {
     let mut c = gw.client();
     (0..n)
@@ -167,14 +185,7 @@ fn sighup_applies_a_new_limit_without_dropping_a_request_in_flight() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
     let gw = GatewayGuard::start(&config(&redis.url(), &up, TB3));
-    let addr = gw.addr;
-    let in_flight = std::thread::spawn(move || {
-        Client::connect(addr)
-            .and_then(|mut c| c.request("GET", "/open/slow", &[("x-mock-delay-ms", "800")], b""))
-    });
-    wait_for("the slow request upstream", Duration::from_secs(5), || {
-        (up.count("/open/slow") == 1).then_some(())
-    });
+    let in_flight = slow_request_in_flight(&gw, &up, "800");
     gw.rewrite_config(&config(&redis.url(), &up, TB6));
     gw.signal("HUP");
     wait_for("the reload", Duration::from_secs(5), || {
@@ -194,14 +205,7 @@ fn a_changed_file_is_picked_up_and_a_broken_one_changes_nothing() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
     let gw = GatewayGuard::start(&config(&redis.url(), &up, TB3));
-    let addr = gw.addr;
-    let in_flight = std::thread::spawn(move || {
-        Client::connect(addr)
-            .and_then(|mut c| c.request("GET", "/open/slow", &[("x-mock-delay-ms", "1500")], b""))
-    });
-    wait_for("the slow request upstream", Duration::from_secs(5), || {
-        (up.count("/open/slow") == 1).then_some(())
-    });
+    let in_flight = slow_request_in_flight(&gw, &up, "1500");
     gw.rewrite_config(&config(&redis.url(), &up, TB6));
     wait_for("the file-change reload", Duration::from_secs(10), || {
         (gw.metric("gateway_config_reloads_total{result=\"ok\"}") >= 1.0).then_some(())
