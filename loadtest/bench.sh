@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The fast-path benchmark: the gateway side by side with nginx, on loopback.
+# The fast-path benchmark: the gateway side by side with nginx and with Pingora
+# alone, on loopback.
 #
 #   loadtest/bench.sh [--quick] [--duration SECS] [--connections N] [--threads N]
 #                     [--rounds N] [--latency-duration SECS] [--warmup SECS]
@@ -13,6 +14,9 @@
 #   direct                the load generator against the upstream itself
 #   nginx_limit_req       nginx proxy_pass (upstream keep-alive) + limit_req
 #                         keyed by client address, admitting everything
+#   pingora_bare          Pingora alone (examples/bare_proxy.rs): one fixed
+#                         upstream peer, default settings, the system allocator;
+#                         what Pingora itself costs per request
 #   gateway_off           the gateway with no limits configured
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
 #   gateway_redis         all three tiers on Redis, admitting everything
@@ -24,14 +28,16 @@
 # max, measured from each request's intended send time (loadtest/bench/
 # fixedrate.c: coordinated-omission corrected). For the Redis targets, Redis's
 # CPU per request (INFO cpu) and script calls per request (INFO commandstats).
-# Each number reported is the median of the rounds.
+# Each number reported is the median of the rounds. For context (reported, never
+# pass/fail): gateway_off's and nginx_limit_req's CPU per request relative to
+# pingora_bare's.
 #
 # Writes loadtest/results/bench-<timestamp>/: summary.json, summary.md (the
 # table, with the issue's targets passed or failed), chart.png, the configs, the
 # logs and every raw wrk/fixedrate result.
 #
 #   (default)        3 rounds, 15 s max-throughput + 15 s fixed-rate windows,
-#                    then the memory step: about 14 minutes
+#                    then the memory step: about 16 minutes
 #   --quick          3 rounds of 5 s + 4 s windows, no memory step: under 5 minutes
 #   --memory         add the memory step (the default outside --quick): a gateway
 #                    on the local backend with local_max_entries = 1,000,000 and
@@ -42,18 +48,21 @@
 #   --perf           also record a perf profile of each proxy during one extra
 #                    max-throughput window (perf-<target>.txt, .data)
 #   --publish        copy the table and chart into BENCHMARKS.md
-#   --threads        the gateway's server.threads = nginx's worker_processes (2)
+#   --threads        the gateway's server.threads = nginx's worker_processes
+#                    = bare_proxy's --threads (2)
 #   --upstream-threads  mock-upstream's --threads (1)
 #
-# Everything it starts (redis-server, mock-upstream, nginx, gateways) listens on
-# 127.0.0.1 at free ports and is stopped by PID on exit. The gateways run with
-# GATEWAY_LOG=warn (no access log). Exit status: 0 when every target of the
-# issue holds, 1 when one fails (the results are still written) or the build is
-# missing, 2 on bad usage or a failed run.
+# Everything it starts (redis-server, mock-upstream, nginx, bare_proxy,
+# gateways) listens on 127.0.0.1 at free ports and is stopped by PID on exit.
+# The gateways run with GATEWAY_LOG=warn (no access log). Exit status: 0 when
+# every target of the issue holds, 1 when one fails (the results are still
+# written) or the build is missing, 2 on bad usage or a failed run.
 #
-# Needs target/release/gateway and target/release/mock-upstream (it never
-# builds them); wrk, nginx, redis-server, a C compiler (installed with apt-get
-# when missing) and matplotlib in .venv (installed with pip when missing).
+# Needs target/release/gateway and target/release/mock-upstream (cargo build
+# --release) and, for pingora_bare, target/release/examples/bare_proxy (cargo
+# build --release --example bare_proxy); it never builds them. Also wrk, nginx,
+# redis-server, a C compiler (installed with apt-get when missing) and
+# matplotlib in .venv (installed with pip when missing).
 set -euo pipefail
 
 root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
@@ -75,6 +84,24 @@ for bin in "$root/target/release/gateway" "$root/target/release/mock-upstream"; 
     exit 1
   fi
 done
+# bare_proxy only when pingora_bare is measured: every target by default, else
+# when --targets names it (bench.py checks again, whatever the spelling).
+want_bare=1
+prev=
+for arg in "$@"; do
+  case $prev in --targets) [[ ,$arg, == *,pingora_bare,* ]] || want_bare=0 ;; esac
+  case $arg in
+    --targets=*) [[ ,${arg#--targets=}, == *,pingora_bare,* ]] || want_bare=0 ;;
+    --memory-only) want_bare=0 ;;
+  esac
+  prev=$arg
+done
+bare=$root/target/release/examples/bare_proxy
+if ((want_bare)) && [[ ! -x $bare ]]; then
+  echo "bench.sh: $bare is missing (the pingora_bare target): build first:" \
+    "cargo build --release --example bare_proxy" >&2
+  exit 1
+fi
 
 as_root() {
   if ((EUID == 0)); then "$@"; else sudo "$@"; fi

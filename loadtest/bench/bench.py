@@ -7,12 +7,13 @@
 
 Every server it needs is started here, on 127.0.0.1 and free ports, and
 stopped by PID on exit: a Redis, the mock upstream, nginx (Debian's, in the
-foreground) and one gateway per gateway target. Load goes to 127.0.0.1 only,
-for bounded times.
+foreground), the bare Pingora proxy and one gateway per gateway target. Load
+goes to 127.0.0.1 only, for bounded times.
 
 Targets, side by side (see BENCHMARKS.md):
     direct                the load generator against the upstream itself
     nginx_limit_req       nginx proxy_pass + limit_req keyed by client address
+    pingora_bare          Pingora alone: examples/bare_proxy.rs, default settings
     gateway_off           the gateway with no limiter work at all
     gateway_local         all three tiers on the local backend
     gateway_redis         all three tiers on Redis, admitting everything
@@ -50,12 +51,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 GATEWAY = ROOT / "target/release/gateway"
 MOCK = ROOT / "target/release/mock-upstream"
+BARE = ROOT / "target/release/examples/bare_proxy"
 RESULTS = ROOT / "loadtest/results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 TARGETS = [
     "direct",
     "nginx_limit_req",
+    "pingora_bare",
     "gateway_off",
     "gateway_local",
     "gateway_redis",
@@ -76,6 +79,13 @@ CHECKS = [
     ("denied_script_calls_per_req", "script calls per denied request", "<=", 0.1),
     ("redis_cpu_us_per_decision", "Redis CPU µs per three-tier decision", "<=", 10.0),
     ("off_vs_nginx_cpu", "gateway_off CPU / nginx_limit_req CPU per request", "<=", 1.5),
+]
+
+# Context, not targets of the issue (never pass/fail, no effect on the exit
+# status): how much of the gateway's CPU per request is Pingora's own.
+CONTEXT = [
+    ("off_vs_bare_cpu", "gateway_off CPU / pingora_bare CPU per request", "gateway_off", "pingora_bare"),
+    ("bare_vs_nginx_cpu", "pingora_bare CPU / nginx_limit_req CPU per request", "pingora_bare", "nginx_limit_req"),
 ]
 
 
@@ -292,7 +302,7 @@ def delta_counts(a: dict, b: dict) -> dict:
 
 
 class Bench:
-    def __init__(self, args, out: Path, tools: Path) -> None:
+    def __init__(self, args, out: Path, tools: Path, targets: list[str]) -> None:
         self.a = args
         self.out = out
         self.tools = tools
@@ -309,8 +319,11 @@ class Bench:
         (out / "bin").mkdir(exist_ok=True)
         self.gateway = out / "bin" / "gateway"
         self.mock = out / "bin" / "mock-upstream"
+        self.bare = out / "bin" / "bare_proxy"
         shutil.copy2(GATEWAY, self.gateway)
         shutil.copy2(MOCK, self.mock)
+        if "pingora_bare" in targets:
+            shutil.copy2(BARE, self.bare)
 
     # servers
 
@@ -375,6 +388,19 @@ class Bench:
             self.t["nginx_limit_req"] = {"url": url, "pids": lambda p=p: [p.pid] + children_of(p.pid),
                                          "headers": {}, "proc": p, "workers": workers}
             self.our_pids += [p.pid] + workers
+
+        if "pingora_bare" in targets:
+            port = next(ports)
+            bl = logs / "pingora_bare.log"
+            p = self.procs.start(
+                "pingora_bare",
+                [str(self.bare), "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--threads", str(a.threads)],
+                bl,
+            )
+            url = f"http://127.0.0.1:{port}{PATH}"
+            wait_until("pingora_bare", lambda: http_get(url)[0] == 200, 10, p, bl)
+            self.t["pingora_bare"] = {"url": url, "pids": lambda p=p: [p.pid], "headers": {}, "proc": p, "log": bl}
+            self.our_pids.append(p.pid)
 
         redis_section = (
             "[redis]\n"
@@ -878,7 +904,18 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
     s["fixed_rate_rps"] = rate
     s.update(extra)
     s["checks"] = compute_checks(s)
+    s["context"] = compute_context(s)
     return s
+
+
+def compute_context(s: dict) -> list[dict]:
+    """CPU-per-request ratios for context (informational, never pass/fail)."""
+    T = s["targets"]
+    out = []
+    for key, label, num, den in CONTEXT:
+        x, y = T.get(num, {}).get("cpu_us_per_req"), T.get(den, {}).get("cpu_us_per_req")
+        out.append({"key": key, "label": label, "value": x / y if x is not None and y else None})
+    return out
 
 
 def compute_checks(s: dict) -> list[dict]:
@@ -942,7 +979,8 @@ def markdown(s: dict) -> str:
                          f"{'**pass**' if c['pass'] else '**FAIL**'} |")
         return "\n".join(L + memory_md(s)) + "\n"
     L.append(f"Run `{run['dir']}` ({run['mode']}): {run['rounds']} rounds, alternating order; "
-             f"{run['connections']} connections; gateway `server.threads` = nginx `worker_processes` = {run['threads']}; "
+             f"{run['connections']} connections; gateway `server.threads` = nginx `worker_processes` = "
+             f"{'bare_proxy `--threads` = ' if 'pingora_bare' in T else ''}{run['threads']}; "
              f"mock-upstream `--threads {run['upstream_threads']}`; max throughput: wrk -t{run['wrk_threads']} "
              f"for {run['duration_s']:g} s; latency: fixedrate (open loop, coordinated-omission corrected) at "
              f"{fmt(s['fixed_rate_rps'], 0)} rps (half gateway_off's max) for {run['latency_duration_s']:g} s; "
@@ -973,6 +1011,14 @@ def markdown(s: dict) -> str:
              "not start, in % of one core (noise; kernel threads and processes that came and went inside a window are not "
              "counted).")
     L.append("")
+    ctx = s.get("context") or compute_context(s)
+    if any(c["value"] is not None for c in ctx):
+        L.append("Context (informational, not targets of the issue; `pingora_bare` is Pingora alone, "
+                 "`examples/bare_proxy.rs` with default settings):")
+        L.append("")
+        for c in ctx:
+            L.append(f"- {c['label']}: {fmt(c['value'], 3)}")
+        L.append("")
     L.append("| target (issue) | value | limit | result |")
     L.append("|---|--:|--:|---|")
     for c in s["checks"]:
@@ -1010,7 +1056,7 @@ def chart(s: dict, path: Path) -> None:
     T = s["targets"]
     names = list(T)
     x = range(len(names))
-    colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c"}
+    colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e"}
     col = [colors.get(n, "#1f77b4") for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
 
@@ -1030,6 +1076,9 @@ def chart(s: dict, path: Path) -> None:
     ax.bar(x, red, bottom=cpu, color="#d62728", label="Redis")
     for i in x:
         ax.text(i, cpu[i] + red[i], f"{cpu[i] + red[i]:.1f}", ha="center", va="bottom", fontsize=8)
+    # Room for the labels: a zero-height Redis bar on top of the tallest bar
+    # would otherwise pin the axis there (its sticky edge) and cut the label off.
+    ax.set_ylim(0, max([cpu[i] + red[i] for i in x] + [1]) * 1.08)
     ax.set_title("CPU per request at max throughput")
     ax.set_ylabel("µs / request")
     ax.legend(fontsize=8)
@@ -1134,15 +1183,19 @@ def publish(out: Path) -> None:
 
 def run(args) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    targets = [t for t in TARGETS if t in args.targets] if args.targets else list(TARGETS)
+    if args.memory_only:
+        targets = ["direct"]
+    if "pingora_bare" in targets and not BARE.exists():
+        print(f"bench: {BARE} is missing (the pingora_bare target): build first: "
+              f"cargo build --release --example bare_proxy", file=sys.stderr)
+        return 1
     out = Path(args.out) if args.out else RESULTS / f"bench-{stamp}"
     for d in ("config", "logs", "raw"):
         (out / d).mkdir(parents=True, exist_ok=True)
     out = out.resolve()
     tools = Path(args.tools).resolve()
-    targets = [t for t in TARGETS if t in args.targets] if args.targets else list(TARGETS)
-    if args.memory_only:
-        targets = ["direct"]
-    b = Bench(args, out, tools)
+    b = Bench(args, out, tools, targets)
 
     def on_signal(sig, _frame):
         raise KeyboardInterrupt(f"signal {sig}")
@@ -1221,13 +1274,14 @@ def run(args) -> int:
         if not args.perf:  # perf reports need the binary they profiled; nothing else does
             shutil.rmtree(out / "bin", ignore_errors=True)
 
-    # What the gateways logged at warn level or above. A request abandoned by
-    # wrk at the end of a window is logged as "Downstream ConnectionClosed":
-    # counted, not warned about.
+    # What the gateways logged at warn level or above (bare_proxy installs no
+    # logger: only a panic would show). A request abandoned by wrk at the end
+    # of a window is logged as "Downstream ConnectionClosed": counted, not
+    # warned about.
     gateway_logs = {}
     for t in list(targets) + (["memory-gateway"] if "memory" in extra else []):
         lp = out / "logs" / f"{t}.log"
-        if (t in GATEWAY_TARGETS or t == "memory-gateway") and lp.exists():
+        if (t in GATEWAY_TARGETS or t in ("memory-gateway", "pingora_bare")) and lp.exists():
             lines = [ln for ln in lp.read_text(errors="replace").splitlines()
                      if re.search(r"\b(WARN|ERROR|panic)", ln, re.I)]
             aborts = [ln for ln in lines if "Downstream ConnectionClosed" in ln]
