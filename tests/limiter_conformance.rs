@@ -213,31 +213,36 @@ async fn shadow_tiers_report_but_never_block() {
 }
 
 /// Random sequences over every algorithm: both backends stay in lock-step.
+/// A rule of algorithm `which` (0..5) with random parameters: limits and
+/// capacities below `max_limit`, windows below `max_window` seconds.
+fn random_algorithm(
+    rng: &mut fastrand::Rng,
+    which: u8,
+    max_limit: u64,
+    max_window: u64,
+) -> Algorithm {
+    let limit = rng.u64(1..max_limit);
+    let window_secs = rng.u64(1..max_window);
+    match which {
+        0 => tb(limit, rng.f64() * 50.0 + 0.1),
+        1 => Algorithm::LeakyBucket {
+            rate_per_sec: rng.f64() * 100.0 + 0.5,
+            max_delay_ms: rng.u64(0..500),
+        },
+        2 => Algorithm::FixedWindow { limit, window_secs },
+        3 => Algorithm::SlidingWindow { limit, window_secs },
+        _ => Algorithm::SlidingLog { limit, window_secs },
+    }
+}
+
 #[tokio::test]
 async fn random_sequences_agree() {
     let p = Pair::new();
     let mut rng = fastrand::Rng::with_seed(0x5eed);
     let mut decisions = 0;
     for round in 0..40 {
-        let alg = match rng.u8(0..5) {
-            0 => tb(rng.u64(1..30), rng.f64() * 50.0 + 0.1),
-            1 => Algorithm::LeakyBucket {
-                rate_per_sec: rng.f64() * 100.0 + 0.5,
-                max_delay_ms: rng.u64(0..500),
-            },
-            2 => Algorithm::FixedWindow {
-                limit: rng.u64(1..30),
-                window_secs: rng.u64(1..5),
-            },
-            3 => Algorithm::SlidingWindow {
-                limit: rng.u64(1..30),
-                window_secs: rng.u64(1..5),
-            },
-            _ => Algorithm::SlidingLog {
-                limit: rng.u64(1..30),
-                window_secs: rng.u64(1..5),
-            },
-        };
+        let which = rng.u8(0..5);
+        let alg = random_algorithm(&mut rng, which, 30, 5);
         let c = [
             check(Tier::Ip, "ip", tb(50, 20.0), &format!("ip:{round}")),
             check(Tier::Route, &format!("r{round}"), alg, "global"),
@@ -249,4 +254,99 @@ async fn random_sequences_agree() {
         }
     }
     assert_eq!(decisions, 2400);
+}
+
+/// A batch decided in one call answers exactly what its requests get one by
+/// one at the same instant: each request sees what the ones before it took,
+/// even when they share buckets, a rejection mid-batch charges nothing, and a
+/// sliding log counts the entries the same batch added.
+#[tokio::test]
+async fn batches_decide_as_one_by_one() {
+    let p = Pair::new();
+    let mut rng = fastrand::Rng::with_seed(0xba7c4);
+    let mut decided = 0;
+    let mut rejected = 0;
+    for round in 0..30 {
+        let route = random_algorithm(&mut rng, (round % 5) as u8, 12, 3);
+        // Four clients on two keys' plans, one shared route bucket; one client
+        // carries a shadow tier.
+        let clients: Vec<Vec<Check>> = (0..4)
+            .map(|c| {
+                let mut v = vec![
+                    check(Tier::Ip, "ip", tb(6, 3.0), &format!("ip:{round}:{c}")),
+                    check(
+                        Tier::Key,
+                        "plan",
+                        tb(8, 4.0),
+                        &format!("k:{round}:{}", c % 2),
+                    ),
+                    check(Tier::Route, &format!("r{round}"), route, "global"),
+                ];
+                if c == 3 {
+                    v[0].shadow = true;
+                }
+                v
+            })
+            .collect();
+        for _ in 0..12 {
+            p.clock.advance(rng.i64(0..400_000));
+            let batch: Vec<&[Check]> = (0..rng.usize(1..=20))
+                .map(|_| clients[rng.usize(0..clients.len())].as_slice())
+                .collect();
+            let redis = p.redis.decide_many(&batch).await.expect("redis batch");
+            assert_eq!(redis.len(), batch.len());
+            for (i, (checks, got)) in batch.iter().zip(&redis).enumerate() {
+                let local = p.local.decide(checks).await.expect("local");
+                assert_eq!(
+                    local.decisions,
+                    got.decisions,
+                    "request {i} of a batch of {} (round {round}) differs from one by one",
+                    batch.len()
+                );
+                decided += 1;
+                if !local.admitted(checks) {
+                    rejected += 1;
+                }
+            }
+        }
+    }
+    // The rounds must exercise both answers, or agreeing proves little.
+    assert!(
+        decided > 1000 && rejected > 200,
+        "{decided} decided, {rejected} rejected"
+    );
+}
+
+/// Requests arriving together share calls: 200 concurrent requests on one
+/// bucket of 50 are decided in batches (of at most 64), and admit exactly 50.
+#[tokio::test]
+async fn concurrent_requests_are_batched_and_exact() {
+    let server = RedisGuard::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let redis = Arc::new(
+        RedisBackend::new(&server.url(), Duration::from_secs(2), Some(clock.clone()))
+            .expect("client"),
+    );
+    let c = vec![check(Tier::Route, "burst", tb(50, 0.001), "global")];
+    // The first call loads the script (NOSCRIPT, then a second EVALSHA).
+    let warm = [check(Tier::Route, "warm", tb(5, 1.0), "global")];
+    redis.decide(&warm).await.expect("warm-up");
+    let before = server.calls("evalsha");
+    // A current-thread runtime: all 200 queue before the batching task runs.
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (redis, c) = (redis.clone(), c.clone());
+            tokio::spawn(async move { redis.decide(&c).await.expect("decide").admitted(&c) })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.expect("task") as u32;
+    }
+    assert_eq!(admitted, 50);
+    assert_eq!(
+        server.calls("evalsha") - before,
+        4,
+        "200 requests in batches of 64"
+    );
 }

@@ -1,37 +1,54 @@
---[[ limiter.lua: decide every tier of one request, all or nothing, in one call.
+--[[ limiter.lua: decide a batch of requests, each over all its tiers, all or
+nothing per request, in one call.
 
-KEYS[i]  the bucket of tier i (built by keys.rs; never holds a secret)
+The gateway gathers the requests that arrive while its previous call is in
+flight and sends them together: one round trip, one TIME, one MGET and one SET
+per bucket however many requests of the batch touched it. The requests are
+decided one after another, each seeing the state the previous one left, so a
+batch decides exactly what the same requests sent one by one at the same
+instant would.
+
+KEYS     the distinct buckets of the batch (built by keys.rs; never a secret)
 ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME
-ARGV[2]  n, the number of tiers (must equal #KEYS)
-ARGV[3 + 4(i-1) ..] per tier, four values:
+ARGV[2]  m, the number of requests
+then per bucket (KEYS[k], in order) three values:
          kind    1 token_bucket   p1 = capacity  p2 = refill per second
                  2 leaky_bucket   p1 = rate/s    p2 = max delay in ms
                  3 fixed_window   p1 = limit     p2 = window seconds
                  4 sliding_window p1 = limit     p2 = window seconds
                  5 sliding_log    p1 = limit     p2 = window seconds
          p1, p2  as above (rates may be fractional)
-         shadow  "1": decide and report, never block the others
+then per request: n, its number of tiers, and per tier the index k of its
+         bucket in KEYS, negated for a shadow tier (decided and reported,
+         never blocking the others)
 
-Returns 5n + 1 integers: for each tier
-  allowed (1/0), remaining, retry_after_us, reset_after_us, delay_us
+A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
+set of parameters however many requests of the batch use it.
+
+Returns, for each request and each of its tiers, three integers:
+  remaining when admitted, -1 when rejected
+  reset_after_us (when rejected: the retry time)
+  delay_us (a leaky bucket's wait for its slot)
 then the `now` that was used.
 
-Every tier is checked first; only if every non-shadow tier admits are the
-admitting tiers written. A rejected request charges no tier.
+Within a request every tier is checked first; only if every non-shadow tier
+admits are the admitting tiers charged. A rejected request charges no tier.
 
-Worked example: a token bucket of 20 at 10/s for one key, a fixed window of
-10/min for the route, at now = 1700000000000000:
+Worked example: one request, a token bucket of 20 at 10/s for its key and a
+fixed window of 10/min for the route, at now = 1700000000000000:
   EVALSHA <sha> 2 rl:key:free:tb-20-10:k:demo rl:route:zone-stats:fw-10-60:global
-          1700000000000000 2  1 20 10 0  3 10 60 0
-  -> 1 19 0 100000 0   1 9 0 40000000 0   1700000000000000
+          1700000000000000 1  1 20 10  3 10 60  2 1 2
+  -> 19 100000 0   9 40000000 0   1700000000000000
 (the bucket is full after 100 ms; the window ends 40 s later).
 
 The arithmetic mirrors src/limiter/algorithms/*.rs operation for operation, in
-the same order, so Lua's doubles and Rust's f64 agree to the bit.
+the same order, so Lua's doubles and Rust's f64 agree to the bit. GCRA state
+is handed to SET as a number: Redis writes it with 17 significant digits,
+which reads back as the same double.
 ]]
 
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
-local floor, ceil, max, fmod, format = math.floor, math.ceil, math.max, math.fmod, string.format
+local floor, ceil, max, fmod, format, match = math.floor, math.ceil, math.max, math.fmod, string.format, string.match
 local call, tonum, unpack = redis.call, tonumber, unpack
 
 local function ceil_us(x)
@@ -39,19 +56,14 @@ local function ceil_us(x)
   return ceil(x)
 end
 
--- Writes are collected as (key, value, ttl in ms) and applied only if every
--- enforcing tier admits; a sliding log's write is marked with value false.
-local wkey, wval, wttl, nw = {}, {}, {}, 0
-local function write(key, value, ttl_us)
-  nw = nw + 1
-  wkey[nw], wval[nw], wttl[nw] = key, value, max(1, ceil(ttl_us / 1000))
-end
+-- Each algorithm takes its bucket's decoded state (nil: empty) and returns
+-- admitted, remaining, reset_after (when rejected: the retry time), delay and,
+-- when admitted, the new state and its time to live in microseconds.
 
 -- GCRA: token bucket (tau = (capacity-1)*T) and leaky bucket (tau = max delay).
--- `v` is the bucket's stored value, read for every tier with one MGET.
-local function gcra(key, v, t, tau, shaping, now)
-  local tat = now
-  if v then tat = tonum(v) end
+-- The state is the theoretical arrival time of the next request.
+local function gcra(tat, t, tau, shaping, now)
+  if tat == nil then tat = now end
   local allow_at = tat - tau
   if now >= allow_at then
     local slot = max(tat, now)
@@ -61,10 +73,10 @@ local function gcra(key, v, t, tau, shaping, now)
     local reset = ceil_us(new_tat - now)
     local delay = 0
     if shaping then delay = ceil_us(slot - now) end
-    return 1, remaining, 0, reset, delay, format('%.17g', new_tat), reset
+    return true, remaining, reset, delay, new_tat, reset
   end
   local retry = ceil_us(ceil(allow_at) - now)
-  return 0, 0, retry, retry, 0
+  return false, 0, retry, 0
 end
 
 local function window_index(now, w, stored)
@@ -73,28 +85,23 @@ local function window_index(now, w, stored)
   return n
 end
 
-local function fixed_window(v, limit, w, now)
+-- State {window index, count}.
+local function fixed_window(s, limit, w, now)
   local win, count = nil, 0
-  if v then
-    local a, b = string.match(v, '^(%-?%d+) (%d+)$')
-    win = tonum(a)
-    count = tonum(b)
-  end
+  if s then win, count = s[1], s[2] end
   local n = window_index(now, w, win)
   if win ~= n then count = 0 end
   local until_end = max(0, (n + 1) * w - now)
   if count < limit then
-    return 1, limit - count - 1, 0, until_end, 0, format('%d %d', n, count + 1), until_end
+    return true, limit - count - 1, until_end, 0, {n, count + 1}, until_end
   end
-  return 0, 0, until_end, until_end, 0
+  return false, 0, until_end, 0
 end
 
-local function sliding_window(v, limit, w, now)
+-- State {window index, previous window's count, current window's count}.
+local function sliding_window(s, limit, w, now)
   local win, sprev, scur = nil, 0, 0
-  if v then
-    local a, b, c = string.match(v, '^(%-?%d+) (%d+) (%d+)$')
-    win, sprev, scur = tonum(a), tonum(b), tonum(c)
-  end
+  if s then win, sprev, scur = s[1], s[2], s[3] end
   local n = window_index(now, w, win)
   local prev, cur = 0, 0
   if win == n then prev, cur = sprev, scur
@@ -114,26 +121,51 @@ local function sliding_window(v, limit, w, now)
     if remaining < 0 then remaining = 0 end
     local until_end = ceil_us(ws + w - now)
     local ttl = ceil_us(ws + 2 * w - now)
-    return 1, remaining, 0, until_end, 0, format('%d %d %d', n, prev, cur1), ttl
+    return true, remaining, until_end, 0, {n, prev, cur1}, ttl
   end
   local retry = ceil_us(ceil(allow_at) - now)
-  return 0, 0, retry, retry, 0
+  return false, 0, retry, 0
 end
 
+-- The log is a sorted set read in place; its "state" is the count of live
+-- entries, which the commit needs to name the new member.
 local function sliding_log(key, limit, w, now)
-  local lower = now - w
-  local live = '(' .. format('%d', lower)
+  local live = '(' .. format('%d', now - w)
   local count = call('ZCOUNT', key, live, '+inf')
   if count < limit then
     local oldest = now
     local first = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     if first[2] then oldest = tonum(first[2]) end
-    -- The log's write: value false marks it; the member is "<now>:<count>".
-    return 1, limit - count - 1, 0, max(0, oldest + w - now), 0, false, w, count
+    return true, limit - count - 1, max(0, oldest + w - now), 0, count, w
   end
   local entry = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', count - limit, 1)
   local retry = max(1, tonum(entry[2]) + w - now)
-  return 0, 0, retry, retry, 0
+  return false, 0, retry, 0
+end
+
+-- Stored text <-> state, per kind (a sliding log's key is a zset: MGET reads nil).
+local function decode(kind, raw)
+  if not raw then return nil end
+  if kind <= 2 then return tonum(raw) end
+  if kind == 3 then
+    local a, b = match(raw, '^(%-?%d+) (%d+)$')
+    if a then return {tonum(a), tonum(b)} end
+  elseif kind == 4 then
+    local a, b, c = match(raw, '^(%-?%d+) (%d+) (%d+)$')
+    if a then return {tonum(a), tonum(b), tonum(c)} end
+  end
+  return nil
+end
+
+local function encode(kind, s)
+  -- A whole TAT (any rate dividing a second evenly) as an integer: cheaper
+  -- to print than 17 significant digits, and it reads back the same.
+  if kind <= 2 then
+    if s == floor(s) then return format('%d', s) end
+    return s
+  end
+  if kind == 3 then return format('%d %d', s[1], s[2]) end
+  return format('%d %d %d', s[1], s[2], s[3])
 end
 
 local now
@@ -143,61 +175,116 @@ else
   local t = call('TIME')
   now = tonum(t[1]) * 1000000 + tonum(t[2])
 end
-local n = tonum(ARGV[2])
-if n == nil or #KEYS ~= n or #ARGV ~= 2 + 4 * n then
-  return redis.error_reply('limiter.lua: expected n keys and 2 + 4n arguments, got ' .. #KEYS .. ' keys and ' .. #ARGV .. ' arguments')
+
+local function bad(why)
+  return redis.error_reply('limiter.lua: ' .. why .. ' (' .. #KEYS .. ' keys, ' .. #ARGV .. ' arguments)')
 end
 
--- One read for every string-valued bucket (a sliding log's zset reads as nil).
-local values = call('MGET', unpack(KEYS))
-
-local out, admit = {}, true
-local logs = {}
-for i = 1, n do
-  local b = 2 + (i - 1) * 4
-  local kind, p1, p2 = tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
-  local shadow = ARGV[b + 4] == '1'
-  local key, v = KEYS[i], values[i]
-  local ok, remaining, retry, reset, delay, value, ttl, count
-  if kind == 1 then
-    local t = 1e6 / p2
-    ok, remaining, retry, reset, delay, value, ttl = gcra(key, v, t, t * (p1 - 1), false, now)
-  elseif kind == 2 then
-    local t = 1e6 / p1
-    ok, remaining, retry, reset, delay, value, ttl = gcra(key, v, t, p2 * 1000.0, true, now)
-  elseif kind == 3 then
-    ok, remaining, retry, reset, delay, value, ttl = fixed_window(v, p1, p2 * 1000000, now)
-  elseif kind == 4 then
-    ok, remaining, retry, reset, delay, value, ttl = sliding_window(v, p1, p2 * 1000000, now)
-  elseif kind == 5 then
-    ok, remaining, retry, reset, delay, value, ttl, count = sliding_log(key, p1, p2 * 1000000, now)
-  else
-    return redis.error_reply('limiter.lua: unknown algorithm kind ' .. tostring(ARGV[b + 1]))
+-- The arguments are checked whole before anything is read or written, so a
+-- malformed call changes nothing.
+local nk = #KEYS
+local m = tonum(ARGV[2])
+if m == nil then return bad('expected the number of requests as the second argument') end
+local kinds, p1s, p2s = {}, {}, {}
+for k = 1, nk do
+  local b = 3 * k
+  local kind, p1, p2 = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2])
+  if kind == nil or kind < 1 or kind > 5 or p1 == nil or p2 == nil then
+    return bad('bucket ' .. k .. ' has no valid kind, p1, p2')
   end
-  if ok == 0 and not shadow then admit = false end
-  if ok == 1 then
-    if value then
-      write(key, value, ttl)
+  kinds[k], p1s[k], p2s[k] = kind, p1, p2
+end
+local first = 3 * nk + 3
+-- Each request's tier references, parsed once: refs[j] is a bucket index,
+-- negative for a shadow tier; counts[r] is request r's number of tiers.
+local refs, counts, nrefs = {}, {}, 0
+do
+  local a = first
+  for r = 1, m do
+    local n = tonum(ARGV[a])
+    if n == nil or a + n > #ARGV then return bad('arguments end inside request ' .. r) end
+    counts[r] = n
+    for i = a + 1, a + n do
+      local k = tonum(ARGV[i])
+      if k == nil or k == 0 or KEYS[k < 0 and -k or k] == nil then
+        return bad('request ' .. r .. ' names no bucket')
+      end
+      nrefs = nrefs + 1
+      refs[nrefs] = k
+    end
+    a = a + 1 + n
+  end
+  if a ~= #ARGV + 1 then return bad('arguments left over after ' .. m .. ' requests') end
+end
+
+-- One read for every bucket of the batch; after that the batch works on
+-- `state` and writes each changed bucket once at the end.
+local state = {}
+if nk > 0 then
+  local raw = call('MGET', unpack(KEYS))
+  for k = 1, nk do state[k] = decode(kinds[k], raw[k]) end
+end
+local dirty, ttl_of, ndirty = {}, {}, 0
+
+-- Per tier of the request being decided (reused across requests).
+local t_key, t_ok, t_new, t_ttl = {}, {}, {}, {}
+
+local out, no, j = {}, 0, 0
+for r = 1, m do
+  local n = counts[r]
+  local admit = true
+  for i = 1, n do
+    j = j + 1
+    local k = refs[j]
+    local shadow = k < 0
+    if shadow then k = -k end
+    local kind, p1, p2, s = kinds[k], p1s[k], p2s[k], state[k]
+    local ok, remaining, reset, delay, new, ttl
+    if kind == 1 then
+      local t = 1e6 / p2
+      ok, remaining, reset, delay, new, ttl = gcra(s, t, t * (p1 - 1), false, now)
+    elseif kind == 2 then
+      local t = 1e6 / p1
+      ok, remaining, reset, delay, new, ttl = gcra(s, t, p2 * 1000.0, true, now)
+    elseif kind == 3 then
+      ok, remaining, reset, delay, new, ttl = fixed_window(s, p1, p2 * 1000000, now)
+    elseif kind == 4 then
+      ok, remaining, reset, delay, new, ttl = sliding_window(s, p1, p2 * 1000000, now)
     else
-      logs[#logs + 1] = {key, ttl, count}
+      ok, remaining, reset, delay, new, ttl = sliding_log(KEYS[k], p1, p2 * 1000000, now)
+    end
+    if not ok and not shadow then admit = false end
+    t_key[i], t_ok[i], t_new[i], t_ttl[i] = k, ok, new, ttl
+    if not ok then remaining = -1 end
+    out[no + 1], out[no + 2], out[no + 3] = remaining, reset, delay
+    no = no + 3
+  end
+  if admit then
+    for i = 1, n do
+      if t_ok[i] then
+        local k = t_key[i]
+        if kinds[k] == 5 then
+          -- A log is written at once: the next request of the batch counts it.
+          local key, w, count = KEYS[k], t_ttl[i], t_new[i]
+          call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - w))
+          call('ZADD', key, format('%d', now), format('%d:%d', now, count))
+          call('PEXPIRE', key, max(1, ceil(w / 1000)))
+        else
+          state[k] = t_new[i]
+          if not ttl_of[k] then
+            ndirty = ndirty + 1
+            dirty[ndirty] = k
+          end
+          ttl_of[k] = t_ttl[i]
+        end
+      end
     end
   end
-  out[#out + 1] = ok
-  out[#out + 1] = remaining
-  out[#out + 1] = retry
-  out[#out + 1] = reset
-  out[#out + 1] = delay
 end
-if admit then
-  for i = 1, nw do
-    call('SET', wkey[i], wval[i], 'PX', wttl[i])
-  end
-  for _, l in ipairs(logs) do
-    local key, w, count = l[1], l[2], l[3]
-    call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - w))
-    call('ZADD', key, format('%d', now), format('%d:%d', now, count))
-    call('PEXPIRE', key, max(1, ceil(w / 1000)))
-  end
+
+for j = 1, ndirty do
+  local ki = dirty[j]
+  call('SET', KEYS[ki], encode(kinds[ki], state[ki]), 'PX', max(1, ceil(ttl_of[ki] / 1000)))
 end
-out[#out + 1] = now
+out[no + 1] = now
 return out

@@ -5,6 +5,7 @@
 //! either every enforcing tier admits and all are charged, or none is.
 
 pub mod algorithms;
+mod batch;
 mod deny_cache;
 mod fallback;
 pub mod keys;
@@ -76,7 +77,7 @@ impl Verdict {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum LimiterError {
     #[error("redis call exceeded its {0} ms budget")]
     Timeout(u64),

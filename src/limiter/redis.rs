@@ -16,6 +16,7 @@
 //! Every call has a budget; past it the call is abandoned (never retried: it
 //! may have run) and the caller decides the request some other way.
 
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 
 use super::algorithms::quota;
+use super::batch::{Batcher, Decider};
 use super::{Backend, Check, Decision, LimiterError, Verdict};
 use crate::clock::Clock;
 use crate::config::{Algorithm, RedisMode, RedisSettings};
@@ -53,7 +55,8 @@ enum Topology {
     Cluster(Box<redis::cluster::ClusterClient>),
 }
 
-pub struct RedisBackend {
+/// Everything a call needs, shared with the batching task.
+struct Inner {
     topology: Topology,
     connected: ArcSwapOption<Connected>,
     /// Standalone: the request path's connection, created on first use.
@@ -67,6 +70,11 @@ pub struct RedisBackend {
     budget: Duration,
     /// `None`: Redis's own TIME. Tests inject a clock to compare backends.
     clock: Option<Arc<dyn Clock>>,
+}
+
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+    batcher: Batcher,
 }
 
 fn redis_err(e: redis::RedisError) -> LimiterError {
@@ -128,7 +136,7 @@ impl RedisBackend {
     }
 
     fn with(topology: Topology, budget: Duration, clock: Option<Arc<dyn Clock>>) -> Self {
-        RedisBackend {
+        let inner = Inner {
             topology,
             connected: ArcSwapOption::empty(),
             single: OnceLock::new(),
@@ -138,9 +146,26 @@ impl RedisBackend {
             refund: redis::Script::new(REFUND_LUA),
             budget,
             clock,
+        };
+        RedisBackend {
+            inner: Arc::new(inner),
+            batcher: Batcher::new(),
         }
     }
 
+    /// Checks that Redis takes writes and has the scripts: see `Inner::probe`.
+    pub async fn probe(&self, probe_key: &str) -> Result<(), LimiterError> {
+        self.inner.probe(probe_key).await
+    }
+
+    /// Decides several requests in one call, in order (what the batching task
+    /// sends; public so the conformance suite can hold it to one-by-one).
+    pub async fn decide_many(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
+        self.inner.decide_batch(requests).await
+    }
+}
+
+impl Inner {
     /// The connection requests use, made in the caller's runtime (the
     /// proxy's), so a Redis call costs no hop to another thread. Sentinel:
     /// to the master the probe last found. Cluster: the probe's connection.
@@ -334,9 +359,16 @@ impl RedisBackend {
                     self.clock.clone(),
                     c.clone(),
                 );
-                tokio::spawn(
-                    async move { run_script(&script, clock.as_ref(), &mut conn, &[&c]).await },
-                )
+                tokio::spawn(async move {
+                    run_script(
+                        &script,
+                        clock.as_ref(),
+                        &mut conn,
+                        &[std::slice::from_ref(&c)],
+                    )
+                    .await
+                    .map(|mut v| v.remove(0))
+                })
             })
             .collect();
         let mut replies = Vec::with_capacity(checks.len());
@@ -354,10 +386,9 @@ impl RedisBackend {
                 }
             }
         }
-        let decisions: Vec<Option<Decision>> = checks
+        let decisions: Vec<Option<Decision>> = replies
             .iter()
-            .zip(&replies)
-            .map(|(c, r)| r.as_ref().map(|r| decision(c, &r[..5])))
+            .map(|r| r.as_ref().map(|v: &Verdict| v.decisions[0]))
             .collect();
         let admitted = failed.is_none()
             && checks
@@ -371,11 +402,12 @@ impl RedisBackend {
                 .zip(&replies)
                 .filter_map(|(c, r)| {
                     let r = r.as_ref()?;
-                    (r[0] == 1).then(|| {
+                    let d = r.decisions[0];
+                    d.allowed.then(|| {
                         let mut conn = conn.clone();
                         let refund = self.refund.clone();
                         let (kind, p1, p2) = script_args(&c.algorithm);
-                        let (key, now, remaining) = (c.key.clone(), r[5], r[1]);
+                        let (key, now, remaining) = (c.key.clone(), r.now_us, d.remaining);
                         tokio::spawn(async move {
                             let mut inv = refund.prepare_invoke();
                             inv.key(key).arg(kind).arg(p1).arg(p2).arg(now).arg(remaining);
@@ -397,7 +429,12 @@ impl RedisBackend {
         if let Some(e) = failed {
             return Err(e);
         }
-        let now_us = replies.iter().flatten().map(|r| r[5]).max().unwrap_or(0);
+        let now_us = replies
+            .iter()
+            .flatten()
+            .map(|r| r.now_us)
+            .max()
+            .unwrap_or(0);
         Ok(Verdict {
             decisions: decisions.into_iter().flatten().collect(),
             now_us,
@@ -405,30 +442,56 @@ impl RedisBackend {
     }
 }
 
-/// One call of limiter.lua over some checks: EVALSHA, and on NOSCRIPT (after
-/// a restart or SCRIPT FLUSH) load the script and send it again.
+/// One call of limiter.lua over a batch of requests: EVALSHA, and on NOSCRIPT
+/// (after a restart or SCRIPT FLUSH) load the script and send it again.
+/// Returns one verdict per request.
 async fn run_script(
     script: &redis::Script,
     clock: Option<&Arc<dyn Clock>>,
     conn: &mut Conn,
-    checks: &[&Check],
-) -> Result<Vec<i64>, LimiterError> {
+    requests: &[&[Check]],
+) -> Result<Vec<Verdict>, LimiterError> {
+    // Each bucket is named once, with its rule's parameters (a bucket's name
+    // carries them, so they are the same for every tier naming it); tiers
+    // refer to it by index, so the script reads and writes it once.
+    let tiers: usize = requests.iter().map(|r| r.len()).sum();
+    let mut buckets: Vec<&Check> = Vec::with_capacity(tiers);
+    let mut index: HashMap<&str, i64> = HashMap::with_capacity(tiers);
+    let refs: Vec<i64> = requests
+        .iter()
+        .flat_map(|r| r.iter())
+        .map(|c| {
+            let k = *index.entry(c.key.as_str()).or_insert_with(|| {
+                buckets.push(c);
+                buckets.len() as i64
+            });
+            if c.shadow {
+                -k
+            } else {
+                k
+            }
+        })
+        .collect();
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash()).arg(checks.len());
-    for c in checks {
+    cmd.arg(script.get_hash()).arg(buckets.len());
+    for c in &buckets {
         cmd.arg(c.key.as_str());
     }
     match clock {
         Some(clock) => cmd.arg(clock.now_us()),
         None => cmd.arg(""),
     };
-    cmd.arg(checks.len());
-    for c in checks {
+    cmd.arg(requests.len());
+    for c in &buckets {
         let (kind, p1, p2) = script_args(&c.algorithm);
-        cmd.arg(kind)
-            .arg(p1)
-            .arg(p2)
-            .arg(if c.shadow { "1" } else { "0" });
+        cmd.arg(kind).arg(p1).arg(p2);
+    }
+    let mut refs = refs.iter();
+    for r in requests {
+        cmd.arg(r.len());
+        for k in refs.by_ref().take(r.len()) {
+            cmd.arg(*k);
+        }
     }
     let reply: Vec<i64> = match query(conn, &cmd).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
@@ -442,15 +505,27 @@ async fn run_script(
         other => other,
     }
     .map_err(redis_err)?;
-    if reply.len() != checks.len() * 5 + 1 {
+    if reply.len() != tiers * 3 + 1 {
         return Err(LimiterError::BadReply(format!(
             "{} integers for {} tiers (expected {})",
             reply.len(),
-            checks.len(),
-            checks.len() * 5 + 1
+            tiers,
+            tiers * 3 + 1
         )));
     }
-    Ok(reply)
+    let now_us = reply[tiers * 3];
+    let mut threes = reply.chunks_exact(3);
+    Ok(requests
+        .iter()
+        .map(|r| Verdict {
+            decisions: r
+                .iter()
+                .zip(threes.by_ref())
+                .map(|(c, three)| decision(c, three))
+                .collect(),
+            now_us,
+        })
+        .collect())
 }
 
 async fn query<T: redis::FromRedisValue>(
@@ -509,43 +584,81 @@ fn script_args(alg: &Algorithm) -> (u8, String, String) {
     }
 }
 
+/// One tier's three integers: remaining (-1: rejected), reset_after_us (when
+/// rejected, the retry time), delay_us.
 fn decision(c: &Check, r: &[i64]) -> Decision {
+    let allowed = r[0] >= 0;
+    let reset = r[1].max(0) as u64;
     Decision {
-        allowed: r[0] == 1,
+        allowed,
         limit: quota(&c.algorithm),
-        remaining: r[1].max(0) as u64,
-        retry_after_us: r[2].max(0) as u64,
-        reset_after_us: r[3].max(0) as u64,
-        delay_us: r[4].max(0) as u64,
+        remaining: r[0].max(0) as u64,
+        retry_after_us: if allowed { 0 } else { reset },
+        reset_after_us: reset,
+        delay_us: r[2].max(0) as u64,
+    }
+}
+
+impl Inner {
+    /// Cluster mode: one request per call (a batch's keys would span slots),
+    /// its tiers reserved slot by slot when they span slots.
+    async fn decide_clustered(
+        &self,
+        mut conn: Conn,
+        checks: &[Check],
+    ) -> Result<Verdict, LimiterError> {
+        let across_slots = checks
+            .windows(2)
+            .any(|w| slot(&w[0].key) != slot(&w[1].key));
+        let work = async {
+            if across_slots {
+                return self.decide_across_slots(&conn, checks).await;
+            }
+            let mut verdicts =
+                run_script(&self.script, self.clock.as_ref(), &mut conn, &[checks]).await?;
+            Ok(verdicts.remove(0))
+        };
+        self.within_budget(work).await
+    }
+
+    async fn within_budget<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, LimiterError>>,
+    ) -> Result<T, LimiterError> {
+        match tokio::time::timeout(self.budget, work).await {
+            Ok(r) => r,
+            Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
+        }
+    }
+}
+
+impl Decider for Inner {
+    async fn decide_batch(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
+        let mut conn = self.connection()?;
+        self.within_budget(run_script(
+            &self.script,
+            self.clock.as_ref(),
+            &mut conn,
+            requests,
+        ))
+        .await
     }
 }
 
 #[async_trait]
 impl Backend for RedisBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
-        let mut conn = self.connection()?;
-        let across_slots = matches!(conn, Conn::Cluster(_))
-            && checks
-                .windows(2)
-                .any(|w| slot(&w[0].key) != slot(&w[1].key));
-        let work = async {
-            if across_slots {
-                return self.decide_across_slots(&conn, checks).await;
-            }
-            let refs: Vec<&Check> = checks.iter().collect();
-            let reply = run_script(&self.script, self.clock.as_ref(), &mut conn, &refs).await?;
-            Ok(Verdict {
-                decisions: checks
-                    .iter()
-                    .zip(reply.chunks_exact(5))
-                    .map(|(c, r)| decision(c, r))
-                    .collect(),
-                now_us: reply[checks.len() * 5],
-            })
-        };
-        match tokio::time::timeout(self.budget, work).await {
-            Ok(r) => r,
-            Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
+        if matches!(self.inner.topology, Topology::Cluster(_)) {
+            let conn = self.inner.connection()?;
+            return self.inner.decide_clustered(conn, checks).await;
+        }
+        // The wait includes time queued behind the batch in flight; past the
+        // budget the request is decided elsewhere and dropped from its batch.
+        let reply = self.batcher.submit(&self.inner, checks);
+        match tokio::time::timeout(self.inner.budget, reply).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(LimiterError::Redis("the batching task ended".into())),
+            Err(_) => Err(LimiterError::Timeout(self.inner.budget.as_millis() as u64)),
         }
     }
 }
