@@ -11,6 +11,7 @@ instant would.
 KEYS     the distinct buckets of the batch (built by keys.rs; never a secret)
 ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME
 ARGV[2]  m, the number of requests
+ARGV[3]  s, the number of request shapes
 then per bucket (KEYS[k], in order) three values:
          kind    1 token_bucket   p1 = capacity  p2 = refill per second
                  2 leaky_bucket   p1 = rate/s    p2 = max delay in ms
@@ -18,17 +19,19 @@ then per bucket (KEYS[k], in order) three values:
                  4 sliding_window p1 = limit     p2 = window seconds
                  5 sliding_log    p1 = limit     p2 = window seconds
          p1, p2  as above (rates may be fractional)
-then per request: n, its number of tiers, and per tier the index k of its
-         bucket in KEYS, negated for a shadow tier (decided and reported,
-         never blocking the others)
+then per shape: n, its number of tiers, and per tier the index k of its bucket
+         in KEYS, negated for a shadow tier (decided and reported, never
+         blocking the others)
+then per request: the index of its shape (requests of one client on one
+         route share a shape, so a request costs one argument)
 
 A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
 set of parameters however many requests of the batch use it.
 
-Returns, for each request and each of its tiers, three integers:
+Returns, for each request and each of its tiers:
   remaining when admitted, -1 when rejected
   reset_after_us (when rejected: the retry time)
-  delay_us (a leaky bucket's wait for its slot)
+  delay_us, for a leaky bucket only (its wait for its slot)
 then the `now` that was used.
 
 Within a request every tier is checked first; only if every non-shadow tier
@@ -37,8 +40,8 @@ admits are the admitting tiers charged. A rejected request charges no tier.
 Worked example: one request, a token bucket of 20 at 10/s for its key and a
 fixed window of 10/min for the route, at now = 1700000000000000:
   EVALSHA <sha> 2 rl:key:free:tb-20-10:k:demo rl:route:zone-stats:fw-10-60:global
-          1700000000000000 1  1 20 10  3 10 60  2 1 2
-  -> 19 100000 0   9 40000000 0   1700000000000000
+          1700000000000000 1 1  1 20 10  3 10 60  2 1 2  1
+  -> 19 100000   9 40000000   1700000000000000
 (the bucket is full after 100 ms; the window ends 40 s later).
 
 The arithmetic mirrors src/limiter/algorithms/*.rs operation for operation, in
@@ -183,38 +186,42 @@ end
 -- The arguments are checked whole before anything is read or written, so a
 -- malformed call changes nothing.
 local nk = #KEYS
-local m = tonum(ARGV[2])
-if m == nil then return bad('expected the number of requests as the second argument') end
+local m, ns = tonum(ARGV[2]), tonum(ARGV[3])
+if m == nil or ns == nil then return bad('expected the numbers of requests and shapes') end
 local kinds, p1s, p2s = {}, {}, {}
 for k = 1, nk do
-  local b = 3 * k
+  local b = 3 * k + 1
   local kind, p1, p2 = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2])
   if kind == nil or kind < 1 or kind > 5 or p1 == nil or p2 == nil then
     return bad('bucket ' .. k .. ' has no valid kind, p1, p2')
   end
   kinds[k], p1s[k], p2s[k] = kind, p1, p2
 end
-local first = 3 * nk + 3
--- Each request's tier references, parsed once: refs[j] is a bucket index,
--- negative for a shadow tier; counts[r] is request r's number of tiers.
-local refs, counts, nrefs = {}, {}, 0
+-- Shapes, parsed once: shape q's tiers are refs[start[q] + 1 .. start[q] + len[q]],
+-- each a bucket index, negative for a shadow tier.
+local refs, start, len, shape = {}, {}, {}, {}
 do
-  local a = first
-  for r = 1, m do
+  local a, nrefs = 3 * nk + 4, 0
+  for q = 1, ns do
     local n = tonum(ARGV[a])
-    if n == nil or a + n > #ARGV then return bad('arguments end inside request ' .. r) end
-    counts[r] = n
+    if n == nil or a + n > #ARGV then return bad('arguments end inside shape ' .. q) end
+    start[q], len[q] = nrefs, n
     for i = a + 1, a + n do
       local k = tonum(ARGV[i])
       if k == nil or k == 0 or KEYS[k < 0 and -k or k] == nil then
-        return bad('request ' .. r .. ' names no bucket')
+        return bad('shape ' .. q .. ' names no bucket')
       end
       nrefs = nrefs + 1
       refs[nrefs] = k
     end
     a = a + 1 + n
   end
-  if a ~= #ARGV + 1 then return bad('arguments left over after ' .. m .. ' requests') end
+  if a + m ~= #ARGV + 1 then return bad('expected one shape per request') end
+  for r = 1, m do
+    local q = tonum(ARGV[a + r - 1])
+    if q == nil or len[q] == nil then return bad('request ' .. r .. ' names no shape') end
+    shape[r] = q
+  end
 end
 
 -- One read for every bucket of the batch; after that the batch works on
@@ -229,13 +236,13 @@ local dirty, ttl_of, ndirty = {}, {}, 0
 -- Per tier of the request being decided (reused across requests).
 local t_key, t_ok, t_new, t_ttl = {}, {}, {}, {}
 
-local out, no, j = {}, 0, 0
+local out, no = {}, 0
 for r = 1, m do
-  local n = counts[r]
+  local q = shape[r]
+  local n, j = len[q], start[q]
   local admit = true
   for i = 1, n do
-    j = j + 1
-    local k = refs[j]
+    local k = refs[j + i]
     local shadow = k < 0
     if shadow then k = -k end
     local kind, p1, p2, s = kinds[k], p1s[k], p2s[k], state[k]
@@ -256,8 +263,12 @@ for r = 1, m do
     if not ok and not shadow then admit = false end
     t_key[i], t_ok[i], t_new[i], t_ttl[i] = k, ok, new, ttl
     if not ok then remaining = -1 end
-    out[no + 1], out[no + 2], out[no + 3] = remaining, reset, delay
-    no = no + 3
+    out[no + 1], out[no + 2] = remaining, reset
+    no = no + 2
+    if kind == 2 then
+      no = no + 1
+      out[no] = delay
+    end
   end
   if admit then
     for i = 1, n do

@@ -453,7 +453,9 @@ async fn run_script(
 ) -> Result<Vec<Verdict>, LimiterError> {
     // Each bucket is named once, with its rule's parameters (a bucket's name
     // carries them, so they are the same for every tier naming it); tiers
-    // refer to it by index, so the script reads and writes it once.
+    // refer to it by index, so the script reads and writes it once. Requests
+    // with the same tiers (one client on one route) share a shape, and a
+    // request is sent as its shape's index.
     let tiers: usize = requests.iter().map(|r| r.len()).sum();
     let mut buckets: Vec<&Check> = Vec::with_capacity(tiers);
     let mut index: HashMap<&str, i64> = HashMap::with_capacity(tiers);
@@ -472,6 +474,20 @@ async fn run_script(
             }
         })
         .collect();
+    let mut shapes: Vec<&[i64]> = Vec::new();
+    let mut shape_of: HashMap<&[i64], usize> = HashMap::new();
+    let mut rest = refs.as_slice();
+    let request_shapes: Vec<usize> = requests
+        .iter()
+        .map(|r| {
+            let (own, after) = rest.split_at(r.len());
+            rest = after;
+            *shape_of.entry(own).or_insert_with(|| {
+                shapes.push(own);
+                shapes.len()
+            })
+        })
+        .collect();
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(buckets.len());
     for c in &buckets {
@@ -481,17 +497,19 @@ async fn run_script(
         Some(clock) => cmd.arg(clock.now_us()),
         None => cmd.arg(""),
     };
-    cmd.arg(requests.len());
+    cmd.arg(requests.len()).arg(shapes.len());
     for c in &buckets {
         let (kind, p1, p2) = script_args(&c.algorithm);
         cmd.arg(kind).arg(p1).arg(p2);
     }
-    let mut refs = refs.iter();
-    for r in requests {
-        cmd.arg(r.len());
-        for k in refs.by_ref().take(r.len()) {
+    for shape in &shapes {
+        cmd.arg(shape.len());
+        for k in shape.iter() {
             cmd.arg(*k);
         }
+    }
+    for q in request_shapes {
+        cmd.arg(q);
     }
     let reply: Vec<i64> = match query(conn, &cmd).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
@@ -505,23 +523,33 @@ async fn run_script(
         other => other,
     }
     .map_err(redis_err)?;
-    if reply.len() != tiers * 3 + 1 {
+    // Two integers per tier, three for a leaky bucket (its delay), then `now`.
+    let expected = 1 + requests
+        .iter()
+        .flat_map(|r| r.iter())
+        .map(|c| reply_width(&c.algorithm))
+        .sum::<usize>();
+    if reply.len() != expected {
         return Err(LimiterError::BadReply(format!(
             "{} integers for {} tiers (expected {})",
             reply.len(),
             tiers,
-            tiers * 3 + 1
+            expected
         )));
     }
-    let now_us = reply[tiers * 3];
-    let mut threes = reply.chunks_exact(3);
+    let now_us = reply[expected - 1];
+    let mut at = 0;
     Ok(requests
         .iter()
         .map(|r| Verdict {
             decisions: r
                 .iter()
-                .zip(threes.by_ref())
-                .map(|(c, three)| decision(c, three))
+                .map(|c| {
+                    let w = reply_width(&c.algorithm);
+                    let d = decision(c, &reply[at..at + w]);
+                    at += w;
+                    d
+                })
                 .collect(),
             now_us,
         })
@@ -584,8 +612,17 @@ fn script_args(alg: &Algorithm) -> (u8, String, String) {
     }
 }
 
-/// One tier's three integers: remaining (-1: rejected), reset_after_us (when
-/// rejected, the retry time), delay_us.
+/// How many integers limiter.lua returns for a tier of this algorithm.
+fn reply_width(alg: &Algorithm) -> usize {
+    if matches!(alg, Algorithm::LeakyBucket { .. }) {
+        3
+    } else {
+        2
+    }
+}
+
+/// One tier's integers: remaining (-1: rejected), reset_after_us (when
+/// rejected, the retry time), and for a leaky bucket delay_us.
 fn decision(c: &Check, r: &[i64]) -> Decision {
     let allowed = r[0] >= 0;
     let reset = r[1].max(0) as u64;
@@ -595,7 +632,7 @@ fn decision(c: &Check, r: &[i64]) -> Decision {
         remaining: r[0].max(0) as u64,
         retry_after_us: if allowed { 0 } else { reset },
         reset_after_us: reset,
-        delay_us: r[2].max(0) as u64,
+        delay_us: r.get(2).map_or(0, |&d| d.max(0) as u64),
     }
 }
 
