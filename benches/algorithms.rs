@@ -124,5 +124,84 @@ fn key_lookup(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decide_once, local_three_tiers, key_lookup);
+/// The request path's own work around the limiter, for a request that passes
+/// all three tiers: `classify` (client, route, key, the tiers' buckets) and
+/// `conclude` (the verdict into rate-limit headers, both styles).
+fn request_path(c: &mut Criterion) {
+    use ratelimit_gateway::admission::{classify, conclude, Policy, RequestView};
+    use ratelimit_gateway::config::{parse, HeaderStyle};
+    use ratelimit_gateway::limiter::{Decision, FallbackState, Outcome, Verdict};
+    let config = parse(
+        r#"
+[server]
+listen = ["127.0.0.1:8080"]
+[limiter]
+backend = "local"
+[clients]
+api_key_header = "x-api-key"
+[tiers.ip]
+algorithm = "token_bucket"
+capacity = 1000
+refill_per_sec = 100.5
+[plans.pro]
+capacity = 500
+refill_per_sec = 50
+[[api_keys]]
+id = "rider-app"
+key = "bench-key-0001"
+plan = "pro"
+[[upstreams]]
+name = "app"
+servers = ["127.0.0.1:9000"]
+[[routes]]
+name = "rides"
+path_prefix = "/api/rides"
+upstream = "app"
+limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "client" }
+"#,
+    )
+    .expect("bench config");
+    let policy = Policy::new(Arc::new(config));
+    let view = RequestView {
+        method: "GET",
+        path: "/api/rides/42",
+        peer: "203.0.113.7".parse().unwrap(),
+        xff: Vec::new(),
+        api_key: vec![b"bench-key-0001"],
+        authorization: Vec::new(),
+    };
+    let mut group = c.benchmark_group("request path");
+    group.bench_function("classify", |b| {
+        b.iter(|| classify(black_box(&policy), black_box(&view)))
+    });
+    let plan = classify(&policy, &view).expect("admitted");
+    let decision = |remaining| Decision {
+        allowed: true,
+        limit: 100,
+        remaining,
+        retry_after_us: 0,
+        reset_after_us: 1_500_000,
+        delay_us: 0,
+    };
+    let outcome = Outcome::Decided {
+        verdict: Verdict {
+            decisions: vec![decision(900), decision(400), decision(60)],
+            now_us: T0,
+        },
+        backend: FallbackState::Local,
+        checks: plan.checks.clone(),
+    };
+    group.bench_function("conclude (both header styles)", |b| {
+        b.iter(|| conclude(black_box(&outcome), HeaderStyle::Both, 0))
+    });
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    decide_once,
+    local_three_tiers,
+    key_lookup,
+    request_path
+);
 criterion_main!(benches);
