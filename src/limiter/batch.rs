@@ -3,7 +3,9 @@
 //! Requests hand their checks to one task per backend. The task sends what
 //! has queued as one `EVALSHA` and, while that call is in flight, the next
 //! requests queue up: at low load every request goes alone and at once; under
-//! load a batch holds what arrived during one round trip. A batch costs Redis
+//! load a batch holds what arrived during one round trip, and the task first
+//! lets the requests already runnable reach their Redis step (a few yields,
+//! while that brings more). A batch costs Redis
 //! one call, one `TIME`, one `MGET` and one `SET` per bucket however many of
 //! its requests touched that bucket, and `limiter.lua` decides the requests in
 //! order, so the answers are the ones they would get one by one.
@@ -22,6 +24,9 @@ use super::{Check, LimiterError, Verdict};
 /// The most requests one call decides: keeps one script's run (which blocks
 /// Redis) to a few hundred microseconds.
 pub const MAX_BATCH: usize = 64;
+
+/// How many times the task lets other tasks run before it sends a batch.
+const MAX_YIELDS: usize = 4;
 
 /// Decides a batch: one verdict per request, in order.
 pub trait Decider: Send + Sync + 'static {
@@ -87,6 +92,19 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
     let mut batch: Vec<Pending> = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = queue.recv().await {
         batch.push(first);
+        // Let the requests already runnable on this runtime reach their Redis
+        // step first, for as long as that brings more (a few rounds at most):
+        // under load the batch grows several times over, when idle the first
+        // round brings nothing and the call leaves at once.
+        let mut queued = queue.len();
+        for _ in 0..MAX_YIELDS {
+            tokio::task::yield_now().await;
+            let now_queued = queue.len();
+            if now_queued == queued || now_queued + batch.len() >= MAX_BATCH {
+                break;
+            }
+            queued = now_queued;
+        }
         while batch.len() < MAX_BATCH {
             match queue.try_recv() {
                 Ok(p) => batch.push(p),
