@@ -11,7 +11,9 @@ use std::time::Duration;
 use ratelimit_gateway::clock::ManualClock;
 use ratelimit_gateway::config::Algorithm;
 use ratelimit_gateway::limiter::keys::bucket_key;
-use ratelimit_gateway::limiter::{Backend, Check, Decision, LocalBackend, RedisBackend, Tier};
+use ratelimit_gateway::limiter::{
+    Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Tier,
+};
 use support::RedisGuard;
 
 const S: i64 = 1_000_000;
@@ -348,5 +350,54 @@ async fn concurrent_requests_are_batched_and_exact() {
         server.calls("evalsha") - before,
         4,
         "200 requests in batches of 64"
+    );
+}
+
+/// When a call runs past its budget, the requests queued behind it fail with
+/// it at once (they are decided by the fallback) and are never sent: only
+/// the request whose call had already left can be charged as well.
+#[tokio::test]
+async fn requests_queued_behind_a_late_call_are_not_charged() {
+    let server = RedisGuard::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let redis = Arc::new(
+        RedisBackend::new(
+            &server.url(),
+            Duration::from_millis(100),
+            Some(clock.clone()),
+        )
+        .expect("client"),
+    );
+    let c = vec![check(Tier::Route, "held", tb(10, 0.001), "global")];
+    let fresh = redis.decide(&c).await.expect("first decision");
+    assert_eq!(fresh.decisions[0].remaining, 9);
+    // Redis holds every write for 600 ms: the next call leaves and waits there.
+    server.cmd(&["CLIENT", "PAUSE", "600", "WRITE"]);
+    let spawn = |redis: &Arc<RedisBackend>| {
+        let (redis, c) = (redis.clone(), c.clone());
+        tokio::spawn(async move { redis.decide(&c).await })
+    };
+    let held = spawn(&redis);
+    // Queued at 60 ms: still within their own budget when the held call
+    // times out at 100 ms, so without the rule they would be sent then.
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let queued: Vec<_> = (0..3).map(|_| spawn(&redis)).collect();
+    for q in queued {
+        let e = q
+            .await
+            .expect("task")
+            .expect_err("queued behind a held call");
+        assert!(matches!(e, LimiterError::Timeout(100)), "{e:?}");
+    }
+    let e = held.await.expect("task").expect_err("held past the budget");
+    assert!(matches!(e, LimiterError::Timeout(100)), "{e:?}");
+    // After the pause: the held call ran (too late: its request was decided
+    // elsewhere, so it is charged twice, as documented); the three queued
+    // behind it never reached Redis.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let after = redis.decide(&c).await.expect("after the pause");
+    assert_eq!(
+        after.decisions[0].remaining, 7,
+        "10 - fresh - held - this one"
     );
 }

@@ -12,7 +12,8 @@
 //!
 //! Every request still waits at most the call budget: a request that gave up
 //! (and was decided by the fallback) before its batch left is dropped from it,
-//! so it is never charged twice.
+//! and when a call fails the requests queued behind it fail with it at once,
+//! so a request is charged twice only if its own call left and then ran late.
 
 use std::sync::Arc;
 
@@ -127,6 +128,13 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
             }
             Err(e) => {
                 for p in batch.drain(..) {
+                    let _ = p.reply.send(Err(e.clone()));
+                }
+                // The requests queued behind a failed call fail with it, at
+                // once: they fall back now instead of waiting out their budget,
+                // and a Redis that just failed (or is holding calls) is not
+                // sent work that could be charged after they gave up.
+                while let Ok(p) = queue.try_recv() {
                     let _ = p.reply.send(Err(e.clone()));
                 }
             }
