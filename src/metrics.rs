@@ -16,6 +16,8 @@ use crate::limiter::{FallbackState, Tier};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
@@ -25,6 +27,8 @@ pub fn install() {
     HANDLE.get_or_init(|| {
         let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_duration_seconds".into()), LATENCY_BUCKETS)
+            .ok()?
+            .set_buckets_for_metric(Matcher::Full("gateway_redis_batch_size".into()), BATCH_BUCKETS)
             .ok()?
             .install_recorder()
             .ok()?;
@@ -47,6 +51,10 @@ pub fn install() {
         describe_histogram!(
             "gateway_redis_call_duration_seconds",
             "Duration of one limiter call to Redis"
+        );
+        describe_histogram!(
+            "gateway_redis_batch_size",
+            "Requests decided by one Redis call (the ones that arrived while the last was in flight)"
         );
         describe_histogram!(
             "gateway_upstream_duration_seconds",
@@ -108,6 +116,13 @@ pub fn fallback_transition(to: FallbackState) {
 
 pub fn redis_call(d: Duration) {
     histogram!("gateway_redis_call_duration_seconds").record(d.as_secs_f64());
+}
+
+/// The size of one batch sent to Redis.
+pub fn redis_batch(requests: usize) {
+    static H: OnceLock<Histogram> = OnceLock::new();
+    H.get_or_init(|| histogram!("gateway_redis_batch_size"))
+        .record(requests as f64);
 }
 
 pub fn local_entries(n: usize) {

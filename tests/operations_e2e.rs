@@ -128,6 +128,9 @@ fn every_metric_family_moves_as_requests_flow() {
         4.0,
         "one Redis call per limited request; the second denial is answered from memory"
     );
+    // Sequential requests: each went alone, in a batch of one.
+    assert_eq!(m("gateway_redis_batch_size_count"), 4.0);
+    assert_eq!(m("gateway_redis_batch_size_bucket{le=\"1\"}"), 4.0);
     assert_eq!(
         m("gateway_upstream_duration_seconds_count{route=\"limited\"}"),
         3.0

@@ -117,6 +117,7 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
         if batch.is_empty() {
             continue;
         }
+        crate::metrics::redis_batch(batch.len());
         let requests: Vec<&[Check]> = batch.iter().map(|p| p.checks.as_slice()).collect();
         let result = decider.decide_batch(&requests).await;
         drop(requests);
