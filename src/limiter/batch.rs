@@ -16,6 +16,7 @@
 //! so a request is charged twice only if its own call left and then ran late.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
 use tokio::sync::{mpsc, oneshot};
@@ -28,6 +29,9 @@ pub const MAX_BATCH: usize = 64;
 
 /// How many times the task lets other tasks run before it sends a batch.
 const MAX_YIELDS: usize = 4;
+
+/// The longest the task gathers company for a batch before it sends.
+const MAX_GATHER: Duration = Duration::from_micros(200);
 
 /// Decides a batch: one verdict per request, in order.
 pub trait Decider: Send + Sync + 'static {
@@ -98,7 +102,13 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
         // under load the batch grows several times over, when idle the first
         // round brings nothing and the call leaves at once.
         let mut queued = queue.len();
+        let gather_until = Instant::now() + MAX_GATHER;
         for _ in 0..MAX_YIELDS {
+            // A saturated worker may take a while to come back to a yielded
+            // task: never hold a batch longer than this for company.
+            if Instant::now() >= gather_until {
+                break;
+            }
             tokio::task::yield_now().await;
             let now_queued = queue.len();
             if now_queued == queued || now_queued + batch.len() >= MAX_BATCH {
