@@ -50,7 +50,7 @@ pub fn install() {
         );
         describe_histogram!(
             "gateway_redis_call_duration_seconds",
-            "Duration of one limiter call to Redis"
+            "A request's wait for its Redis decision (the batch in flight ahead of it included)"
         );
         describe_histogram!(
             "gateway_redis_batch_size",

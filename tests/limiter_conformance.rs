@@ -401,3 +401,44 @@ async fn requests_queued_behind_a_late_call_are_not_charged() {
         "10 - fresh - held - this one"
     );
 }
+
+/// The script checks its arguments whole before it reads or writes: a
+/// malformed call is an error naming the problem and changes nothing.
+#[test]
+fn malformed_calls_change_nothing() {
+    let server = RedisGuard::start();
+    let script = include_str!("../src/limiter/limiter.lua");
+    // Two requests of one shape; two buckets (a token bucket of 10 at 5/s, a
+    // sliding log of 10 per 60 s); the shape names both; each request names
+    // the shape. Valid, then broken one way at a time.
+    let good = [
+        "2", "1", // requests, shapes
+        "1", "10", "5", "5", "10", "60", // the buckets
+        "2", "1", "2", // the shape
+        "1", "1", // the requests
+    ];
+    let eval = |args: &[&str]| {
+        let mut argv = vec!["EVAL", script, "2", "rl:t:a", "rl:t:b", "1700000000000000"];
+        argv.extend_from_slice(args);
+        server.cmd(&argv)
+    };
+    let ok = eval(&good);
+    assert!(!ok.contains("limiter.lua"), "the valid call: {ok}");
+    assert_eq!(server.dbsize(), 2, "the valid call wrote both buckets");
+    server.cmd(&["FLUSHALL"]);
+    let broken: &[(&str, usize, &str)] = &[
+        ("kind 3.5", 2, "3.5"),
+        ("capacity NaN", 3, "nan"),
+        ("negative shape length", 8, "-1"),
+        ("shape names bucket 3 of 2", 9, "3"),
+        ("request names shape 2 of 1", 12, "2"),
+        ("requests counted as 1.5", 0, "1.5"),
+    ];
+    for (what, at, value) in broken {
+        let mut args = good.to_vec();
+        args[*at] = value;
+        let out = eval(&args);
+        assert!(out.contains("limiter.lua:"), "{what}: {out}");
+        assert_eq!(server.dbsize(), 0, "{what} wrote something");
+    }
+}

@@ -10,10 +10,12 @@
 //! its requests touched that bucket, and `limiter.lua` decides the requests in
 //! order, so the answers are the ones they would get one by one.
 //!
-//! Every request still waits at most the call budget: a request that gave up
-//! (and was decided by the fallback) before its batch left is dropped from it,
-//! and when a call fails the requests queued behind it fail with it at once,
-//! so a request is charged twice only if its own call left and then ran late.
+//! Every request still waits at most the call budget, and its batch's call is
+//! abandoned when the first of its requests' budgets runs out. A request that
+//! gave up (and was decided by the fallback) before its batch left is dropped
+//! from it, and when a call fails the requests queued behind it fail with it
+//! at once, so a request is charged twice only if its own call left and then
+//! ran late (as any abandoned call may still run).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,18 +32,22 @@ pub const MAX_BATCH: usize = 64;
 /// How many times the task lets other tasks run before it sends a batch.
 const MAX_YIELDS: usize = 4;
 
-/// The longest the task gathers company for a batch before it sends.
+/// After this long the task starts no new round of gathering.
 const MAX_GATHER: Duration = Duration::from_micros(200);
 
-/// Decides a batch: one verdict per request, in order.
+/// Decides a batch: one verdict per request, in order, or an error once
+/// `until` has passed (the earliest of its requests' deadlines).
 pub trait Decider: Send + Sync + 'static {
     fn decide_batch(
         &self,
         requests: &[&[Check]],
+        until: Instant,
     ) -> impl std::future::Future<Output = Result<Vec<Verdict>, LimiterError>> + Send;
 }
 
 struct Pending {
+    /// When the request stops waiting (and is decided by the fallback).
+    deadline: Instant,
     checks: Vec<Check>,
     reply: oneshot::Sender<Result<Verdict, LimiterError>>,
 }
@@ -57,7 +63,8 @@ impl Batcher {
         }
     }
 
-    /// Queues one request's checks; the reply arrives when its batch returns.
+    /// Queues one request's checks, to be answered by `deadline`; the reply
+    /// arrives when its batch returns.
     /// The first call (or the first after the task's runtime ended) starts the
     /// task on the caller's runtime: the proxy's. (On a thread of its own, with
     /// its own connection, the task measured worse: one more thread to wake per
@@ -66,9 +73,11 @@ impl Batcher {
         &self,
         decider: &Arc<D>,
         checks: &[Check],
+        deadline: Instant,
     ) -> oneshot::Receiver<Result<Verdict, LimiterError>> {
         let (reply, rx) = oneshot::channel();
         let mut pending = Pending {
+            deadline,
             checks: checks.to_vec(),
             reply,
         };
@@ -80,7 +89,8 @@ impl Batcher {
         }
         let (tx, queue) = mpsc::unbounded_channel();
         tokio::spawn(run(decider.clone(), queue));
-        // Cannot fail: the receiver was just moved into the task.
+        // Fails only if the runtime is shutting down: the request then gets
+        // an error and falls back.
         let _ = tx.send(pending);
         self.queue.store(Some(Arc::new(tx)));
         rx
@@ -105,7 +115,8 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
         let gather_until = Instant::now() + MAX_GATHER;
         for _ in 0..MAX_YIELDS {
             // A saturated worker may take a while to come back to a yielded
-            // task: never hold a batch longer than this for company.
+            // task: no new round once this long has passed (one round may
+            // itself last a scheduler pass).
             if Instant::now() >= gather_until {
                 break;
             }
@@ -129,7 +140,15 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
         }
         crate::metrics::redis_batch(batch.len());
         let requests: Vec<&[Check]> = batch.iter().map(|p| p.checks.as_slice()).collect();
-        let result = decider.decide_batch(&requests).await;
+        // The call ends when the first of its requests stops waiting: a call
+        // abandoned by one of them fails them all (they fall back together),
+        // and no request waits on Redis past its own budget.
+        let until = batch
+            .iter()
+            .map(|p| p.deadline)
+            .min()
+            .unwrap_or_else(Instant::now);
+        let result = decider.decide_batch(&requests, until).await;
         drop(requests);
         match result {
             Ok(verdicts) => {

@@ -46,12 +46,13 @@ fixed window of 10/min for the route, at now = 1700000000000000:
 
 The arithmetic mirrors src/limiter/algorithms/*.rs operation for operation, in
 the same order, so Lua's doubles and Rust's f64 agree to the bit. GCRA state
-is handed to SET as a number: Redis writes it with 17 significant digits,
-which reads back as the same double.
+is handed to SET as a number, which Redis prints exactly (17 significant
+digits at most), so it reads back as the same double.
 ]]
 
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
-local floor, ceil, max, fmod, format, match = math.floor, math.ceil, math.max, math.fmod, string.format, string.match
+local floor, ceil, max, fmod, huge = math.floor, math.ceil, math.max, math.fmod, math.huge
+local format, match = string.format, string.match
 local call, tonum, unpack = redis.call, tonumber, unpack
 
 local function ceil_us(x)
@@ -186,13 +187,21 @@ end
 -- The arguments are checked whole before anything is read or written, so a
 -- malformed call changes nothing.
 local nk = #KEYS
+-- A count or an index: a whole number in range (tonumber also reads "nan",
+-- "inf" and hex; none of those is one).
+local function whole(x, lo, hi)
+  return x ~= nil and x == x and x % 1 == 0 and x >= lo and x <= hi
+end
 local m, ns = tonum(ARGV[2]), tonum(ARGV[3])
-if m == nil or ns == nil then return bad('expected the numbers of requests and shapes') end
+if not whole(m, 0, #ARGV) or not whole(ns, 0, #ARGV) then
+  return bad('expected the numbers of requests and shapes')
+end
 local kinds, p1s, p2s = {}, {}, {}
 for k = 1, nk do
   local b = 3 * k + 1
   local kind, p1, p2 = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2])
-  if kind == nil or kind < 1 or kind > 5 or p1 == nil or p2 == nil then
+  if not whole(kind, 1, 5) or p1 == nil or p2 == nil or not (p1 > 0 and p1 < huge)
+      or not (p2 >= 0 and p2 < huge) then
     return bad('bucket ' .. k .. ' has no valid kind, p1, p2')
   end
   kinds[k], p1s[k], p2s[k] = kind, p1, p2
@@ -204,11 +213,11 @@ do
   local a, nrefs = 3 * nk + 4, 0
   for q = 1, ns do
     local n = tonum(ARGV[a])
-    if n == nil or a + n > #ARGV then return bad('arguments end inside shape ' .. q) end
+    if not whole(n, 0, #ARGV - a) then return bad('arguments end inside shape ' .. q) end
     start[q], len[q] = nrefs, n
     for i = a + 1, a + n do
       local k = tonum(ARGV[i])
-      if k == nil or k == 0 or KEYS[k < 0 and -k or k] == nil then
+      if not whole(k, -nk, nk) or k == 0 then
         return bad('shape ' .. q .. ' names no bucket')
       end
       nrefs = nrefs + 1
@@ -219,7 +228,7 @@ do
   if a + m ~= #ARGV + 1 then return bad('expected one shape per request') end
   for r = 1, m do
     local q = tonum(ARGV[a + r - 1])
-    if q == nil or len[q] == nil then return bad('request ' .. r .. ' names no shape') end
+    if not whole(q, 1, ns) then return bad('request ' .. r .. ' names no shape') end
     shape[r] = q
   end
 end

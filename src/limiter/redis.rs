@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
 use async_trait::async_trait;
@@ -161,7 +161,8 @@ impl RedisBackend {
     /// Decides several requests in one call, in order (what the batching task
     /// sends; public so the conformance suite can hold it to one-by-one).
     pub async fn decide_many(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
-        self.inner.decide_batch(requests).await
+        let until = Instant::now() + self.inner.budget;
+        self.inner.decide_batch(requests, until).await
     }
 }
 
@@ -670,15 +671,17 @@ impl Inner {
 }
 
 impl Decider for Inner {
-    async fn decide_batch(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
+    async fn decide_batch(
+        &self,
+        requests: &[&[Check]],
+        until: Instant,
+    ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
-        self.within_budget(run_script(
-            &self.script,
-            self.clock.as_ref(),
-            &mut conn,
-            requests,
-        ))
-        .await
+        let call = run_script(&self.script, self.clock.as_ref(), &mut conn, requests);
+        match tokio::time::timeout_at(until.into(), call).await {
+            Ok(r) => r,
+            Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
+        }
     }
 }
 
@@ -691,8 +694,9 @@ impl Backend for RedisBackend {
         }
         // The wait includes time queued behind the batch in flight; past the
         // budget the request is decided elsewhere and dropped from its batch.
-        let reply = self.batcher.submit(&self.inner, checks);
-        match tokio::time::timeout(self.inner.budget, reply).await {
+        let deadline = Instant::now() + self.inner.budget;
+        let reply = self.batcher.submit(&self.inner, checks, deadline);
+        match tokio::time::timeout_at(deadline.into(), reply).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(LimiterError::Redis("the batching task ended".into())),
             Err(_) => Err(LimiterError::Timeout(self.inner.budget.as_millis() as u64)),
