@@ -143,6 +143,7 @@ METRICS = [
     "gateway_limiter_backend",
     "gateway_fallback_transitions_total",
     "gateway_redis_call_duration_seconds",
+    "gateway_redis_batch_size",
     "gateway_upstream_duration_seconds",
     "gateway_config_reloads_total",
 ]
