@@ -56,6 +56,35 @@ limit = {limit}
 /// Admits everything: the tests measure availability and latency, not limits.
 const OPEN: &str = r#"{ algorithm = "token_bucket", capacity = 1000000000, refill_per_sec = 1000000000, scope = "global" }"#;
 
+/// Load on the gateway, two clients, already flowing for 300 ms.
+fn steady_load(gw: &GatewayGuard) -> Load {
+    let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
+    std::thread::sleep(Duration::from_millis(300));
+    load
+}
+
+/// Waits for the fail-back, lets the load run on Redis a little, then
+/// `finish`es it.
+fn after_failback(
+    gw: &GatewayGuard,
+    load: Load,
+    name: &str,
+    fault: Duration,
+    recover: Duration,
+) -> Report {
+    gw.wait_backend("redis", Duration::from_secs(15));
+    std::thread::sleep(Duration::from_millis(300));
+    finish(load, name, fault, recover)
+}
+
+/// Stops the load, prints its figures and checks every request was served.
+fn finish(load: Load, name: &str, fault: Duration, recover: Duration) -> Report {
+    let r = load.stop();
+    r.print_figures(name, fault, recover);
+    assert_served(name, &r);
+    r
+}
+
 fn assert_served(name: &str, r: &Report) {
     assert_eq!(r.server_errors(), 0, "{name}: 5xx or dropped requests");
     assert_eq!(
@@ -76,19 +105,14 @@ fn kill_9_then_restart() {
     let port = free_port();
     let redis = RedisGuard::start_on(port, &[]);
     let gw = GatewayGuard::start(&config(port, &up, 1, "local", OPEN));
-    let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
-    std::thread::sleep(Duration::from_millis(300));
+    let load = steady_load(&gw);
     let fault = load.now();
     drop(redis); // SIGKILL, reaped
     gw.wait_backend("local", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(700));
     let recover = load.now();
     let _redis = RedisGuard::start_on(port, &[]);
-    gw.wait_backend("redis", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(300));
-    let r = load.stop();
-    r.print_figures("kill-9+restart", fault, recover);
-    assert_served("kill -9", &r);
+    let r = after_failback(&gw, load, "kill-9+restart", fault, recover);
     assert!(
         r.slowest(fault, recover) < Duration::from_secs(2),
         "no request waited on a dead Redis"
@@ -106,19 +130,14 @@ fn sigstop_then_sigcont() {
     let port = free_port();
     let redis = RedisGuard::start_on(port, &[]);
     let gw = GatewayGuard::start(&config(port, &up, 1, "local", OPEN));
-    let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
-    std::thread::sleep(Duration::from_millis(300));
+    let load = steady_load(&gw);
     let fault = load.now();
     redis.signal("STOP");
     gw.wait_backend("local", Duration::from_secs(15));
     std::thread::sleep(Duration::from_millis(1000));
     let recover = load.now();
     redis.signal("CONT");
-    gw.wait_backend("redis", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(300));
-    let r = load.stop();
-    r.print_figures("sigstop+sigcont", fault, recover);
-    assert_served("SIGSTOP", &r);
+    let r = after_failback(&gw, load, "sigstop+sigcont", fault, recover);
     let open = r.backend_at("local", fault).expect("fell back") + Duration::from_millis(20);
     assert!(
         r.slowest(open, recover) < Duration::from_millis(BUDGET_MS + 500),
@@ -132,19 +151,14 @@ fn client_pause() {
     let up = UpstreamGuard::start();
     let redis = RedisGuard::start();
     let gw = GatewayGuard::start(&config(redis.port, &up, 1, "local", OPEN));
-    let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
-    std::thread::sleep(Duration::from_millis(300));
+    let load = steady_load(&gw);
     let fault = load.now();
     assert!(redis
         .cmd(&["CLIENT", "PAUSE", "1200", "ALL"])
         .contains("OK"));
     gw.wait_backend("local", Duration::from_secs(15));
     let recover = fault + Duration::from_millis(1200);
-    gw.wait_backend("redis", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(300));
-    let r = load.stop();
-    r.print_figures("client-pause", fault, recover);
-    assert_served("CLIENT PAUSE", &r);
+    after_failback(&gw, load, "client-pause", fault, recover);
 }
 
 #[test]
@@ -152,8 +166,7 @@ fn script_flush_reloads_without_failing_over() {
     let up = UpstreamGuard::start();
     let redis = RedisGuard::start();
     let gw = GatewayGuard::start(&config(redis.port, &up, 1, "local", OPEN));
-    let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
-    std::thread::sleep(Duration::from_millis(300));
+    let load = steady_load(&gw);
     let fault = load.now();
     for _ in 0..5 {
         assert!(redis.cmd(&["SCRIPT", "FLUSH"]).contains("OK"));
@@ -161,9 +174,7 @@ fn script_flush_reloads_without_failing_over() {
     }
     let recover = load.now();
     std::thread::sleep(Duration::from_millis(200));
-    let r = load.stop();
-    r.print_figures("script-flush", fault, recover);
-    assert_served("SCRIPT FLUSH", &r);
+    let r = finish(load, "script-flush", fault, recover);
     assert_eq!(
         r.backend_at("local", fault),
         None,
@@ -181,8 +192,7 @@ fn a_full_redis_fails_over_and_back() {
     let up = UpstreamGuard::start();
     let redis = RedisGuard::start_with(&["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"]);
     let gw = GatewayGuard::start(&config(redis.port, &up, 1, "local", OPEN));
-    let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
-    std::thread::sleep(Duration::from_millis(300));
+    let load = steady_load(&gw);
     let fault = load.now();
     let mut filled = false;
     for i in 0..200 {
@@ -197,11 +207,7 @@ fn a_full_redis_fails_over_and_back() {
     std::thread::sleep(Duration::from_millis(500));
     let recover = load.now();
     assert!(redis.cmd(&["FLUSHALL"]).contains("OK"));
-    gw.wait_backend("redis", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(300));
-    let r = load.stop();
-    r.print_figures("oom", fault, recover);
-    assert_served("OOM", &r);
+    after_failback(&gw, load, "oom", fault, recover);
 }
 
 #[test]
