@@ -656,14 +656,16 @@ impl Inner {
                 run_script(&self.script, self.clock.as_ref(), &mut conn, &[checks]).await?;
             Ok(verdicts.remove(0))
         };
-        self.within_budget(work).await
+        self.by(Instant::now() + self.budget, work).await
     }
 
-    async fn within_budget<T>(
+    /// `work`'s result, or the budget's timeout error once `until` has passed.
+    async fn by<T>(
         &self,
+        until: Instant,
         work: impl std::future::Future<Output = Result<T, LimiterError>>,
     ) -> Result<T, LimiterError> {
-        match tokio::time::timeout(self.budget, work).await {
+        match tokio::time::timeout_at(until.into(), work).await {
             Ok(r) => r,
             Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
         }
@@ -678,10 +680,7 @@ impl Decider for Inner {
     ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
         let call = run_script(&self.script, self.clock.as_ref(), &mut conn, requests);
-        match tokio::time::timeout_at(until.into(), call).await {
-            Ok(r) => r,
-            Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
-        }
+        self.by(until, call).await
     }
 }
 
@@ -696,11 +695,12 @@ impl Backend for RedisBackend {
         // budget the request is decided elsewhere and dropped from its batch.
         let deadline = Instant::now() + self.inner.budget;
         let reply = self.batcher.submit(&self.inner, checks, deadline);
-        match tokio::time::timeout_at(deadline.into(), reply).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(LimiterError::Redis("the batching task ended".into())),
-            Err(_) => Err(LimiterError::Timeout(self.inner.budget.as_millis() as u64)),
-        }
+        let answer = async {
+            reply
+                .await
+                .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+        };
+        self.inner.by(deadline, answer).await
     }
 }
 
