@@ -97,6 +97,35 @@ async fn bursts_and_refills() {
     assert_eq!(run(&p, &c, 6).await, [true, true, true, true, true, false]);
 }
 
+/// Rates so high that T is below a double's resolution at epoch microseconds:
+/// both backends still report fewer remaining than the bucket holds.
+#[tokio::test]
+async fn huge_rates_never_report_more_than_the_limit() {
+    let p = Pair::new();
+    let huge = [
+        tb(1_000_000_000, 1e9),
+        tb(5, 4e6),
+        Algorithm::LeakyBucket {
+            rate_per_sec: 1e9,
+            max_delay_ms: 1000,
+        },
+    ];
+    for (i, alg) in huge.into_iter().enumerate() {
+        let c = [check(Tier::Ip, &format!("huge{i}"), alg, "ip:1")];
+        for n in 0..3 {
+            let d = p.decide(&c).await;
+            assert!(d[0].allowed, "{alg}: request {n}");
+            assert!(
+                d[0].remaining < d[0].limit,
+                "{alg}: request {n} reports {} remaining of {}",
+                d[0].remaining,
+                d[0].limit
+            );
+        }
+        p.clock.advance(1);
+    }
+}
+
 #[tokio::test]
 async fn leaky_bucket_shapes() {
     let p = Pair::new();

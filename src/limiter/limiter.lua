@@ -65,14 +65,17 @@ end
 -- when admitted, the new state and its time to live in microseconds.
 
 -- GCRA: token bucket (tau = (capacity-1)*T) and leaky bucket (tau = max delay).
--- The state is the theoretical arrival time of the next request.
-local function gcra(tat, t, tau, shaping, now)
+-- The state is the theoretical arrival time of the next request. `limit` is
+-- the bucket's size: remaining stays below it even when T is so small (rates
+-- near a million a second) that doubles holding epoch microseconds round.
+local function gcra(tat, t, tau, limit, shaping, now)
   if tat == nil then tat = now end
   local allow_at = tat - tau
   if now >= allow_at then
     local slot = max(tat, now)
     local new_tat = slot + t
     local remaining = floor((now + tau - new_tat) / t) + 1
+    if remaining > limit - 1 then remaining = limit - 1 end
     if remaining < 0 then remaining = 0 end
     local reset = ceil_us(new_tat - now)
     local delay = 0
@@ -258,10 +261,10 @@ for r = 1, m do
     local ok, remaining, reset, delay, new, ttl
     if kind == 1 then
       local t = 1e6 / p2
-      ok, remaining, reset, delay, new, ttl = gcra(s, t, t * (p1 - 1), false, now)
+      ok, remaining, reset, delay, new, ttl = gcra(s, t, t * (p1 - 1), p1, false, now)
     elseif kind == 2 then
-      local t = 1e6 / p1
-      ok, remaining, reset, delay, new, ttl = gcra(s, t, p2 * 1000.0, true, now)
+      local t, tau = 1e6 / p1, p2 * 1000.0
+      ok, remaining, reset, delay, new, ttl = gcra(s, t, tau, floor(tau / t) + 1, true, now)
     elseif kind == 3 then
       ok, remaining, reset, delay, new, ttl = fixed_window(s, p1, p2 * 1000000, now)
     elseif kind == 4 then

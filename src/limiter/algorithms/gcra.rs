@@ -42,7 +42,10 @@ fn decide(
     if now_f >= allow_at {
         let slot = tat.max(now_f);
         let new_tat = slot + t;
-        let remaining = ((now_f + tau - new_tat) / t).floor() + 1.0;
+        // Clamped below `limit`: at rates near a million a second T nears the
+        // resolution of a double holding epoch microseconds, and the quotient
+        // can round past the bucket's size.
+        let remaining = (((now_f + tau - new_tat) / t).floor() + 1.0).min(limit as f64 - 1.0);
         let reset = ceil_us(new_tat - now_f);
         Evaluation {
             decision: Decision {

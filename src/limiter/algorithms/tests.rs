@@ -216,6 +216,23 @@ fn arb_algorithm() -> impl Strategy<Value = Algorithm> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
+    /// An admitted request leaves fewer than `limit` remaining, whatever the
+    /// rate: up to ten billion a second, far below the quarter-microsecond
+    /// grid of a double holding epoch microseconds.
+    #[test]
+    fn remaining_stays_below_the_limit(cap in 1u64..2_000_000_000, exp in -1.0f64..10.0, delay in 0u64..5000, gaps in prop::collection::vec(0i64..1000, 1..20)) {
+        let rate = 10f64.powf(exp);
+        for alg in [tb(cap, rate), Algorithm::LeakyBucket { rate_per_sec: rate, max_delay_ms: delay }] {
+            let mut b = Bucket::new(alg);
+            let mut now = T0;
+            for gap in &gaps {
+                now += gap;
+                let d = b.hit(now);
+                prop_assert!(!d.allowed || d.remaining < d.limit, "{alg} at {now}: remaining {} of {}", d.remaining, d.limit);
+            }
+        }
+    }
+
     /// The reported retry time is exact: rejected one microsecond before it,
     /// admitted at it.
     #[test]
