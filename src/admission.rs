@@ -6,15 +6,18 @@
 //! the client sees: admitted (with headers and perhaps a shaping delay), 429,
 //! or 503 when Redis is down and the operator chose "deny".
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::HeaderValue;
+
 use crate::config::{Algorithm, Config, HeaderStyle, Scope};
 use crate::identity::{self, ClientAddr, KeyError, KeyTable};
 use crate::limiter::algorithms::quota;
-use crate::limiter::keys::bucket_key;
+use crate::limiter::keys::{bucket_name, rule_prefix};
 use crate::limiter::{Check, Decision, Outcome, Tier};
 use crate::metrics::DecisionLabel;
 use crate::routing::{normalize_path, PathError, RouteMatch, RouteTable};
@@ -24,18 +27,51 @@ pub struct Policy {
     pub config: Arc<Config>,
     routes: RouteTable,
     keys: KeyTable,
-    key_prefix: String,
+    /// Each rule's bucket-name prefix (`keys::rule_prefix`): the ip tier's,
+    /// each plan's (with its token bucket) and each route's, indexed like
+    /// the config's routes.
+    ip_rule: Option<String>,
+    plan_rules: BTreeMap<String, (Algorithm, String)>,
+    route_rules: Vec<Option<String>>,
 }
 
 impl Policy {
     pub fn new(config: Arc<Config>) -> Self {
+        let p = config
+            .redis
+            .as_ref()
+            .map_or("rl", |r| r.key_prefix.as_str());
+        let ip_rule = config
+            .ip_tier
+            .as_ref()
+            .map(|t| rule_prefix(p, "ip", "ip", &t.algorithm));
+        let plan_rules = config
+            .plans
+            .iter()
+            .map(|(name, plan)| {
+                let algorithm = Algorithm::TokenBucket {
+                    capacity: plan.capacity,
+                    refill_per_sec: plan.refill_per_sec,
+                };
+                let prefix = rule_prefix(p, "key", name, &algorithm);
+                (name.clone(), (algorithm, prefix))
+            })
+            .collect();
+        let route_rules = config
+            .routes
+            .iter()
+            .map(|r| {
+                r.limit
+                    .as_ref()
+                    .map(|l| rule_prefix(p, "route", &r.name, &l.algorithm))
+            })
+            .collect();
         Policy {
             routes: RouteTable::new(&config.routes),
             keys: KeyTable::new(&config.api_keys),
-            key_prefix: config
-                .redis
-                .as_ref()
-                .map_or_else(|| "rl".to_string(), |r| r.key_prefix.clone()),
+            ip_rule,
+            plan_rules,
+            route_rules,
             config,
         }
     }
@@ -76,7 +112,8 @@ pub struct Plan {
     pub client_ip: IpAddr,
     pub client: ClientAddr,
     pub key_id: Option<String>,
-    pub checks: Vec<Check>,
+    /// Shared with the limiter (and its batch) rather than copied.
+    pub checks: Arc<[Check]>,
 }
 
 pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal> {
@@ -110,38 +147,34 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     let mut checks = Vec::with_capacity(3);
     if !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
         let ip_identity = format!("ip:{client}");
-        let p = &policy.key_prefix;
-        if let Some(t) = &cfg.ip_tier {
+        let key_identity = key.map(|k| format!("k:{}", k.id));
+        if let (Some(t), Some(prefix)) = (&cfg.ip_tier, &policy.ip_rule) {
             checks.push(Check {
                 tier: Tier::Ip,
-                key: bucket_key(p, "ip", "ip", &t.algorithm, &ip_identity),
+                key: bucket_name(prefix, &ip_identity),
                 algorithm: t.algorithm,
                 shadow: t.shadow,
             });
         }
-        if let Some(k) = key {
-            if let Some(plan) = cfg.plans.get(&k.plan) {
-                let algorithm = Algorithm::TokenBucket {
-                    capacity: plan.capacity,
-                    refill_per_sec: plan.refill_per_sec,
-                };
+        if let (Some(k), Some(identity)) = (key, &key_identity) {
+            if let Some((algorithm, prefix)) = policy.plan_rules.get(&k.plan) {
                 checks.push(Check {
                     tier: Tier::Key,
-                    key: bucket_key(p, "key", &k.plan, &algorithm, &format!("k:{}", k.id)),
-                    algorithm,
+                    key: bucket_name(prefix, identity),
+                    algorithm: *algorithm,
                     shadow: false,
                 });
             }
         }
-        if let Some(l) = &r.limit {
-            let identity = match (l.scope, key) {
-                (Scope::Global, _) => "global".to_string(),
-                (Scope::Client, Some(k)) => format!("k:{}", k.id),
-                (Scope::Client, None) => ip_identity,
+        if let (Some(l), Some(prefix)) = (&r.limit, &policy.route_rules[route]) {
+            let identity = match (l.scope, &key_identity) {
+                (Scope::Global, _) => "global",
+                (Scope::Client, Some(k)) => k.as_str(),
+                (Scope::Client, None) => ip_identity.as_str(),
             };
             checks.push(Check {
                 tier: Tier::Route,
-                key: bucket_key(p, "route", &r.name, &l.algorithm, &identity),
+                key: bucket_name(prefix, identity),
                 algorithm: l.algorithm,
                 shadow: l.shadow,
             });
@@ -153,7 +186,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         client_ip,
         client,
         key_id: key.map(|k| k.id.clone()),
-        checks,
+        checks: checks.into(),
     })
 }
 
@@ -161,12 +194,12 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
 #[derive(Debug, Clone, PartialEq)]
 pub enum Conclusion {
     Admit {
-        headers: Vec<(&'static str, String)>,
+        headers: Vec<(&'static str, HeaderValue)>,
         /// Leaky-bucket shaping: wait this long, then go upstream.
         delay: Duration,
     },
     Reject {
-        headers: Vec<(&'static str, String)>,
+        headers: Vec<(&'static str, HeaderValue)>,
         /// Exact wait until a retry can succeed, in ms (rounded up).
         retry_after_ms: u64,
         violated: Vec<Tier>,
@@ -237,7 +270,7 @@ pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclu
         let mut hs = headers(style, checks, c, d, wait_us, verdict.now_us);
         hs.push((
             "retry-after",
-            (wait_us + jitter_us).div_ceil(1_000_000).max(1).to_string(),
+            HeaderValue::from((wait_us + jitter_us).div_ceil(1_000_000).max(1)),
         ));
         Conclusion::Reject {
             headers: hs,
@@ -255,16 +288,17 @@ fn headers(
     d: &Decision,
     reset_us: u64,
     now_us: i64,
-) -> Vec<(&'static str, String)> {
-    let mut out = Vec::with_capacity(5);
+) -> Vec<(&'static str, HeaderValue)> {
+    // Six with Retry-After: one allocation, never regrown.
+    let mut out = Vec::with_capacity(6);
     if style.x_ratelimit() {
         let reset_at = (now_us.max(0) as u64 + reset_us).div_ceil(1_000_000);
-        out.push(("x-ratelimit-limit", d.limit.to_string()));
-        out.push(("x-ratelimit-remaining", d.remaining.to_string()));
-        out.push(("x-ratelimit-reset", reset_at.to_string()));
+        out.push(("x-ratelimit-limit", HeaderValue::from(d.limit)));
+        out.push(("x-ratelimit-remaining", HeaderValue::from(d.remaining)));
+        out.push(("x-ratelimit-reset", HeaderValue::from(reset_at)));
     }
     if style.ietf() {
-        let mut policy = String::new();
+        let mut policy = String::with_capacity(40 * checks.len());
         for (i, check) in checks.iter().enumerate() {
             if i > 0 {
                 policy.push_str(", ");
@@ -272,16 +306,18 @@ fn headers(
             let (q, w) = quota_window(&check.algorithm);
             let _ = write!(policy, "\"{}\";q={q};w={w}", check.tier);
         }
-        out.push(("ratelimit-policy", policy));
-        out.push((
-            "ratelimit",
-            format!(
-                "\"{}\";r={};t={}",
-                c.tier,
-                d.remaining,
-                reset_us.div_ceil(1_000_000)
-            ),
-        ));
+        let current = format!(
+            "\"{}\";r={};t={}",
+            c.tier,
+            d.remaining,
+            reset_us.div_ceil(1_000_000)
+        );
+        // Tier names and digits: always valid header text.
+        for (name, text) in [("ratelimit-policy", policy), ("ratelimit", current)] {
+            if let Ok(v) = HeaderValue::try_from(text) {
+                out.push((name, v));
+            }
+        }
     }
     out
 }

@@ -48,7 +48,7 @@ pub trait Decider: Send + Sync + 'static {
 struct Pending {
     /// When the request stops waiting (and is decided by the fallback).
     deadline: Instant,
-    checks: Vec<Check>,
+    checks: Arc<[Check]>,
     reply: oneshot::Sender<Result<Verdict, LimiterError>>,
 }
 
@@ -72,13 +72,13 @@ impl Batcher {
     pub fn submit<D: Decider>(
         &self,
         decider: &Arc<D>,
-        checks: &[Check],
+        checks: Arc<[Check]>,
         deadline: Instant,
     ) -> oneshot::Receiver<Result<Verdict, LimiterError>> {
         let (reply, rx) = oneshot::channel();
         let mut pending = Pending {
             deadline,
-            checks: checks.to_vec(),
+            checks,
             reply,
         };
         if let Some(queue) = self.queue.load().as_ref() {
@@ -139,7 +139,7 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
             continue;
         }
         crate::metrics::redis_batch(batch.len());
-        let requests: Vec<&[Check]> = batch.iter().map(|p| p.checks.as_slice()).collect();
+        let requests: Vec<&[Check]> = batch.iter().map(|p| &*p.checks).collect();
         // The call ends when the first of its requests stops waiting: a call
         // abandoned by one of them fails them all (they fall back together),
         // and no request waits on Redis past its own budget.

@@ -42,7 +42,7 @@ pub enum Outcome {
         verdict: Verdict,
         backend: FallbackState,
         /// The checks as they were enforced (scaled down when local fallback).
-        checks: Vec<Check>,
+        checks: Arc<[Check]>,
     },
     /// Redis failed and `on_redis_failure = "allow"`.
     FailOpen,
@@ -105,16 +105,16 @@ impl Fallback {
         self.redis.is_some()
     }
 
-    pub async fn decide(&self, checks: &[Check]) -> Outcome {
+    pub async fn decide(&self, checks: &Arc<[Check]>) -> Outcome {
         let Some(redis) = &self.redis else {
-            return self.local_outcome(checks.to_vec()).await;
+            return self.local_outcome(checks.clone()).await;
         };
         if self.redis_up.load(Ordering::Relaxed) {
             let started = std::time::Instant::now();
             if let Some(outcome) = self.remembered_denial(checks, started) {
                 return outcome;
             }
-            let result = redis.decide(checks).await;
+            let result = redis.decide_shared(checks.clone()).await;
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(verdict) => {
@@ -130,14 +130,14 @@ impl Fallback {
                     return Outcome::Decided {
                         verdict,
                         backend: FallbackState::Redis,
-                        checks: checks.to_vec(),
+                        checks: checks.clone(),
                     };
                 }
                 Err(e) => {
                     self.trip(&e);
                     if matches!(e, LimiterError::CrossSlot) {
                         // A key-layout bug must never become allow-all (or deny-all).
-                        let scaled = checks.iter().map(|c| self.share(c)).collect();
+                        let scaled: Arc<[Check]> = checks.iter().map(|c| self.share(c)).collect();
                         return self.local_outcome(scaled).await;
                     }
                 }
@@ -145,7 +145,7 @@ impl Fallback {
         }
         match self.on_failure {
             OnRedisFailure::Local => {
-                let scaled = checks.iter().map(|c| self.share(c)).collect();
+                let scaled: Arc<[Check]> = checks.iter().map(|c| self.share(c)).collect();
                 self.local_outcome(scaled).await
             }
             OnRedisFailure::Allow => Outcome::FailOpen,
@@ -173,11 +173,11 @@ impl Fallback {
                 now_us: wall_now,
             },
             backend: FallbackState::Redis,
-            checks: vec![c.clone()],
+            checks: Arc::new([c.clone()]),
         })
     }
 
-    async fn local_outcome(&self, checks: Vec<Check>) -> Outcome {
+    async fn local_outcome(&self, checks: Arc<[Check]>) -> Outcome {
         match self.local.decide(&checks).await {
             Ok(verdict) => Outcome::Decided {
                 verdict,

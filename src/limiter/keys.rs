@@ -12,8 +12,19 @@ use std::fmt::Write;
 use crate::config::Algorithm;
 
 pub fn bucket_key(prefix: &str, tier: &str, rule: &str, alg: &Algorithm, identity: &str) -> String {
-    let mut k = String::with_capacity(prefix.len() + rule.len() + identity.len() + 32);
-    let _ = write!(k, "{prefix}:{tier}:{rule}:{}:", fingerprint(alg));
+    bucket_name(&rule_prefix(prefix, tier, rule, alg), identity)
+}
+
+/// Everything of a rule's bucket names but the identity: built once per
+/// config load (the fingerprint formats floats), not once per request.
+pub fn rule_prefix(prefix: &str, tier: &str, rule: &str, alg: &Algorithm) -> String {
+    format!("{prefix}:{tier}:{rule}:{}:", fingerprint(alg))
+}
+
+/// A bucket's name: its rule's prefix, then the escaped identity.
+pub fn bucket_name(rule_prefix: &str, identity: &str) -> String {
+    let mut k = String::with_capacity(rule_prefix.len() + identity.len() + 8);
+    k.push_str(rule_prefix);
     escape_into(&mut k, identity);
     k
 }

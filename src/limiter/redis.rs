@@ -687,9 +687,16 @@ impl Decider for Inner {
 #[async_trait]
 impl Backend for RedisBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
+        self.decide_shared(checks.into()).await
+    }
+}
+
+impl RedisBackend {
+    /// `Backend::decide` for checks the caller shares with the batch (no copy).
+    pub async fn decide_shared(&self, checks: Arc<[Check]>) -> Result<Verdict, LimiterError> {
         if matches!(self.inner.topology, Topology::Cluster(_)) {
             let conn = self.inner.connection()?;
-            return self.inner.decide_clustered(conn, checks).await;
+            return self.inner.decide_clustered(conn, &checks).await;
         }
         // The wait includes time queued behind the batch in flight; past the
         // budget the request is decided elsewhere and dropped from its batch.

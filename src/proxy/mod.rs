@@ -74,7 +74,7 @@ pub struct Ctx {
     live: Option<Arc<Live>>,
     plan: Option<Plan>,
     /// Rate-limit headers to add to the upstream's response.
-    ratelimit_headers: Vec<(&'static str, String)>,
+    ratelimit_headers: Vec<(&'static str, http::HeaderValue)>,
     tiers: Vec<(Tier, DecisionLabel)>,
     backend: &'static str,
     upstream_sent: Option<Instant>,
@@ -111,7 +111,15 @@ fn request_id(req: &RequestHeader) -> String {
             }
         }
     }
-    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+    // 128 random bits as 32 hex digits, without the formatting machinery.
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut bits = fastrand::u128(..);
+    let mut id = String::with_capacity(32);
+    for _ in 0..32 {
+        id.push(HEX[(bits & 0xf) as usize] as char);
+        bits >>= 4;
+    }
+    id
 }
 
 fn header_bytes(req: &RequestHeader) -> usize {

@@ -3,6 +3,7 @@
 //! secret or the raw request.
 
 use bytes::Bytes;
+use http::HeaderValue;
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 use pingora::Result;
@@ -14,7 +15,7 @@ pub struct Reply {
     pub status: u16,
     pub content_type: &'static str,
     pub body: String,
-    pub headers: Vec<(&'static str, String)>,
+    pub headers: Vec<(&'static str, HeaderValue)>,
 }
 
 fn json(status: u16, error: &str, message: &str) -> Reply {
@@ -37,7 +38,10 @@ pub fn refusal(r: &Refusal) -> Reply {
                 "method_not_allowed",
                 "this route does not accept the method",
             );
-            reply.headers.push(("allow", allowed.join(", ")));
+            // Config validation admits only upper-case method tokens.
+            if let Ok(v) = HeaderValue::try_from(allowed.join(", ")) {
+                reply.headers.push(("allow", v));
+            }
             reply
         }
         Refusal::UnknownKey => json(401, "unauthorized", "API key not recognised"),
@@ -49,7 +53,7 @@ pub fn refusal(r: &Refusal) -> Reply {
 }
 
 pub fn too_many_requests(
-    headers: Vec<(&'static str, String)>,
+    headers: Vec<(&'static str, HeaderValue)>,
     retry_after_ms: u64,
     violated: &[Tier],
 ) -> Reply {
@@ -81,7 +85,7 @@ pub fn reduced_capacity() -> Reply {
             "detail": "the rate limiter is unavailable and this gateway is configured to deny",
         })
         .to_string(),
-        headers: vec![("retry-after", "1".to_string())],
+        headers: vec![("retry-after", HeaderValue::from_static("1"))],
     }
 }
 
@@ -142,7 +146,7 @@ pub async fn send(session: &mut Session, reply: Reply, request_id: &str) -> Resu
     }
     let mut h = ResponseHeader::build(reply.status, Some(4 + reply.headers.len()))?;
     h.insert_header("content-type", reply.content_type)?;
-    h.insert_header("content-length", reply.body.len().to_string())?;
+    h.insert_header("content-length", reply.body.len())?;
     h.insert_header("x-request-id", request_id)?;
     for (name, value) in reply.headers {
         h.insert_header(name, value)?;
