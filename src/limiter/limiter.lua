@@ -195,11 +195,15 @@ local nk = #KEYS
 local function whole(x, lo, hi)
   return x ~= nil and x == x and x % 1 == 0 and x >= lo and x <= hi
 end
+local na = #ARGV
 local m, ns = tonum(ARGV[2]), tonum(ARGV[3])
-if not whole(m, 0, #ARGV) or not whole(ns, 0, #ARGV) then
+if not whole(m, 0, na) or not whole(ns, 0, na) then
   return bad('expected the numbers of requests and shapes')
 end
-local kinds, p1s, p2s = {}, {}, {}
+-- Per bucket, what its algorithm needs, worked out once per batch rather
+-- than once per request (the same expressions as algorithms/*.rs):
+-- GCRA: emission interval, tolerance and size; windows: length in us.
+local kinds, p1s, ts, taus, lims, ws = {}, {}, {}, {}, {}, {}
 for k = 1, nk do
   local b = 3 * k + 1
   local kind, p1, p2 = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2])
@@ -207,7 +211,16 @@ for k = 1, nk do
       or not (p2 >= 0 and p2 < huge) then
     return bad('bucket ' .. k .. ' has no valid kind, p1, p2')
   end
-  kinds[k], p1s[k], p2s[k] = kind, p1, p2
+  kinds[k], p1s[k] = kind, p1
+  if kind == 1 then
+    local t = 1e6 / p2
+    ts[k], taus[k], lims[k] = t, t * (p1 - 1), p1
+  elseif kind == 2 then
+    local t, tau = 1e6 / p1, p2 * 1000.0
+    ts[k], taus[k], lims[k] = t, tau, floor(tau / t) + 1
+  else
+    ws[k] = p2 * 1000000
+  end
 end
 -- Shapes, parsed once: shape q's tiers are refs[start[q] + 1 .. start[q] + len[q]],
 -- each a bucket index, negative for a shadow tier.
@@ -216,7 +229,7 @@ do
   local a, nrefs = 3 * nk + 4, 0
   for q = 1, ns do
     local n = tonum(ARGV[a])
-    if not whole(n, 0, #ARGV - a) then return bad('arguments end inside shape ' .. q) end
+    if not whole(n, 0, na - a) then return bad('arguments end inside shape ' .. q) end
     start[q], len[q] = nrefs, n
     for i = a + 1, a + n do
       local k = tonum(ARGV[i])
@@ -228,7 +241,7 @@ do
     end
     a = a + 1 + n
   end
-  if a + m ~= #ARGV + 1 then return bad('expected one shape per request') end
+  if a + m ~= na + 1 then return bad('expected one shape per request') end
   for r = 1, m do
     local q = tonum(ARGV[a + r - 1])
     if not whole(q, 1, ns) then return bad('request ' .. r .. ' names no shape') end
@@ -257,20 +270,16 @@ for r = 1, m do
     local k = refs[j + i]
     local shadow = k < 0
     if shadow then k = -k end
-    local kind, p1, p2, s = kinds[k], p1s[k], p2s[k], state[k]
+    local kind, s = kinds[k], state[k]
     local ok, remaining, reset, delay, new, ttl
-    if kind == 1 then
-      local t = 1e6 / p2
-      ok, remaining, reset, delay, new, ttl = gcra(s, t, t * (p1 - 1), p1, false, now)
-    elseif kind == 2 then
-      local t, tau = 1e6 / p1, p2 * 1000.0
-      ok, remaining, reset, delay, new, ttl = gcra(s, t, tau, floor(tau / t) + 1, true, now)
+    if kind <= 2 then
+      ok, remaining, reset, delay, new, ttl = gcra(s, ts[k], taus[k], lims[k], kind == 2, now)
     elseif kind == 3 then
-      ok, remaining, reset, delay, new, ttl = fixed_window(s, p1, p2 * 1000000, now)
+      ok, remaining, reset, delay, new, ttl = fixed_window(s, p1s[k], ws[k], now)
     elseif kind == 4 then
-      ok, remaining, reset, delay, new, ttl = sliding_window(s, p1, p2 * 1000000, now)
+      ok, remaining, reset, delay, new, ttl = sliding_window(s, p1s[k], ws[k], now)
     else
-      ok, remaining, reset, delay, new, ttl = sliding_log(KEYS[k], p1, p2 * 1000000, now)
+      ok, remaining, reset, delay, new, ttl = sliding_log(KEYS[k], p1s[k], ws[k], now)
     end
     if not ok and not shadow then admit = false end
     t_key[i], t_ok[i], t_new[i], t_ttl[i] = k, ok, new, ttl
