@@ -27,12 +27,41 @@ pub struct Policy {
     pub config: Arc<Config>,
     routes: RouteTable,
     keys: KeyTable,
-    /// Each rule's bucket-name prefix (`keys::rule_prefix`): the ip tier's,
-    /// each plan's (with its token bucket) and each route's, indexed like
-    /// the config's routes.
-    ip_rule: Option<String>,
-    plan_rules: BTreeMap<String, (Algorithm, String)>,
-    route_rules: Vec<Option<String>>,
+    /// The tiers' rules, ready to name buckets: the ip tier's, each plan's
+    /// (by name) and each route's limit (indexed like the config's routes).
+    ip_rule: Option<Rule>,
+    plan_rules: BTreeMap<String, Rule>,
+    route_rules: Vec<Option<(Rule, Scope)>>,
+}
+
+/// One rule of one tier, with the constant head of its buckets' names
+/// (`keys::rule_prefix`), built once per config load, not once per request.
+struct Rule {
+    tier: Tier,
+    algorithm: Algorithm,
+    shadow: bool,
+    prefix: String,
+}
+
+impl Rule {
+    fn new(key_prefix: &str, tier: Tier, name: &str, algorithm: Algorithm, shadow: bool) -> Self {
+        Rule {
+            prefix: rule_prefix(key_prefix, tier.as_str(), name, &algorithm),
+            tier,
+            algorithm,
+            shadow,
+        }
+    }
+
+    /// The check of `identity`'s bucket under this rule.
+    fn check(&self, identity: &str) -> Check {
+        Check {
+            tier: self.tier,
+            key: bucket_name(&self.prefix, identity),
+            algorithm: self.algorithm,
+            shadow: self.shadow,
+        }
+    }
 }
 
 impl Policy {
@@ -44,7 +73,7 @@ impl Policy {
         let ip_rule = config
             .ip_tier
             .as_ref()
-            .map(|t| rule_prefix(p, "ip", "ip", &t.algorithm));
+            .map(|t| Rule::new(p, Tier::Ip, "ip", t.algorithm, t.shadow));
         let plan_rules = config
             .plans
             .iter()
@@ -53,17 +82,20 @@ impl Policy {
                     capacity: plan.capacity,
                     refill_per_sec: plan.refill_per_sec,
                 };
-                let prefix = rule_prefix(p, "key", name, &algorithm);
-                (name.clone(), (algorithm, prefix))
+                (
+                    name.clone(),
+                    Rule::new(p, Tier::Key, name, algorithm, false),
+                )
             })
             .collect();
         let route_rules = config
             .routes
             .iter()
             .map(|r| {
-                r.limit
-                    .as_ref()
-                    .map(|l| rule_prefix(p, "route", &r.name, &l.algorithm))
+                r.limit.as_ref().map(|l| {
+                    let rule = Rule::new(p, Tier::Route, &r.name, l.algorithm, l.shadow);
+                    (rule, l.scope)
+                })
             })
             .collect();
         Policy {
@@ -148,36 +180,21 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     if !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
         let ip_identity = format!("ip:{client}");
         let key_identity = key.map(|k| format!("k:{}", k.id));
-        if let (Some(t), Some(prefix)) = (&cfg.ip_tier, &policy.ip_rule) {
-            checks.push(Check {
-                tier: Tier::Ip,
-                key: bucket_name(prefix, &ip_identity),
-                algorithm: t.algorithm,
-                shadow: t.shadow,
-            });
+        if let Some(rule) = &policy.ip_rule {
+            checks.push(rule.check(&ip_identity));
         }
         if let (Some(k), Some(identity)) = (key, &key_identity) {
-            if let Some((algorithm, prefix)) = policy.plan_rules.get(&k.plan) {
-                checks.push(Check {
-                    tier: Tier::Key,
-                    key: bucket_name(prefix, identity),
-                    algorithm: *algorithm,
-                    shadow: false,
-                });
+            if let Some(rule) = policy.plan_rules.get(&k.plan) {
+                checks.push(rule.check(identity));
             }
         }
-        if let (Some(l), Some(prefix)) = (&r.limit, &policy.route_rules[route]) {
-            let identity = match (l.scope, &key_identity) {
+        if let Some((rule, scope)) = &policy.route_rules[route] {
+            let identity = match (scope, &key_identity) {
                 (Scope::Global, _) => "global",
                 (Scope::Client, Some(k)) => k.as_str(),
                 (Scope::Client, None) => ip_identity.as_str(),
             };
-            checks.push(Check {
-                tier: Tier::Route,
-                key: bucket_name(prefix, identity),
-                algorithm: l.algorithm,
-                shadow: l.shadow,
-            });
+            checks.push(rule.check(identity));
         }
     }
     Ok(Plan {

@@ -137,17 +137,13 @@ impl Fallback {
                     self.trip(&e);
                     if matches!(e, LimiterError::CrossSlot) {
                         // A key-layout bug must never become allow-all (or deny-all).
-                        let scaled: Arc<[Check]> = checks.iter().map(|c| self.share(c)).collect();
-                        return self.local_outcome(scaled).await;
+                        return self.local_outcome(self.shares(checks)).await;
                     }
                 }
             }
         }
         match self.on_failure {
-            OnRedisFailure::Local => {
-                let scaled: Arc<[Check]> = checks.iter().map(|c| self.share(c)).collect();
-                self.local_outcome(scaled).await
-            }
+            OnRedisFailure::Local => self.local_outcome(self.shares(checks)).await,
             OnRedisFailure::Allow => Outcome::FailOpen,
             OnRedisFailure::Deny => Outcome::FailClosed,
         }
@@ -228,6 +224,11 @@ impl Fallback {
             self.probe_once().await;
             tokio::time::sleep(interval).await;
         }
+    }
+
+    /// This replica's share of every check's rule.
+    fn shares(&self, checks: &[Check]) -> Arc<[Check]> {
+        checks.iter().map(|c| self.share(c)).collect()
     }
 
     /// This replica's share of a shared rule: 1/instances of capacity and rate,

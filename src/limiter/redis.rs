@@ -164,6 +164,24 @@ impl RedisBackend {
         let until = Instant::now() + self.inner.budget;
         self.inner.decide_batch(requests, until).await
     }
+
+    /// `Backend::decide` for checks the caller shares with the batch (no copy).
+    pub async fn decide_shared(&self, checks: Arc<[Check]>) -> Result<Verdict, LimiterError> {
+        if matches!(self.inner.topology, Topology::Cluster(_)) {
+            let conn = self.inner.connection()?;
+            return self.inner.decide_clustered(conn, &checks).await;
+        }
+        // The wait includes time queued behind the batch in flight; past the
+        // budget the request is decided elsewhere and dropped from its batch.
+        let deadline = Instant::now() + self.inner.budget;
+        let reply = self.batcher.submit(&self.inner, checks, deadline);
+        let answer = async {
+            reply
+                .await
+                .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+        };
+        self.inner.by(deadline, answer).await
+    }
 }
 
 impl Inner {
@@ -688,26 +706,6 @@ impl Decider for Inner {
 impl Backend for RedisBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
         self.decide_shared(checks.into()).await
-    }
-}
-
-impl RedisBackend {
-    /// `Backend::decide` for checks the caller shares with the batch (no copy).
-    pub async fn decide_shared(&self, checks: Arc<[Check]>) -> Result<Verdict, LimiterError> {
-        if matches!(self.inner.topology, Topology::Cluster(_)) {
-            let conn = self.inner.connection()?;
-            return self.inner.decide_clustered(conn, &checks).await;
-        }
-        // The wait includes time queued behind the batch in flight; past the
-        // budget the request is decided elsewhere and dropped from its batch.
-        let deadline = Instant::now() + self.inner.budget;
-        let reply = self.batcher.submit(&self.inner, checks, deadline);
-        let answer = async {
-            reply
-                .await
-                .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
-        };
-        self.inner.by(deadline, answer).await
     }
 }
 
