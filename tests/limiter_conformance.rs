@@ -32,8 +32,7 @@ impl Pair {
         let clock = Arc::new(ManualClock::new(T0));
         Pair {
             local: LocalBackend::new(100_000, clock.clone()),
-            redis: RedisBackend::new(&server.url(), Duration::from_secs(2), Some(clock.clone()))
-                .expect("client"),
+            redis: redis_backend(&server, &clock, Duration::from_secs(2)),
             clock,
             _server: server,
         }
@@ -52,6 +51,11 @@ impl Pair {
         );
         local
     }
+}
+
+/// A Redis backend on `server`, deciding at `clock`'s time, with this budget per call.
+fn redis_backend(server: &RedisGuard, clock: &Arc<ManualClock>, budget: Duration) -> RedisBackend {
+    RedisBackend::new(&server.url(), budget, Some(clock.clone())).expect("client")
 }
 
 fn check(tier: Tier, rule: &str, alg: Algorithm, who: &str) -> Check {
@@ -354,10 +358,7 @@ async fn batches_decide_as_one_by_one() {
 async fn concurrent_requests_are_batched_and_exact() {
     let server = RedisGuard::start();
     let clock = Arc::new(ManualClock::new(T0));
-    let redis = Arc::new(
-        RedisBackend::new(&server.url(), Duration::from_secs(2), Some(clock.clone()))
-            .expect("client"),
-    );
+    let redis = Arc::new(redis_backend(&server, &clock, Duration::from_secs(2)));
     let c = vec![check(Tier::Route, "burst", tb(50, 0.001), "global")];
     // The first call loads the script (NOSCRIPT, then a second EVALSHA).
     let warm = [check(Tier::Route, "warm", tb(5, 1.0), "global")];
@@ -389,14 +390,7 @@ async fn concurrent_requests_are_batched_and_exact() {
 async fn requests_queued_behind_a_late_call_are_not_charged() {
     let server = RedisGuard::start();
     let clock = Arc::new(ManualClock::new(T0));
-    let redis = Arc::new(
-        RedisBackend::new(
-            &server.url(),
-            Duration::from_millis(100),
-            Some(clock.clone()),
-        )
-        .expect("client"),
-    );
+    let redis = Arc::new(redis_backend(&server, &clock, Duration::from_millis(100)));
     let c = vec![check(Tier::Route, "held", tb(10, 0.001), "global")];
     let fresh = redis.decide(&c).await.expect("first decision");
     assert_eq!(fresh.decisions[0].remaining, 9);
