@@ -68,9 +68,51 @@ pub fn install() {
             "gateway_config_reloads_total",
             "Config reloads by result (ok, error)"
         );
+        describe_counter!(
+            "gateway_redis_errors_total",
+            "Failed Redis calls and probes, by reason: timeout, unavailable, protocol; auth, permission, database and config mean Redis refuses this gateway's settings"
+        );
+        describe_counter!(
+            "gateway_redis_late_calls_total",
+            "Watchdog checks after a Redis call went unanswered past redis.timeout_ms, by verdict: redis (Redis did not answer a PING within the budget: the breaker opened) or gateway (Redis answered: this replica was too busy to read its answer in time, and its requests kept waiting)"
+        );
+        describe_gauge!(
+            "gateway_limiter_replicas",
+            "Replicas sharing every limit: the live count read from Redis, else limiter.instances"
+        );
+        describe_counter!(
+            "gateway_fallback_debts_charged_total",
+            "Buckets whose local admissions during an outage were charged to Redis on failback"
+        );
+        // Every series with a closed label set exists from start-up, at 0,
+        // so an alert on it can be written before it first fires.
+        for to in ["redis", "local"] {
+            counter!("gateway_fallback_transitions_total", "to" => to).absolute(0);
+        }
+        for result in ["ok", "error"] {
+            counter!("gateway_config_reloads_total", "result" => result).absolute(0);
+        }
+        for reason in REDIS_ERROR_REASONS {
+            counter!("gateway_redis_errors_total", "reason" => *reason).absolute(0);
+        }
+        for verdict in ["redis", "gateway"] {
+            counter!("gateway_redis_late_calls_total", "verdict" => verdict).absolute(0);
+        }
+        counter!("gateway_fallback_debts_charged_total").absolute(0);
         Some(handle)
     });
 }
+
+/// The closed label set of `gateway_redis_errors_total` (`LimiterError::reason`).
+pub const REDIS_ERROR_REASONS: &[&str] = &[
+    "timeout",
+    "unavailable",
+    "protocol",
+    "auth",
+    "permission",
+    "database",
+    "config",
+];
 
 /// The Prometheus text exposition.
 pub fn render() -> String {
@@ -112,6 +154,25 @@ pub fn set_backend(state: FallbackState) {
 pub fn fallback_transition(to: FallbackState) {
     counter!("gateway_fallback_transitions_total", "to" => to.as_str()).increment(1);
     set_backend(to);
+}
+
+pub fn redis_error(reason: &'static str) {
+    counter!("gateway_redis_errors_total", "reason" => reason).increment(1);
+}
+
+/// The watchdog's verdict on a late call: `redis_stalled` when Redis did not
+/// answer its PING within the budget.
+pub fn late_call_verdict(redis_stalled: bool) {
+    let verdict = if redis_stalled { "redis" } else { "gateway" };
+    counter!("gateway_redis_late_calls_total", "verdict" => verdict).increment(1);
+}
+
+pub fn replicas(n: u32) {
+    gauge!("gateway_limiter_replicas").set(n as f64);
+}
+
+pub fn debts_charged(buckets: usize) {
+    counter!("gateway_fallback_debts_charged_total").increment(buckets as u64);
 }
 
 pub fn redis_call(d: Duration) {

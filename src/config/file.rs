@@ -404,6 +404,7 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
             "max_request_header_bytes",
             "max_request_headers",
             "header_read_timeout_ms",
+            "startup_redis_wait_ms",
         ],
     );
     let listen = req(r, t, p, None, "listen", |r, path, v| {
@@ -430,6 +431,9 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
     let hdr_timeout = opt(r, t, p, "header_read_timeout_ms", 10_000, |r, path, v| {
         r.int(path, v, 1, 3_600_000)
     });
+    let startup_wait = opt(r, t, p, "startup_redis_wait_ms", 1000, |r, path, v| {
+        r.int(path, v, 0, 600_000)
+    });
     Some(Server {
         listen: listen?,
         admin_listen: admin_listen?,
@@ -438,6 +442,7 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
         max_request_header_bytes: max_hdr?,
         max_request_headers: max_headers?,
         header_read_timeout_ms: hdr_timeout?,
+        startup_redis_wait_ms: startup_wait?,
     })
 }
 
@@ -555,14 +560,18 @@ fn redis(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
             r.error(path, Some(&v.span()), "expected at least one Redis URL");
         }
         for (i, (u, span)) in items.iter().enumerate() {
-            if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
+            // Never echo the URL: it may carry a password.
+            let problem = if u.starts_with("rediss://") {
+                // Without this the gateway would start and never reach Redis.
+                Some("rediss:// (Redis over TLS) is not built into this gateway; use redis://")
+            } else if !u.starts_with("redis://") {
+                Some("expected a URL starting with redis://")
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
                 ok = false;
-                r.error(
-                    &format!("{path}[{i}]"),
-                    Some(span),
-                    // Never echo the URL: it may carry a password.
-                    "expected a URL starting with redis:// or rediss://",
-                );
+                r.error(&format!("{path}[{i}]"), Some(span), problem);
             }
         }
         ok.then(|| items.into_iter().map(|(u, _)| u).collect::<Vec<_>>())

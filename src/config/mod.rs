@@ -81,12 +81,13 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "server: threads={} grace_period_secs={} max_request_header_bytes={} max_request_headers={} header_read_timeout_ms={}",
+            "server: threads={} grace_period_secs={} max_request_header_bytes={} max_request_headers={} header_read_timeout_ms={} startup_redis_wait_ms={}",
             srv.threads,
             srv.grace_period_secs,
             srv.max_request_header_bytes,
             srv.max_request_headers,
-            srv.header_read_timeout_ms
+            srv.header_read_timeout_ms,
+            srv.startup_redis_wait_ms
         );
         let l = &self.limiter;
         let _ = writeln!(

@@ -33,6 +33,8 @@ pub struct Server {
     /// More request header lines than this: 431.
     pub max_request_headers: usize,
     pub header_read_timeout_ms: u64,
+    /// Before serving, how long to wait for Redis (0: start on the fallback).
+    pub startup_redis_wait_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

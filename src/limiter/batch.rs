@@ -10,18 +10,20 @@
 //! its requests touched that bucket, and `limiter.lua` decides the requests in
 //! order, so the answers are the ones they would get one by one.
 //!
-//! Every request still waits at most the call budget, and its batch's call is
-//! abandoned when the first of its requests' budgets runs out. A request that
-//! gave up (and was decided by the fallback) before its batch left is dropped
-//! from it, and when a call fails the requests queued behind it fail with it
-//! at once, so a request is charged twice only if its own call left and then
-//! ran late (as any abandoned call may still run).
+//! A request waits for its batch's answer; the call's budget runs from when
+//! it is sent (`Inner::answer`), so time a request spends queued behind a
+//! busy worker is never blamed on Redis. When a call fails (an error, or the
+//! breaker opened while it was out) the requests queued behind it fail with
+//! it at once, and fall back together. A request that stopped waiting before
+//! its batch left is dropped from it, so a request is charged twice only if
+//! its own call left and then ran after it was abandoned (as any abandoned
+//! call may still run).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwapOption;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::{Check, LimiterError, Verdict};
 
@@ -35,19 +37,24 @@ const MAX_YIELDS: usize = 4;
 /// After this long the task starts no new round of gathering.
 const MAX_GATHER: Duration = Duration::from_micros(200);
 
-/// Decides a batch: one verdict per request, in order, or an error once
-/// `until` has passed (the earliest of its requests' deadlines).
+/// Decides a batch: one verdict per request, in order, or an error (at the
+/// latest when `abandon` changes).
 pub trait Decider: Send + Sync + 'static {
     fn decide_batch(
         &self,
         requests: &[&[Check]],
-        until: Instant,
+        abandon: &mut watch::Receiver<u64>,
     ) -> impl std::future::Future<Output = Result<Vec<Verdict>, LimiterError>> + Send;
+
+    /// Changes whenever calls are to be abandoned (the breaker opened); its
+    /// value counts the times.
+    fn abandoned(&self) -> watch::Receiver<u64>;
 }
 
 struct Pending {
-    /// When the request stops waiting (and is decided by the fallback).
-    deadline: Instant,
+    /// The abandon count when the request queued: a request that queued
+    /// before the breaker opened is not sent to the Redis it gave up on.
+    epoch: u64,
     checks: Arc<[Check]>,
     reply: oneshot::Sender<Result<Verdict, LimiterError>>,
 }
@@ -63,8 +70,7 @@ impl Batcher {
         }
     }
 
-    /// Queues one request's checks, to be answered by `deadline`; the reply
-    /// arrives when its batch returns.
+    /// Queues one request's checks; the reply arrives when its batch returns.
     /// The first call (or the first after the task's runtime ended) starts the
     /// task on the caller's runtime: the proxy's. (On a thread of its own, with
     /// its own connection, the task measured worse: one more thread to wake per
@@ -73,11 +79,11 @@ impl Batcher {
         &self,
         decider: &Arc<D>,
         checks: Arc<[Check]>,
-        deadline: Instant,
     ) -> oneshot::Receiver<Result<Verdict, LimiterError>> {
         let (reply, rx) = oneshot::channel();
+        let epoch = *decider.abandoned().borrow();
         let mut pending = Pending {
-            deadline,
+            epoch,
             checks,
             reply,
         };
@@ -105,6 +111,7 @@ impl Default for Batcher {
 
 async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pending>) {
     let mut batch: Vec<Pending> = Vec::with_capacity(MAX_BATCH);
+    let mut abandon = decider.abandoned();
     while let Some(first) = queue.recv().await {
         batch.push(first);
         // Let the requests already runnable on this runtime reach their Redis
@@ -133,22 +140,19 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
                 Err(_) => break,
             }
         }
-        // Requests that stopped waiting were decided elsewhere: never charge them.
+        // Requests that stopped waiting were decided elsewhere: never charge
+        // them; those that queued before the breaker opened fall back.
+        let epoch = *abandon.borrow_and_update();
         batch.retain(|p| !p.reply.is_closed());
+        for p in batch.extract_if(.., |p| p.epoch < epoch) {
+            let _ = p.reply.send(Err(LimiterError::Abandoned));
+        }
         if batch.is_empty() {
             continue;
         }
         crate::metrics::redis_batch(batch.len());
         let requests: Vec<&[Check]> = batch.iter().map(|p| &*p.checks).collect();
-        // The call ends when the first of its requests stops waiting: a call
-        // abandoned by one of them fails them all (they fall back together),
-        // and no request waits on Redis past its own budget.
-        let until = batch
-            .iter()
-            .map(|p| p.deadline)
-            .min()
-            .unwrap_or_else(Instant::now);
-        let result = decider.decide_batch(&requests, until).await;
+        let result = decider.decide_batch(&requests, &mut abandon).await;
         drop(requests);
         match result {
             Ok(verdicts) => {

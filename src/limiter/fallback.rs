@@ -1,23 +1,42 @@
 //! The limiter the proxy talks to: Redis while it is healthy, and a circuit
 //! breaker that moves to `limiter.on_redis_failure` when it is not.
 //!
-//! After one failed or late call the breaker opens: no request waits on Redis
-//! again until the background probe has seen it answer (and the script load)
-//! several times in a row. While open, with `on_redis_failure = "local"`, each
-//! replica enforces 1/`instances` of every tier locally, so N replicas together
-//! stay within the shared limit.
+//! - Start-up: before the first request is decided, one bounded attempt to
+//!   reach Redis (`start`); if it works, the first request is decided by Redis.
+//! - The breaker opens on Redis's errors, and on Redis's own latency: a call
+//!   past its budget makes the watchdog PING Redis from the probe's thread, and
+//!   only a PING unanswered within the budget opens it. A replica too busy to
+//!   read its answers in time keeps waiting for them instead.
+//! - While open, with `on_redis_failure = "local"`, each replica enforces its
+//!   share (1/live replicas) of every tier locally, starting from what Redis
+//!   last said of each bucket, and keeps a ledger of what it admitted.
+//! - Failback, after several good probes in a row: the ledger is charged to
+//!   the shared buckets first, then traffic returns to Redis.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use super::algorithms::outage;
 use super::deny_cache::DenyCache;
+use super::ledger::Ledger;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Verdict};
+use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, OnRedisFailure};
 use crate::metrics;
 
 /// Consecutive good probes before traffic goes back to Redis.
 const PROBES_TO_FAIL_BACK: u32 = 3;
+
+/// How often a replica announces itself while Redis is up; an announcement
+/// lasts three of these.
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+/// Between start-up attempts to reach Redis.
+const STARTUP_RETRY: Duration = Duration::from_millis(50);
 
 /// Which backend decided a request (also the `backend` metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,17 +69,46 @@ pub enum Outcome {
     FailClosed,
 }
 
+/// What `/readyz` says about Redis.
+#[derive(Debug, Clone)]
+pub struct Health {
+    /// The start-up attempt has ended (requests are being decided).
+    pub started: bool,
+    pub backend: &'static str,
+    /// Replicas sharing the limit: the live count last seen in Redis, else
+    /// `limiter.instances`.
+    pub replicas: u32,
+    /// Why Redis is not in use, when it is not (never a secret).
+    pub redis_error: Option<String>,
+    /// The error's class: `auth`, `permission`, `database` and `config` mean
+    /// Redis answers but refuses this gateway's settings.
+    pub redis_error_reason: Option<&'static str>,
+}
+
 pub struct Fallback {
     redis: Option<RedisBackend>,
     local: LocalBackend,
     on_failure: OnRedisFailure,
+    /// `limiter.instances`: the share before any live count is known.
     instances: u32,
+    /// The live replica count last read from Redis (0: none yet).
+    replicas: AtomicU32,
     redis_up: AtomicBool,
     good_probes: AtomicU32,
     /// Written by the probe: proves Redis takes writes.
     probe_key: String,
+    /// The replica set (`heartbeat.lua`) and this replica's random id in it.
+    replicas_key: String,
+    replica_id: String,
     /// Buckets Redis said no for, until when: answered without a call.
     denied: DenyCache,
+    /// What this replica admitted locally, to charge on failback.
+    ledger: Ledger,
+    /// True once the start-up attempt has ended.
+    started: watch::Sender<bool>,
+    started_fast: AtomicBool,
+    /// The last reason Redis was not usable, for `/readyz` and the logs.
+    last_error: Mutex<Option<LimiterError>>,
 }
 
 impl Fallback {
@@ -71,20 +119,29 @@ impl Fallback {
         on_failure: OnRedisFailure,
         instances: u32,
         key_prefix: &str,
+        ledger_cap: usize,
     ) -> Arc<Self> {
+        let has_redis = redis.is_some();
         let f = Arc::new(Fallback {
             redis,
             local,
             on_failure,
             instances: instances.max(1),
-            // Start failed over: never block start-up on Redis; the probe
-            // promotes Redis as soon as it answers.
+            replicas: AtomicU32::new(0),
             redis_up: AtomicBool::new(false),
             good_probes: AtomicU32::new(0),
             probe_key: format!("{key_prefix}:probe"),
+            replicas_key: format!("{key_prefix}:replicas"),
+            replica_id: format!("{:016x}", fastrand::u64(..)),
             denied: DenyCache::new(100_000),
+            ledger: Ledger::new(ledger_cap),
+            // Without Redis there is nothing to wait for.
+            started: watch::channel(!has_redis).0,
+            started_fast: AtomicBool::new(!has_redis),
+            last_error: Mutex::new(None),
         });
         metrics::set_backend(FallbackState::Local);
+        metrics::replicas(f.replicas());
         f
     }
 
@@ -93,6 +150,21 @@ impl Fallback {
             FallbackState::Redis
         } else {
             FallbackState::Local
+        }
+    }
+
+    pub fn health(&self) -> Health {
+        let state = self.state();
+        let err = match state {
+            FallbackState::Redis => None,
+            FallbackState::Local => self.last_error.lock().clone(),
+        };
+        Health {
+            started: self.started_fast.load(Ordering::Acquire),
+            backend: state.as_str(),
+            replicas: self.replicas(),
+            redis_error: err.as_ref().map(|e| self.redact(&e.to_string())),
+            redis_error_reason: err.as_ref().map(LimiterError::reason),
         }
     }
 
@@ -105,12 +177,26 @@ impl Fallback {
         self.redis.is_some()
     }
 
+    /// The number of replicas sharing every limit.
+    pub fn replicas(&self) -> u32 {
+        match self.replicas.load(Ordering::Relaxed) {
+            0 => self.instances,
+            n => n,
+        }
+    }
+
     pub async fn decide(&self, checks: &Arc<[Check]>) -> Outcome {
         let Some(redis) = &self.redis else {
             return self.local_outcome(checks.clone()).await;
         };
+        if !self.started_fast.load(Ordering::Acquire) {
+            // The start-up attempt is bounded; this wait is too, in case the
+            // task making it never ran.
+            let mut rx = self.started.subscribe();
+            let _ = tokio::time::timeout(Duration::from_secs(600), rx.wait_for(|s| *s)).await;
+        }
         if self.redis_up.load(Ordering::Relaxed) {
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             if let Some(outcome) = self.remembered_denial(checks, started) {
                 return outcome;
             }
@@ -118,7 +204,7 @@ impl Fallback {
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(verdict) => {
-                    let received = std::time::Instant::now();
+                    let received = Instant::now();
                     for (c, d) in checks.iter().zip(&verdict.decisions) {
                         if !d.allowed && !c.shadow {
                             self.denied.remember(
@@ -127,6 +213,7 @@ impl Fallback {
                             );
                         }
                     }
+                    self.seed(checks, &verdict.decisions);
                     return Outcome::Decided {
                         verdict,
                         backend: FallbackState::Redis,
@@ -134,28 +221,46 @@ impl Fallback {
                     };
                 }
                 Err(e) => {
-                    self.trip(&e);
+                    // Abandoned: the breaker has just opened on Redis's account.
+                    if !matches!(e, LimiterError::Abandoned) {
+                        self.trip(e.clone());
+                    }
                     if matches!(e, LimiterError::CrossSlot) {
                         // A key-layout bug must never become allow-all (or deny-all).
-                        return self.local_outcome(self.shares(checks)).await;
+                        return self.fallback_outcome(checks).await;
                     }
                 }
             }
         }
         match self.on_failure {
-            OnRedisFailure::Local => self.local_outcome(self.shares(checks)).await,
+            OnRedisFailure::Local => self.fallback_outcome(checks).await,
             OnRedisFailure::Allow => Outcome::FailOpen,
             OnRedisFailure::Deny => Outcome::FailClosed,
         }
     }
 
+    /// What Redis just said of each bucket, kept as this replica's share so
+    /// a failover starts from it (only when the fallback is local buckets).
+    fn seed(&self, checks: &[Check], decisions: &[Decision]) {
+        if self.on_failure != OnRedisFailure::Local {
+            return;
+        }
+        let n = self.replicas();
+        let now = SystemClock.now_us();
+        for (c, d) in checks.iter().zip(decisions) {
+            let local = share(&c.algorithm, n);
+            if let Some((state, ttl)) = outage::seed(&c.algorithm, &local, d, now) {
+                self.local.seed(&c.key, state, ttl, now);
+            }
+        }
+    }
+
     /// A request that a remembered denial already decides: the denying tier
     /// alone is reported (the others were not asked).
-    fn remembered_denial(&self, checks: &[Check], now: std::time::Instant) -> Option<Outcome> {
+    fn remembered_denial(&self, checks: &[Check], now: Instant) -> Option<Outcome> {
         let (i, wait) = self.denied.find(checks, now)?;
         let c = &checks[i];
         let wait_us = wait.as_micros() as u64;
-        let wall_now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
         Some(Outcome::Decided {
             verdict: Verdict {
                 decisions: vec![Decision {
@@ -166,11 +271,35 @@ impl Fallback {
                     reset_after_us: wait_us,
                     delay_us: 0,
                 }],
-                now_us: wall_now,
+                now_us: SystemClock.now_us(),
             },
             backend: FallbackState::Redis,
             checks: Arc::new([c.clone()]),
         })
+    }
+
+    /// Redis failed: this replica's share, locally, with the admissions
+    /// recorded for failback.
+    async fn fallback_outcome(&self, checks: &[Check]) -> Outcome {
+        let n = self.replicas();
+        let shares: Arc<[Check]> = checks
+            .iter()
+            .map(|c| Check {
+                algorithm: share(&c.algorithm, n),
+                ..c.clone()
+            })
+            .collect();
+        let outcome = self.local_outcome(shares).await;
+        if let Outcome::Decided {
+            verdict, checks: s, ..
+        } = &outcome
+        {
+            if verdict.admitted(s) {
+                let ok = verdict.decisions.iter().map(|d| d.allowed);
+                self.ledger.record(checks, ok, verdict.now_us);
+            }
+        }
+        outcome
     }
 
     async fn local_outcome(&self, checks: Arc<[Check]>) -> Outcome {
@@ -184,16 +313,105 @@ impl Fallback {
         }
     }
 
-    /// Opens the breaker (once: concurrent failures log one transition).
-    fn trip(&self, e: &LimiterError) {
+    /// Opens the breaker (once: concurrent failures log one transition) and
+    /// abandons the calls still out.
+    fn trip(&self, e: LimiterError) {
+        metrics::redis_error(e.reason());
         if self.redis_up.swap(false, Ordering::AcqRel) {
             self.good_probes.store(0, Ordering::Relaxed);
-            tracing::warn!(error = %e, on_redis_failure = ?self.on_failure, "limiter: redis failed, failing over");
+            if let Some(r) = &self.redis {
+                r.abandon();
+            }
+            tracing::warn!(error = %self.redact(&e.to_string()), reason = e.reason(), on_redis_failure = ?self.on_failure, "limiter: redis failed, failing over");
             metrics::fallback_transition(FallbackState::Local);
+        }
+        *self.last_error.lock() = Some(e);
+    }
+
+    fn redact(&self, text: &str) -> String {
+        match &self.redis {
+            Some(r) => r.redact(text),
+            None => text.to_string(),
         }
     }
 
-    /// One probe round; closes the breaker after enough good probes.
+    /// A failed attempt to reach Redis: counted, and logged at error level
+    /// when Redis refuses this gateway (a configuration problem) or when the
+    /// reason changed; a repeat of the same outage is logged at debug.
+    fn note_failure(&self, e: LimiterError) {
+        metrics::redis_error(e.reason());
+        let mut last = self.last_error.lock();
+        let changed = last.as_ref().map(|l| l.to_string()) != Some(e.to_string());
+        let text = self.redact(&e.to_string());
+        if matches!(e, LimiterError::Refused { .. }) {
+            if changed {
+                tracing::error!(error = %text, reason = e.reason(), "limiter: redis refuses this gateway; check redis.urls (password, user, database); serving on the fallback until it is fixed");
+            }
+        } else if changed {
+            tracing::warn!(error = %text, reason = e.reason(), "limiter: redis unavailable");
+        } else {
+            tracing::debug!(error = %text, "limiter: probe failed");
+        }
+        *last = Some(e);
+    }
+
+    /// The start-up attempt: Redis is probed (connect, AUTH, scripts, a
+    /// write) until it works or `wait` has passed. If it works, requests are
+    /// decided by Redis from the first one; if not, by the fallback, and the
+    /// probe takes over. Requests arriving meanwhile wait for it.
+    pub async fn start(&self, wait: Duration) {
+        if let Some(redis) = &self.redis {
+            let until = Instant::now() + wait;
+            while Instant::now() < until {
+                match tokio::time::timeout_at(until.into(), redis.probe(&self.probe_key)).await {
+                    Ok(Ok(())) => {
+                        self.redis_up.store(true, Ordering::Release);
+                        metrics::set_backend(FallbackState::Redis);
+                        tracing::info!("limiter: redis reached at start-up");
+                        self.heartbeat().await;
+                        break;
+                    }
+                    Ok(Err(e)) => self.note_failure(e),
+                    Err(_) => {
+                        self.note_failure(LimiterError::Timeout(wait.as_millis() as u64));
+                        break;
+                    }
+                }
+                tokio::time::sleep(STARTUP_RETRY).await;
+            }
+            if !self.redis_up.load(Ordering::Acquire) {
+                tracing::warn!(
+                    wait_ms = wait.as_millis() as u64,
+                    "limiter: redis not reached at start-up; serving on the fallback"
+                );
+            }
+        }
+        self.started_fast.store(true, Ordering::Release);
+        self.started.send_replace(true);
+    }
+
+    /// Announces this replica and reads how many there are.
+    async fn heartbeat(&self) {
+        let Some(redis) = &self.redis else { return };
+        match redis
+            .heartbeat(&self.replicas_key, &self.replica_id, HEARTBEAT_EVERY * 3)
+            .await
+        {
+            Ok(n) => {
+                let n = n.max(1);
+                if self.replicas.swap(n, Ordering::Relaxed) != n {
+                    tracing::info!(replicas = n, "limiter: live replica count");
+                }
+                metrics::replicas(n);
+            }
+            Err(e) => {
+                tracing::debug!(error = %self.redact(&e.to_string()), "limiter: heartbeat failed")
+            }
+        }
+    }
+
+    /// One probe round; closes the breaker after enough good probes, once
+    /// what was admitted locally has been charged to the shared buckets.
     pub async fn probe_once(&self) {
         let Some(redis) = &self.redis else { return };
         if self.redis_up.load(Ordering::Relaxed) {
@@ -202,71 +420,118 @@ impl Fallback {
         match redis.probe(&self.probe_key).await {
             Ok(()) => {
                 let n = self.good_probes.fetch_add(1, Ordering::AcqRel) + 1;
-                if n >= PROBES_TO_FAIL_BACK && !self.redis_up.swap(true, Ordering::AcqRel) {
+                if n < PROBES_TO_FAIL_BACK {
+                    return;
+                }
+                if let Err(e) = self.settle_debts(redis).await {
+                    self.good_probes.store(0, Ordering::Relaxed);
+                    self.note_failure(e);
+                    return;
+                }
+                if !self.redis_up.swap(true, Ordering::AcqRel) {
                     tracing::info!("limiter: redis healthy again, failing back");
                     metrics::fallback_transition(FallbackState::Redis);
                 }
+                // Admissions decided locally while the first charge ran.
+                let _ = self.settle_debts(redis).await;
+                self.heartbeat().await;
             }
             Err(e) => {
-                if self.good_probes.swap(0, Ordering::Relaxed) > 0 {
-                    tracing::debug!(error = %e, "limiter: probe failed");
+                self.good_probes.store(0, Ordering::Relaxed);
+                self.note_failure(e);
+            }
+        }
+    }
+
+    /// Charges the ledger to Redis; on failure the debts are kept for the
+    /// next attempt.
+    async fn settle_debts(&self, redis: &RedisBackend) -> Result<(), LimiterError> {
+        let debts = self.ledger.take();
+        if debts.is_empty() {
+            return Ok(());
+        }
+        match redis.charge(&debts).await {
+            Ok(written) => {
+                tracing::info!(
+                    buckets = debts.len(),
+                    written,
+                    "limiter: charged what was admitted locally to the shared buckets"
+                );
+                metrics::debts_charged(debts.len());
+                Ok(())
+            }
+            Err(e) => {
+                self.ledger.restore(debts);
+                Err(e)
+            }
+        }
+    }
+
+    /// The watchdog, until the process ends: while Redis is up, confirms late
+    /// calls with a PING and announces this replica; while it is down, probes
+    /// for failback every `interval`.
+    pub async fn watch(self: Arc<Self>, interval: Duration) {
+        let Some(redis) = &self.redis else { return };
+        let mut next_heartbeat = Instant::now() + HEARTBEAT_EVERY;
+        loop {
+            if !self.redis_up.load(Ordering::Acquire) {
+                self.probe_once().await;
+                tokio::time::sleep(interval).await;
+                continue;
+            }
+            tokio::select! {
+                _ = redis.late_call() => {
+                    if !self.redis_up.load(Ordering::Acquire) {
+                        continue;
+                    }
+                    match redis.ping().await {
+                        Ok(()) => metrics::late_call_verdict(false),
+                        Err(e) => {
+                            metrics::late_call_verdict(true);
+                            self.trip(e);
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(next_heartbeat.into()) => {
+                    next_heartbeat = Instant::now() + HEARTBEAT_EVERY;
+                    self.heartbeat().await;
                 }
             }
         }
     }
+}
 
-    /// Probes Redis every `interval` until the process ends.
-    pub async fn probe_loop(self: Arc<Self>, interval: Duration) {
-        if self.redis.is_none() {
-            return;
-        }
-        loop {
-            self.probe_once().await;
-            tokio::time::sleep(interval).await;
-        }
-    }
-
-    /// This replica's share of every check's rule.
-    fn shares(&self, checks: &[Check]) -> Arc<[Check]> {
-        checks.iter().map(|c| self.share(c)).collect()
-    }
-
-    /// This replica's share of a shared rule: 1/instances of capacity and rate,
-    /// never less than one request.
-    fn share(&self, c: &Check) -> Check {
-        let n = self.instances as u64;
-        let nf = n as f64;
-        let algorithm = match c.algorithm {
-            Algorithm::TokenBucket {
-                capacity,
-                refill_per_sec,
-            } => Algorithm::TokenBucket {
-                capacity: (capacity / n).max(1),
-                refill_per_sec: refill_per_sec / nf,
-            },
-            Algorithm::LeakyBucket {
-                rate_per_sec,
-                max_delay_ms,
-            } => Algorithm::LeakyBucket {
-                rate_per_sec: rate_per_sec / nf,
-                max_delay_ms,
-            },
-            Algorithm::FixedWindow { limit, window_secs } => Algorithm::FixedWindow {
-                limit: (limit / n).max(1),
-                window_secs,
-            },
-            Algorithm::SlidingWindow { limit, window_secs } => Algorithm::SlidingWindow {
-                limit: (limit / n).max(1),
-                window_secs,
-            },
-            Algorithm::SlidingLog { limit, window_secs } => Algorithm::SlidingLog {
-                limit: (limit / n).max(1),
-                window_secs,
-            },
-        };
-        Check {
-            algorithm,
-            ..c.clone()
-        }
+/// A shared rule's share on one of `n` replicas: 1/n of capacity and rate,
+/// never less than one request.
+pub fn share(alg: &Algorithm, n: u32) -> Algorithm {
+    let n = n.max(1) as u64;
+    let nf = n as f64;
+    match *alg {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        } => Algorithm::TokenBucket {
+            capacity: (capacity / n).max(1),
+            refill_per_sec: refill_per_sec / nf,
+        },
+        Algorithm::LeakyBucket {
+            rate_per_sec,
+            max_delay_ms,
+        } => Algorithm::LeakyBucket {
+            rate_per_sec: rate_per_sec / nf,
+            max_delay_ms,
+        },
+        Algorithm::FixedWindow { limit, window_secs } => Algorithm::FixedWindow {
+            limit: (limit / n).max(1),
+            window_secs,
+        },
+        Algorithm::SlidingWindow { limit, window_secs } => Algorithm::SlidingWindow {
+            limit: (limit / n).max(1),
+            window_secs,
+        },
+        Algorithm::SlidingLog { limit, window_secs } => Algorithm::SlidingLog {
+            limit: (limit / n).max(1),
+            window_secs,
+        },
     }
 }

@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use indexmap::IndexMap;
 use parking_lot::Mutex;
 
+use super::algorithms::outage::{self, Debt};
 use super::algorithms::{self, State};
 use super::{Backend, Check, LimiterError, Verdict};
 use crate::clock::Clock;
@@ -118,6 +119,51 @@ impl LocalBackend {
             }
         }
         verdict
+    }
+}
+
+impl LocalBackend {
+    /// Overwrites a bucket's state (what Redis last said of it, as this
+    /// replica's share) until `ttl_us` from `now`.
+    pub fn seed(&self, key: &str, state: State, ttl_us: u64, now: i64) {
+        let mut shard = self.shards[self.shard_of(key)].lock();
+        let expires_at = now + ttl_us as i64;
+        if let Some(entry) = shard.get_mut(key) {
+            entry.state = Some(state);
+            entry.expires_at = expires_at;
+            return;
+        }
+        if shard.len() >= self.per_shard {
+            evict_one(&mut shard, now);
+        }
+        shard.insert(
+            key.to_string(),
+            Entry {
+                state: Some(state),
+                expires_at,
+            },
+        );
+    }
+
+    /// Adds debts to buckets (`outage::charge`); returns how many were written.
+    /// The Redis backend's `charge` does the same with `charge.lua`.
+    pub fn charge_at(&self, debts: &[(Check, Debt)], now: i64) -> usize {
+        let mut written = 0;
+        for (c, debt) in debts {
+            let shard = self.shards[self.shard_of(&c.key)].lock();
+            let current = shard
+                .get(&c.key)
+                .filter(|e| e.expires_at > now)
+                .and_then(|e| e.state.clone());
+            let Some((state, ttl)) = outage::charge(&c.algorithm, current.as_ref(), debt, now)
+            else {
+                continue;
+            };
+            drop(shard);
+            self.seed(&c.key, state, ttl, now);
+            written += 1;
+        }
+        written
     }
 }
 

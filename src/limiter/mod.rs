@@ -9,6 +9,7 @@ mod batch;
 mod deny_cache;
 mod fallback;
 pub mod keys;
+mod ledger;
 mod local;
 mod redis;
 
@@ -81,6 +82,17 @@ impl Verdict {
 pub enum LimiterError {
     #[error("redis call exceeded its {0} ms budget")]
     Timeout(u64),
+    /// The breaker opened while the call was out: the request is decided
+    /// by `on_redis_failure` at once.
+    #[error("redis call abandoned: the breaker opened")]
+    Abandoned,
+    /// Redis answers but refuses this gateway: a configuration problem
+    /// (password, ACL, database) that waiting will not fix.
+    #[error("redis refused the gateway ({reason}): {detail}")]
+    Refused {
+        reason: &'static str,
+        detail: String,
+    },
     #[error("redis is not connected")]
     NotConnected,
     #[error("redis error: {0}")]
@@ -90,6 +102,18 @@ pub enum LimiterError {
     /// Keys of one call in different cluster slots: a bug, never a reason to admit.
     #[error("redis refused keys spanning cluster slots (CROSSSLOT)")]
     CrossSlot,
+}
+
+impl LimiterError {
+    /// The closed label `gateway_redis_errors_total{reason}` counts this under.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            LimiterError::Timeout(_) | LimiterError::Abandoned => "timeout",
+            LimiterError::NotConnected | LimiterError::Redis(_) => "unavailable",
+            LimiterError::Refused { reason, .. } => reason,
+            LimiterError::BadReply(_) | LimiterError::CrossSlot => "protocol",
+        }
+    }
 }
 
 /// Where bucket state lives. Decides all checks of one request atomically.

@@ -13,8 +13,15 @@
 //!   round trips the reserved quota is held: concurrent requests can see less
 //!   quota, never more. A refund that fails leaves the client charged.
 //!
-//! Every call has a budget; past it the call is abandoned (never retried: it
-//! may have run) and the caller decides the request some other way.
+//! Every call has a budget, `redis.timeout_ms`, counted from when the call is
+//! sent. A call still unanswered past it is *late*: it is reported to the
+//! breaker's watchdog (`late_call`), which asks Redis itself, on the probe's
+//! own connection and thread, whether it answers within the budget. Only then
+//! is Redis blamed and the call abandoned (`abandon`); a late call whose
+//! Redis answers the watchdog was late on this replica's side (a saturated
+//! worker reads its socket late), and its requests keep waiting for Redis's
+//! answer, at most `max_wait`. Abandoned calls are never retried: they may
+//! have run.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -25,6 +32,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 
+use super::algorithms::outage::Debt;
 use super::algorithms::quota;
 use super::batch::{Batcher, Decider};
 use super::{Backend, Check, Decision, LimiterError, Verdict};
@@ -33,6 +41,11 @@ use crate::config::{Algorithm, RedisMode, RedisSettings};
 
 static LIMITER_LUA: &str = include_str!("limiter.lua");
 static REFUND_LUA: &str = include_str!("refund.lua");
+static CHARGE_LUA: &str = include_str!("charge.lua");
+static HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
+
+/// Buckets per `charge.lua` call: keeps one call's run short.
+const CHARGE_BATCH: usize = 200;
 
 #[derive(Clone)]
 enum Conn {
@@ -67,9 +80,20 @@ struct Inner {
     request_conn: ArcSwapOption<Connected>,
     script: redis::Script,
     refund: redis::Script,
+    charge: redis::Script,
+    heartbeat: redis::Script,
     budget: Duration,
+    /// The longest a call may stay unanswered while the watchdog finds
+    /// Redis healthy; past it the call fails (a stuck connection).
+    max_wait: Duration,
+    /// Told when a call passes its budget unanswered.
+    late: tokio::sync::Notify,
+    /// Bumped when the breaker opens: calls in flight are abandoned.
+    abandon: tokio::sync::watch::Sender<u64>,
     /// `None`: Redis's own TIME. Tests inject a clock to compare backends.
     clock: Option<Arc<dyn Clock>>,
+    /// Passwords of the configured URLs, removed from any error text.
+    secrets: Vec<String>,
 }
 
 pub struct RedisBackend {
@@ -78,10 +102,27 @@ pub struct RedisBackend {
 }
 
 fn redis_err(e: redis::RedisError) -> LimiterError {
-    if e.code() == Some("CROSSSLOT") {
-        LimiterError::CrossSlot
-    } else {
-        LimiterError::Redis(e.to_string())
+    let text = e.to_string();
+    let refused = |reason| LimiterError::Refused {
+        reason,
+        detail: text.clone(),
+    };
+    match e.code() {
+        Some("CROSSSLOT") => return LimiterError::CrossSlot,
+        Some("WRONGPASS" | "NOAUTH") => return refused("auth"),
+        Some("NOPERM") => return refused("permission"),
+        _ => {}
+    }
+    match e.kind() {
+        redis::ErrorKind::AuthenticationFailed => refused("auth"),
+        redis::ErrorKind::InvalidClientConfig => refused("config"),
+        _ if text.contains("DB index is out of range") || text.contains("invalid DB index") => {
+            refused("database")
+        }
+        _ if text.contains("AUTH") && text.contains("without any password configured") => {
+            refused("auth")
+        }
+        _ => LimiterError::Redis(text),
     }
 }
 
@@ -110,6 +151,14 @@ impl RedisBackend {
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, LimiterError> {
         let budget = Duration::from_millis(s.timeout_ms);
+        let mut secrets: Vec<String> = Vec::new();
+        for u in &s.urls {
+            if let Ok(c) = redis::Client::open(u.as_str()) {
+                if let Some(p) = c.get_connection_info().redis_settings().password() {
+                    secrets.push(p.to_string());
+                }
+            }
+        }
         let topology = match s.mode {
             RedisMode::Standalone => {
                 Topology::Standalone(redis::Client::open(s.urls[0].as_str()).map_err(redis_err)?)
@@ -132,7 +181,11 @@ impl RedisBackend {
                     .map_err(redis_err)?,
             )),
         };
-        Ok(Self::with(topology, budget, clock))
+        let mut b = Self::with(topology, budget, clock);
+        if let Some(inner) = Arc::get_mut(&mut b.inner) {
+            inner.secrets = secrets;
+        }
+        Ok(b)
     }
 
     fn with(topology: Topology, budget: Duration, clock: Option<Arc<dyn Clock>>) -> Self {
@@ -144,8 +197,14 @@ impl RedisBackend {
             request_conn: ArcSwapOption::empty(),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
+            charge: redis::Script::new(CHARGE_LUA),
+            heartbeat: redis::Script::new(HEARTBEAT_LUA),
             budget,
+            max_wait: (budget * 20).max(Duration::from_secs(1)),
+            late: tokio::sync::Notify::new(),
+            abandon: tokio::sync::watch::channel(0).0,
             clock,
+            secrets: Vec::new(),
         };
         RedisBackend {
             inner: Arc::new(inner),
@@ -161,26 +220,136 @@ impl RedisBackend {
     /// Decides several requests in one call, in order (what the batching task
     /// sends; public so the conformance suite can hold it to one-by-one).
     pub async fn decide_many(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
-        let until = Instant::now() + self.inner.budget;
-        self.inner.decide_batch(requests, until).await
+        let mut abandon = self.inner.abandon.subscribe();
+        self.inner.decide_batch(requests, &mut abandon).await
     }
 
     /// `Backend::decide` for checks the caller shares with the batch (no copy).
+    /// The request waits for its batch's answer: the budget runs from when
+    /// the call is sent, not from when this request queued (a busy worker's
+    /// queue is not Redis's latency).
     pub async fn decide_shared(&self, checks: Arc<[Check]>) -> Result<Verdict, LimiterError> {
         if matches!(self.inner.topology, Topology::Cluster(_)) {
             let conn = self.inner.connection()?;
             return self.inner.decide_clustered(conn, &checks).await;
         }
-        // The wait includes time queued behind the batch in flight; past the
-        // budget the request is decided elsewhere and dropped from its batch.
-        let deadline = Instant::now() + self.inner.budget;
-        let reply = self.batcher.submit(&self.inner, checks, deadline);
-        let answer = async {
-            reply
-                .await
-                .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+        self.batcher
+            .submit(&self.inner, checks)
+            .await
+            .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+    }
+
+    /// Resolves when a call has passed its budget unanswered.
+    pub async fn late_call(&self) {
+        self.inner.late.notified().await
+    }
+
+    /// Fails every call in flight or queued (the breaker opened).
+    pub fn abandon(&self) {
+        self.inner.abandon.send_modify(|n| *n += 1);
+    }
+
+    /// Does Redis answer a PING within the budget? Asked on the probe's own
+    /// connection, from the probe's thread: Redis's latency, not this
+    /// replica's workers'.
+    pub async fn ping(&self) -> Result<(), LimiterError> {
+        let conn = self.inner.probe_connection()?;
+        let ping = async {
+            match conn {
+                Conn::Single(mut c) => redis::cmd("PING").query_async::<()>(&mut c).await,
+                Conn::Cluster(mut c) => redis::cmd("PING").query_async::<()>(&mut c).await,
+            }
+            .map_err(redis_err)
         };
-        self.inner.by(deadline, answer).await
+        let budget = self.inner.budget;
+        tokio::pin!(ping);
+        match tokio::time::timeout(budget, &mut ping).await {
+            Ok(r) => r,
+            // The answer may be read but not yet handed over: one more look.
+            Err(_) => {
+                tokio::task::yield_now().await;
+                match tokio::time::timeout(Duration::ZERO, &mut ping).await {
+                    Ok(r) => r,
+                    Err(_) => Err(LimiterError::Timeout(budget.as_millis() as u64)),
+                }
+            }
+        }
+    }
+
+    /// Announces this replica (`heartbeat.lua`) and returns how many are live.
+    pub async fn heartbeat(&self, key: &str, id: &str, ttl: Duration) -> Result<u32, LimiterError> {
+        let mut conn = self.inner.probe_connection()?;
+        let mut inv = self.inner.heartbeat.prepare_invoke();
+        inv.key(key).arg(id).arg(ttl.as_millis() as u64);
+        let work = async {
+            match &mut conn {
+                Conn::Single(c) => inv.invoke_async::<u32>(c).await,
+                Conn::Cluster(c) => inv.invoke_async::<u32>(c).await,
+            }
+            .map_err(redis_err)
+        };
+        let limit = self.inner.budget.max(Duration::from_millis(500));
+        self.inner.by(Instant::now() + limit, work).await
+    }
+
+    /// Adds what was admitted locally during an outage to the shared buckets
+    /// (`charge.lua`), a few hundred buckets per call (one per call in
+    /// cluster mode, where buckets live in different slots). Returns how
+    /// many buckets were written.
+    pub async fn charge(&self, debts: &[(Check, Debt)]) -> Result<usize, LimiterError> {
+        let mut conn = self.inner.probe_connection()?;
+        let per_call = match conn {
+            Conn::Cluster(_) => 1,
+            Conn::Single(_) => CHARGE_BATCH,
+        };
+        let tag = format!("{:08x}", fastrand::u32(..));
+        let mut written = 0;
+        for chunk in debts.chunks(per_call) {
+            let mut inv = self.inner.charge.prepare_invoke();
+            match &self.inner.clock {
+                Some(clock) => inv.arg(clock.now_us()),
+                None => inv.arg(""),
+            };
+            inv.arg(tag.as_str());
+            for (c, debt) in chunk {
+                inv.key(c.key.as_str());
+                let (kind, p1, p2) = script_args(&c.algorithm);
+                inv.arg(kind).arg(p1).arg(p2);
+                let values: Vec<String> = match debt {
+                    Debt::Gcra { count, tat } => vec![count.to_string(), format!("{tat:?}")],
+                    Debt::Window { window, count } => vec![window.to_string(), count.to_string()],
+                    Debt::Sliding { window, prev, cur } => {
+                        vec![window.to_string(), prev.to_string(), cur.to_string()]
+                    }
+                    Debt::Log(times) => times.iter().map(|t| t.to_string()).collect(),
+                };
+                inv.arg(values.len());
+                for v in values {
+                    inv.arg(v);
+                }
+            }
+            let call = async {
+                match &mut conn {
+                    Conn::Single(c) => inv.invoke_async::<usize>(c).await,
+                    Conn::Cluster(c) => inv.invoke_async::<usize>(c).await,
+                }
+                .map_err(redis_err)
+            };
+            let limit = self.inner.budget.max(Duration::from_millis(500));
+            written += self.inner.by(Instant::now() + limit, call).await?;
+        }
+        Ok(written)
+    }
+
+    /// `text` with every configured password taken out.
+    pub fn redact(&self, text: &str) -> String {
+        let mut out = text.to_string();
+        for s in &self.inner.secrets {
+            if !s.is_empty() {
+                out = out.replace(s.as_str(), "***");
+            }
+        }
+        out
     }
 }
 
@@ -209,7 +378,7 @@ impl Inner {
                         return Ok(rc.conn.clone());
                     }
                 }
-                let client = redis::Client::open(format!("redis://{master}")).map_err(redis_err)?;
+                let client = self.master_client(&master)?;
                 let conn = Conn::Single(
                     ConnectionManager::new_lazy_with_config(client, manager_config())
                         .map_err(redis_err)?,
@@ -239,6 +408,24 @@ impl Inner {
             .as_ref()
             .map(|c| c.conn.clone())
             .ok_or(LimiterError::NotConnected)
+    }
+
+    /// A client for the master the sentinels named, with the credentials and
+    /// database of the configured URL (the sentinels only say where it is).
+    fn master_client(&self, addr: &str) -> Result<redis::Client, LimiterError> {
+        use redis::IntoConnectionInfo;
+        let Topology::Sentinel { sentinels, .. } = &self.topology else {
+            return Err(LimiterError::NotConnected);
+        };
+        let settings = sentinels
+            .first()
+            .map(|s| s.get_connection_info().redis_settings().clone())
+            .ok_or(LimiterError::NotConnected)?;
+        let info = format!("redis://{addr}")
+            .into_connection_info()
+            .map_err(redis_err)?
+            .set_redis_settings(settings);
+        redis::Client::open(info).map_err(redis_err)
     }
 
     /// Asks the sentinels, in order, where the master is.
@@ -279,7 +466,7 @@ impl Inner {
                 if current.as_ref().and_then(|c| c.master.as_deref()) == Some(addr.as_str()) {
                     return Ok(());
                 }
-                let client = redis::Client::open(format!("redis://{addr}")).map_err(redis_err)?;
+                let client = self.master_client(&addr)?;
                 let conn = ConnectionManager::new_lazy_with_config(client, manager_config())
                     .map_err(redis_err)?;
                 tracing::info!(master = %addr, "limiter: sentinel master discovered");
@@ -674,7 +861,31 @@ impl Inner {
                 run_script(&self.script, self.clock.as_ref(), &mut conn, &[checks]).await?;
             Ok(verdicts.remove(0))
         };
-        self.by(Instant::now() + self.budget, work).await
+        let mut abandon = self.abandon.subscribe();
+        self.answer(work, &mut abandon).await
+    }
+
+    /// Waits for a call sent now: within the budget, its answer; past it the
+    /// watchdog is told, and the call is awaited until it answers, the
+    /// breaker opens (`abandon`) or `max_wait` has passed.
+    async fn answer<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, LimiterError>>,
+        abandon: &mut tokio::sync::watch::Receiver<u64>,
+    ) -> Result<T, LimiterError> {
+        tokio::pin!(work);
+        let sent = Instant::now();
+        if let Ok(r) = tokio::time::timeout(self.budget, &mut work).await {
+            return r;
+        }
+        self.late.notify_one();
+        tokio::select! {
+            r = &mut work => r,
+            _ = abandon.changed() => Err(LimiterError::Abandoned),
+            _ = tokio::time::sleep_until((sent + self.max_wait).into()) => {
+                Err(LimiterError::Timeout(self.max_wait.as_millis() as u64))
+            }
+        }
     }
 
     /// `work`'s result, or the budget's timeout error once `until` has passed.
@@ -694,11 +905,15 @@ impl Decider for Inner {
     async fn decide_batch(
         &self,
         requests: &[&[Check]],
-        until: Instant,
+        abandon: &mut tokio::sync::watch::Receiver<u64>,
     ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
         let call = run_script(&self.script, self.clock.as_ref(), &mut conn, requests);
-        self.by(until, call).await
+        self.answer(call, abandon).await
+    }
+
+    fn abandoned(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.abandon.subscribe()
     }
 }
 

@@ -1,6 +1,10 @@
-//! The admin listener: `/healthz` (alive), `/readyz` (config loaded and
-//! listeners bound; ready in fallback too, saying which backend serves),
-//! `/metrics` (Prometheus text).
+//! The admin listener: `/healthz` (alive), `/readyz`, `/metrics` (Prometheus
+//! text).
+//!
+//! `/readyz` answers 503 until the start-up attempt to reach Redis has ended,
+//! then 200, in fallback too: a replica on its local share still enforces
+//! its part of the limit. The body says which backend decides, how many
+//! replicas share the limit, and why Redis is not in use when it is not.
 
 use std::sync::Arc;
 
@@ -23,11 +27,23 @@ impl ServeHttp for Admin {
         let (status, ctype, body) = match path.as_str() {
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             "/readyz" => {
-                let body = serde_json::json!({
-                    "ready": true,
-                    "backend": self.limiter.state().as_str(),
+                let h = self.limiter.health();
+                let mut body = serde_json::json!({
+                    "ready": h.started,
+                    "backend": h.backend,
+                    "replicas": h.replicas,
                 });
-                (200, "application/json", body.to_string().into_bytes())
+                if let Some(e) = &h.redis_error {
+                    body["redis_error"] = e.as_str().into();
+                }
+                if let Some(r) = h.redis_error_reason {
+                    body["redis_error_reason"] = r.into();
+                }
+                if !h.started {
+                    body["waiting_for"] = "redis (server.startup_redis_wait_ms)".into();
+                }
+                let status = if h.started { 200 } else { 503 };
+                (status, "application/json", body.to_string().into_bytes())
             }
             "/metrics" => (
                 200,

@@ -93,6 +93,10 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             "server.header_read_timeout_ms",
             s0.header_read_timeout_ms != s1.header_read_timeout_ms,
         ),
+        (
+            "server.startup_redis_wait_ms",
+            s0.startup_redis_wait_ms != s1.startup_redis_wait_ms,
+        ),
         ("limiter.backend", l0.backend != l1.backend),
         (
             "limiter.on_redis_failure",

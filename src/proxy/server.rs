@@ -22,17 +22,24 @@ use crate::clock::SystemClock;
 use crate::config::{Backend, Config};
 use crate::limiter::{Fallback, LocalBackend, RedisBackend};
 
-/// Runs the Redis failback probe until shutdown.
+/// The start-up attempt to reach Redis, then the breaker's watchdog and
+/// failback probe until shutdown, on a thread of their own: what they
+/// measure is Redis's latency, not the proxy workers'.
 struct Prober {
     limiter: Arc<Fallback>,
+    startup_wait: Duration,
     interval: Duration,
 }
 
 #[async_trait]
 impl BackgroundService for Prober {
     async fn start(&self, mut shutdown: ShutdownWatch) {
+        let work = async {
+            self.limiter.start(self.startup_wait).await;
+            self.limiter.clone().watch(self.interval).await;
+        };
         tokio::select! {
-            _ = self.limiter.clone().probe_loop(self.interval) => {}
+            _ = work => {}
             _ = shutdown.changed() => {}
         }
     }
@@ -141,6 +148,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
                 "redis probe",
                 Prober {
                     limiter: limiter.clone(),
+                    startup_wait: Duration::from_millis(srv.startup_redis_wait_ms),
                     interval: Duration::from_millis(redis.probe_interval_ms),
                 },
             ));
@@ -168,5 +176,6 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
             .redis
             .as_ref()
             .map_or("rl", |r| r.key_prefix.as_str()),
+        config.limiter.local_max_entries,
     ))
 }

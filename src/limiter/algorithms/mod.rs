@@ -11,6 +11,7 @@
 
 mod fixed_window;
 mod gcra;
+pub mod outage;
 mod sliding_log;
 mod sliding_window;
 #[cfg(test)]

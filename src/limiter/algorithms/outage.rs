@@ -1,0 +1,395 @@
+//! What a bucket carries across a Redis outage, as pure functions.
+//!
+//! - `seed`: while Redis decides, each answer says how full the shared bucket
+//!   is; turned into the state of this replica's local share, the fallback
+//!   starts from what the replica last knew instead of a full bucket.
+//! - `Debt`: while the fallback decides, every local admission is recorded
+//!   against the *shared* rule; on failback `charge` adds it to the shared
+//!   bucket, so a client cannot spend its local shares and then a full shared
+//!   bucket on top.
+//!
+//! `charge.lua` mirrors `charge` operation for operation (the conformance
+//! suite holds them equal).
+
+use std::collections::VecDeque;
+
+use super::{ceil_us, Decision, Micros, State};
+use crate::config::Algorithm;
+
+/// A shared rule's GCRA emission interval (us per request).
+fn gcra_interval(alg: &Algorithm) -> Option<f64> {
+    match *alg {
+        Algorithm::TokenBucket { refill_per_sec, .. } => Some(1e6 / refill_per_sec),
+        Algorithm::LeakyBucket { rate_per_sec, .. } => Some(1e6 / rate_per_sec),
+        _ => None,
+    }
+}
+
+/// Requests a decision says were spent, scaled from the shared `limit` to the
+/// local share's `local_limit`, rounded up (the fallback errs on the strict side).
+fn scaled_used(d: &Decision, local_limit: u64) -> u64 {
+    let used = if d.allowed {
+        d.limit.saturating_sub(d.remaining)
+    } else {
+        d.limit
+    };
+    if d.limit == 0 {
+        return local_limit;
+    }
+    (used as u128 * local_limit as u128).div_ceil(d.limit as u128) as u64
+}
+
+/// The local share's starting state from the shared bucket's last answer `d`
+/// (decided under `shared`), for a local share ruled by `local`, at local time
+/// `now`. `None`: the answer says nothing was spent. The second value is how
+/// long the state matters (its TTL).
+///
+/// GCRA (token and leaky bucket): the theoretical arrival time carries over
+/// unchanged: a share holds 1/n of the capacity refilled at 1/n of the rate,
+/// so the time until it is full again is the shared bucket's. Windows: the
+/// count spent, scaled to the share, in the current window (a sliding window's
+/// weighted count is put in the current window, a log's entries at `now`:
+/// both forget it no sooner than the shared bucket would).
+pub fn seed(
+    shared: &Algorithm,
+    local: &Algorithm,
+    d: &Decision,
+    now: Micros,
+) -> Option<(State, u64)> {
+    match *shared {
+        Algorithm::TokenBucket { capacity, .. } => {
+            let t = gcra_interval(shared)?;
+            let ahead = if d.allowed {
+                d.reset_after_us as f64
+            } else {
+                d.retry_after_us as f64 + t * (capacity as f64 - 1.0)
+            };
+            gcra_seed(ahead, now)
+        }
+        Algorithm::LeakyBucket { max_delay_ms, .. } => {
+            let ahead = if d.allowed {
+                d.reset_after_us as f64
+            } else {
+                d.retry_after_us as f64 + max_delay_ms as f64 * 1000.0
+            };
+            gcra_seed(ahead, now)
+        }
+        Algorithm::FixedWindow { window_secs, .. } => {
+            let used = scaled_used(d, super::quota(local));
+            let w = window_secs as i64 * 1_000_000;
+            let n = now.div_euclid(w);
+            let ttl = ((n + 1) * w - now).max(0) as u64;
+            (used > 0).then_some((
+                State::Window {
+                    window: n,
+                    count: used,
+                },
+                ttl,
+            ))
+        }
+        Algorithm::SlidingWindow { window_secs, .. } => {
+            let used = scaled_used(d, super::quota(local));
+            let w = window_secs as i64 * 1_000_000;
+            let n = now.div_euclid(w);
+            let ttl = ((n + 2) * w - now).max(0) as u64;
+            (used > 0).then_some((
+                State::Sliding {
+                    window: n,
+                    prev: 0,
+                    cur: used,
+                },
+                ttl,
+            ))
+        }
+        Algorithm::SlidingLog { window_secs, .. } => {
+            let used = scaled_used(d, super::quota(local));
+            let w = window_secs * 1_000_000;
+            (used > 0).then(|| (State::Log((0..used).map(|_| now).collect()), w))
+        }
+    }
+}
+
+fn gcra_seed(ahead_us: f64, now: Micros) -> Option<(State, u64)> {
+    (ahead_us > 0.0).then(|| {
+        (
+            State::Gcra {
+                tat: now as f64 + ahead_us,
+            },
+            ceil_us(ahead_us),
+        )
+    })
+}
+
+/// What one replica admitted locally for one shared bucket during an outage,
+/// kept in the shared rule's terms.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Debt {
+    /// `tat`: the GCRA arrival time of these admissions alone (no limit
+    /// applied). Replaying them one by one onto a shared TAT `t0` gives
+    /// exactly `max(t0 + count * T, tat)`.
+    Gcra {
+        count: u64,
+        tat: f64,
+    },
+    Window {
+        window: i64,
+        count: u64,
+    },
+    Sliding {
+        window: i64,
+        prev: u64,
+        cur: u64,
+    },
+    /// Admission times within the last window, oldest first.
+    Log(VecDeque<Micros>),
+}
+
+/// Records one local admission at `now` against the shared rule `shared`.
+pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
+    match *shared {
+        Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. } => {
+            let t = gcra_interval(shared).unwrap_or(0.0);
+            let (count, tat) = match debt {
+                Some(Debt::Gcra { count, tat }) => (*count, *tat),
+                _ => (0, f64::MIN),
+            };
+            *debt = Some(Debt::Gcra {
+                count: count + 1,
+                tat: tat.max(now as f64) + t,
+            });
+        }
+        Algorithm::FixedWindow { window_secs, .. } => {
+            let n = now.div_euclid(window_secs as i64 * 1_000_000);
+            let count = match debt {
+                Some(Debt::Window { window, count }) if *window == n => *count,
+                _ => 0,
+            };
+            *debt = Some(Debt::Window {
+                window: n,
+                count: count + 1,
+            });
+        }
+        Algorithm::SlidingWindow { window_secs, .. } => {
+            let n = now.div_euclid(window_secs as i64 * 1_000_000);
+            let (prev, cur) = match debt {
+                Some(Debt::Sliding { window, prev, cur }) => roll(*window, *prev, *cur, n),
+                _ => (0, 0),
+            };
+            *debt = Some(Debt::Sliding {
+                window: n,
+                prev,
+                cur: cur + 1,
+            });
+        }
+        Algorithm::SlidingLog { window_secs, .. } => {
+            if !matches!(debt, Some(Debt::Log(_))) {
+                *debt = Some(Debt::Log(VecDeque::new()));
+            }
+            if let Some(Debt::Log(log)) = debt {
+                super::sliding_log::push(log, now, window_secs as i64 * 1_000_000);
+            }
+        }
+    }
+}
+
+/// A sliding window's (prev, cur) counts seen from window `n`.
+fn roll(window: i64, prev: u64, cur: u64, n: i64) -> (u64, u64) {
+    if window == n {
+        (prev, cur)
+    } else if window == n - 1 {
+        (cur, 0)
+    } else {
+        (0, 0)
+    }
+}
+
+/// The shared bucket's state once `debt` is added to `state` at `now`, with
+/// its TTL; `None` when nothing of the debt still counts (the bucket would be
+/// full, or the window is over).
+pub fn charge(
+    shared: &Algorithm,
+    state: Option<&State>,
+    debt: &Debt,
+    now: Micros,
+) -> Option<(State, u64)> {
+    match (*shared, debt) {
+        (
+            Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. },
+            Debt::Gcra { count, tat },
+        ) => {
+            let t = gcra_interval(shared)?;
+            let now_f = now as f64;
+            // A TAT that has passed is a full bucket (Redis has let the key
+            // expire by then): the debt alone counts.
+            let replayed = match state {
+                Some(State::Gcra { tat: t0 }) if *t0 > now_f => (t0 + *count as f64 * t).max(*tat),
+                _ => *tat,
+            };
+            (replayed > now_f).then(|| (State::Gcra { tat: replayed }, ceil_us(replayed - now_f)))
+        }
+        (Algorithm::FixedWindow { window_secs, .. }, Debt::Window { window, count }) => {
+            let w = window_secs as i64 * 1_000_000;
+            let mut n = now.div_euclid(w);
+            if let Some(State::Window { window: sw, .. }) = state {
+                n = n.max(*sw);
+            }
+            if *window != n {
+                return None;
+            }
+            let base = match state {
+                Some(State::Window {
+                    window: sw,
+                    count: c,
+                }) if *sw == n => *c,
+                _ => 0,
+            };
+            let ttl = ((n + 1) * w - now).max(0) as u64;
+            Some((
+                State::Window {
+                    window: n,
+                    count: base + count,
+                },
+                ttl,
+            ))
+        }
+        (Algorithm::SlidingWindow { window_secs, .. }, Debt::Sliding { window, prev, cur }) => {
+            let w = window_secs as i64 * 1_000_000;
+            let mut n = now.div_euclid(w);
+            if let Some(State::Sliding { window: sw, .. }) = state {
+                n = n.max(*sw);
+            }
+            let (sp, sc) = match state {
+                Some(State::Sliding {
+                    window: sw,
+                    prev: p,
+                    cur: c,
+                }) => roll(*sw, *p, *c, n),
+                _ => (0, 0),
+            };
+            let (dp, dc) = roll(*window, *prev, *cur, n);
+            if dp == 0 && dc == 0 {
+                return None;
+            }
+            let ttl = ((n + 2) * w - now).max(0) as u64;
+            Some((
+                State::Sliding {
+                    window: n,
+                    prev: sp + dp,
+                    cur: sc + dc,
+                },
+                ttl,
+            ))
+        }
+        (Algorithm::SlidingLog { window_secs, .. }, Debt::Log(times)) => {
+            let w = window_secs as i64 * 1_000_000;
+            let live: Vec<Micros> = times.iter().copied().filter(|&t| t > now - w).collect();
+            if live.is_empty() {
+                return None;
+            }
+            let mut log = match state {
+                Some(State::Log(l)) => l.clone(),
+                _ => VecDeque::new(),
+            };
+            for t in live {
+                super::sliding_log::push(&mut log, t, w);
+            }
+            Some((State::Log(log), w as u64))
+        }
+        // A debt recorded under another algorithm: the bucket's name carries
+        // its algorithm, so this cannot meet a real bucket.
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::algorithms::{check, commit};
+
+    const T0: Micros = 1_700_000_000_000_000;
+
+    /// Replaying admissions one by one onto a shared bucket equals one charge.
+    #[test]
+    fn gcra_debt_charges_what_a_replay_would() {
+        let alg = Algorithm::TokenBucket {
+            capacity: 10,
+            refill_per_sec: 4.0,
+        };
+        let t = 250_000.0;
+        // A TAT still ahead at the charge, and none (a full bucket).
+        for start in [None, Some(T0 as f64 + 3_000_000.0)] {
+            let times = [T0, T0 + 10, T0 + 400_000, T0 + 2_000_000, T0 + 2_000_001];
+            let mut debt = None;
+            let mut replay = start.unwrap_or(f64::MIN);
+            for &at in &times {
+                record(&alg, &mut debt, at);
+                replay = replay.max(at as f64) + t;
+            }
+            let now = T0 + 2_000_002;
+            let state = start.map(|tat| State::Gcra { tat });
+            let got = charge(&alg, state.as_ref(), debt.as_ref().unwrap(), now);
+            assert_eq!(
+                got.map(|(s, _)| s),
+                Some(State::Gcra { tat: replay }),
+                "start {start:?}, now {now}"
+            );
+        }
+    }
+
+    /// A seeded local share admits no more than the shared bucket had left,
+    /// scaled to the share.
+    #[test]
+    fn seeds_leave_the_share_of_what_was_left() {
+        let shared = Algorithm::TokenBucket {
+            capacity: 30,
+            refill_per_sec: 0.001,
+        };
+        let local = Algorithm::TokenBucket {
+            capacity: 10,
+            refill_per_sec: 0.001 / 3.0,
+        };
+        // The shared bucket: 27 spent, 3 left.
+        let mut s = None;
+        let mut last = None;
+        for i in 0..27 {
+            let e = check(&shared, s.as_ref(), T0 + i);
+            commit(&mut s, &e.update);
+            last = Some(e.decision);
+        }
+        let (seeded, _) = seed(&shared, &local, &last.unwrap(), T0 + 27).unwrap();
+        let mut local_state = Some(seeded);
+        let mut admitted = 0;
+        for i in 0..10 {
+            let e = check(&local, local_state.as_ref(), T0 + 28 + i);
+            if e.decision.allowed {
+                admitted += 1;
+                commit(&mut local_state, &e.update);
+            }
+        }
+        assert_eq!(admitted, 1, "3 left of 30 is 1 left of a share of 10");
+    }
+
+    #[test]
+    fn window_debts_count_only_in_their_window() {
+        let alg = Algorithm::FixedWindow {
+            limit: 10,
+            window_secs: 1,
+        };
+        let mut debt = None;
+        record(&alg, &mut debt, T0 + 100);
+        record(&alg, &mut debt, T0 + 200);
+        let d = debt.unwrap();
+        let state = State::Window {
+            window: T0 / 1_000_000,
+            count: 3,
+        };
+        assert_eq!(
+            charge(&alg, Some(&state), &d, T0 + 300).map(|(s, _)| s),
+            Some(State::Window {
+                window: T0 / 1_000_000,
+                count: 5
+            })
+        );
+        assert_eq!(charge(&alg, Some(&state), &d, T0 + 1_000_000), None);
+    }
+}
