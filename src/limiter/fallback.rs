@@ -390,7 +390,9 @@ impl Fallback {
         self.started.send_replace(true);
     }
 
-    /// Announces this replica and reads how many there are.
+    /// Announces this replica and reads how many there are. A failed
+    /// heartbeat (on the probe's thread: Redis's failure, not a busy
+    /// worker's) opens the breaker, so an idle replica notices an outage too.
     async fn heartbeat(&self) {
         let Some(redis) = &self.redis else { return };
         match redis
@@ -404,9 +406,7 @@ impl Fallback {
                 }
                 metrics::replicas(n);
             }
-            Err(e) => {
-                tracing::debug!(error = %self.redact(&e.to_string()), "limiter: heartbeat failed")
-            }
+            Err(e) => self.trip(e),
         }
     }
 

@@ -16,8 +16,11 @@ use super::Check;
 
 const SHARDS: usize = 16;
 
+/// Bucket name -> the shared rule's check and what was admitted against it.
+type Shard = HashMap<String, (Check, Option<Debt>)>;
+
 pub struct Ledger {
-    shards: Vec<Mutex<HashMap<String, (Check, Option<Debt>)>>>,
+    shards: Vec<Mutex<Shard>>,
     per_shard: usize,
     hasher: std::hash::RandomState,
 }
@@ -79,7 +82,7 @@ impl Ledger {
 
 /// Drops a GCRA debt whose own arrival time has passed (the least it adds),
 /// else any one.
-fn evict(shard: &mut HashMap<String, (Check, Option<Debt>)>, now: Micros) {
+fn evict(shard: &mut Shard, now: Micros) {
     let paid = shard
         .iter()
         .find(|(_, (_, d))| matches!(d, Some(Debt::Gcra { tat, .. }) if *tat <= now as f64))

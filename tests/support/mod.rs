@@ -78,6 +78,8 @@ pub struct RedisGuard {
     pub port: u16,
     child: Child,
     dir: TempDir,
+    /// `requirepass`, which `cmd` authenticates with.
+    password: Option<String>,
 }
 
 impl RedisGuard {
@@ -89,8 +91,19 @@ impl RedisGuard {
         Self::start_on(free_port(), extra)
     }
 
+    /// Starts with `requirepass` (and `masterauth`, for replicas) set.
+    pub fn start_with_password(extra: &[&str], password: &str) -> Self {
+        let mut args = vec!["--requirepass", password, "--masterauth", password];
+        args.extend_from_slice(extra);
+        Self::start_as(free_port(), &args, Some(password))
+    }
+
     /// Starts on a given port (to restart a Redis where clients expect it).
     pub fn start_on(port: u16, extra: &[&str]) -> Self {
+        Self::start_as(port, extra, None)
+    }
+
+    fn start_as(port: u16, extra: &[&str], password: Option<&str>) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("redis.log");
         let child = Command::new("redis-server")
@@ -105,7 +118,12 @@ impl RedisGuard {
             .stderr(Stdio::null())
             .spawn()
             .expect("start redis-server (is it installed? scripts/test.sh installs it)");
-        let guard = RedisGuard { port, child, dir };
+        let guard = RedisGuard {
+            port,
+            child,
+            dir,
+            password: password.map(str::to_string),
+        };
         wait_for(
             "redis-server to answer PING",
             Duration::from_secs(10),
@@ -120,11 +138,12 @@ impl RedisGuard {
 
     /// Runs a command through `redis-cli`, returning its raw output.
     pub fn cmd(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
+        let mut cli = Command::new("redis-cli");
+        cli.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        if let Some(p) = &self.password {
+            cli.args(["-a", p, "--no-auth-warning"]);
+        }
+        let out = cli.args(args).output().expect("run redis-cli");
         String::from_utf8_lossy(&out.stdout).to_string()
     }
 
@@ -287,6 +306,15 @@ impl GatewayGuard {
     }
 
     pub fn start_opts(config: &str, wait_for_redis: bool) -> Self {
+        let g = Self::launch(config);
+        let wants_redis =
+            wait_for_redis && config.contains("[redis]") && !config.contains("backend = \"local\"");
+        g.wait_ready(wants_redis);
+        g
+    }
+
+    /// Starts the gateway and returns at once, before it is ready.
+    pub fn launch(config: &str) -> Self {
         let ports = GatewayPorts::new();
         let config = config
             .replace("{listen}", &ports.listen.to_string())
@@ -303,17 +331,21 @@ impl GatewayGuard {
             .stderr(fs::File::create(&log).expect("log"))
             .spawn()
             .expect("start gateway");
-        let mut g = GatewayGuard {
+        GatewayGuard {
             addr: ports.listen,
             admin: ports.admin,
             child: Some(child),
             config_path,
             log,
             _dir: dir,
-        };
-        let wants_redis =
-            wait_for_redis && config.contains("[redis]") && !config.contains("backend = \"local\"");
-        let admin = g.admin;
+        }
+    }
+
+    /// Waits until `/readyz` answers 200 (with `wants_redis`, naming Redis
+    /// as the backend) and the listener accepts; panics if that does not
+    /// happen (the guard then stops the gateway and prints its log).
+    pub fn wait_ready(&self, wants_redis: bool) {
+        let admin = self.admin;
         let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             wait_for("gateway /readyz", Duration::from_secs(20), || {
                 let r = Client::connect(admin).ok()?.get("/readyz").ok()?;
@@ -322,15 +354,12 @@ impl GatewayGuard {
             })
         }));
         if ready.is_err() {
-            print_log("gateway", &g.log);
-            g.stop_now();
-            panic!("gateway did not become ready");
+            panic!("gateway did not become ready"); // Drop prints its log
         }
         // The listener is bound by the time admin answers, but be sure.
         wait_for("gateway listener", Duration::from_secs(10), || {
-            TcpStream::connect(g.addr).ok()
+            TcpStream::connect(self.addr).ok()
         });
-        g
     }
 
     pub fn client(&self) -> Client {

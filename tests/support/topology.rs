@@ -160,15 +160,28 @@ pub struct SentinelGuard {
     pub replica: Option<RedisGuard>,
     sentinels: Vec<Sentinel>,
     pub sentinel_ports: Vec<u16>,
+    password: Option<String>,
 }
 
 pub const MASTER_NAME: &str = "limits";
 
 impl SentinelGuard {
     pub fn start() -> Self {
-        let master = RedisGuard::start();
-        let replica =
-            RedisGuard::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+        Self::start_with(None)
+    }
+
+    /// With `password`, the master, its replica and the sentinels all
+    /// require it (the sentinels also use it to reach the master).
+    pub fn start_with(password: Option<&str>) -> Self {
+        let master = match password {
+            Some(p) => RedisGuard::start_with_password(&[], p),
+            None => RedisGuard::start(),
+        };
+        let replica_of = ["--replicaof", "127.0.0.1", &master.port.to_string()];
+        let replica = match password {
+            Some(p) => RedisGuard::start_with_password(&replica_of, p),
+            None => RedisGuard::start_with(&replica_of),
+        };
         wait_for("replica in sync", Duration::from_secs(20), || {
             replica
                 .cmd(&["INFO", "replication"])
@@ -181,6 +194,9 @@ impl SentinelGuard {
             let dir = tempfile::tempdir().expect("temp dir");
             let port = free_port();
             let conf = dir.path().join("sentinel.conf");
+            let auth = password.map_or(String::new(), |p| {
+                format!("requirepass {p}\nsentinel auth-pass {MASTER_NAME} {p}\n")
+            });
             fs::write(
                 &conf,
                 format!(
@@ -188,7 +204,7 @@ impl SentinelGuard {
                      sentinel monitor {MASTER_NAME} 127.0.0.1 {} 2\n\
                      sentinel down-after-milliseconds {MASTER_NAME} 500\n\
                      sentinel failover-timeout {MASTER_NAME} 3000\n\
-                     sentinel parallel-syncs {MASTER_NAME} 1\n",
+                     sentinel parallel-syncs {MASTER_NAME} 1\n{auth}",
                     dir.path().display(),
                     dir.path().join("sentinel.log").display(),
                     master.port
@@ -210,14 +226,20 @@ impl SentinelGuard {
             replica: Some(replica),
             sentinels,
             sentinel_ports,
+            password: password.map(str::to_string),
         };
         for &p in &g.sentinel_ports {
             wait_for(
                 "sentinel sees the master and its replica",
                 Duration::from_secs(20),
                 || {
-                    let out = Command::new("redis-cli")
-                        .args(["-p", &p.to_string(), "SENTINEL", "replicas", MASTER_NAME])
+                    let mut cli = Command::new("redis-cli");
+                    cli.args(["-p", &p.to_string()]);
+                    if let Some(pw) = password {
+                        cli.args(["-a", pw, "--no-auth-warning"]);
+                    }
+                    let out = cli
+                        .args(["SENTINEL", "replicas", MASTER_NAME])
                         .output()
                         .ok()?;
                     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -228,16 +250,25 @@ impl SentinelGuard {
         g
     }
 
+    /// The sentinels' URLs, with the password when there is one.
     pub fn urls(&self) -> Vec<String> {
+        let auth = self
+            .password
+            .as_ref()
+            .map_or(String::new(), |p| format!(":{p}@"));
         self.sentinel_ports
             .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .map(|p| format!("redis://{auth}127.0.0.1:{p}"))
             .collect()
     }
 
     /// The port the sentinels name as master now.
     pub fn master_port(&self) -> Option<u16> {
-        let out = Command::new("redis-cli")
+        let mut cli = Command::new("redis-cli");
+        if let Some(pw) = &self.password {
+            cli.args(["-a", pw, "--no-auth-warning"]);
+        }
+        let out = cli
             .args([
                 "-p",
                 &self.sentinel_ports[0].to_string(),
