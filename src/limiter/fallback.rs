@@ -109,6 +109,8 @@ pub struct Fallback {
     started_fast: AtomicBool,
     /// The last reason Redis was not usable, for `/readyz` and the logs.
     last_error: Mutex<Option<LimiterError>>,
+    /// When a refusal was last logged at error level (repeated each minute).
+    last_refusal_log: Mutex<Option<Instant>>,
 }
 
 impl Fallback {
@@ -139,6 +141,7 @@ impl Fallback {
             started: watch::channel(!has_redis).0,
             started_fast: AtomicBool::new(!has_redis),
             last_error: Mutex::new(None),
+            last_refusal_log: Mutex::new(None),
         });
         metrics::set_backend(FallbackState::Local);
         metrics::replicas(f.replicas());
@@ -335,16 +338,18 @@ impl Fallback {
         }
     }
 
-    /// A failed attempt to reach Redis: counted, and logged at error level
-    /// when Redis refuses this gateway (a configuration problem) or when the
-    /// reason changed; a repeat of the same outage is logged at debug.
+    /// A failed attempt to reach Redis: counted; logged at error level when
+    /// Redis refuses this gateway (a configuration problem: again every
+    /// minute while it lasts), at warn when the reason changed, else at debug.
     fn note_failure(&self, e: LimiterError) {
         metrics::redis_error(e.reason());
         let mut last = self.last_error.lock();
         let changed = last.as_ref().map(|l| l.to_string()) != Some(e.to_string());
         let text = self.redact(&e.to_string());
         if matches!(e, LimiterError::Refused { .. }) {
-            if changed {
+            let mut logged = self.last_refusal_log.lock();
+            if changed || logged.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                *logged = Some(Instant::now());
                 tracing::error!(error = %text, reason = e.reason(), "limiter: redis refuses this gateway; check redis.urls (password, user, database); serving on the fallback until it is fixed");
             }
         } else if changed {
