@@ -216,3 +216,48 @@ fn syntax_errors_missing_files_and_secrets() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// A URL this build cannot use is refused by `check`, naming the key and
+/// line and never echoing the URL (it may hold a password), instead of a
+/// gateway that starts and never reaches Redis.
+#[test]
+fn redis_over_tls_is_refused_until_built_in() {
+    let src = format!("{MINIMAL}\n[redis]\nurls = [\"rediss://:hunter2@redis.internal:6380\"]\n");
+    let (ok, _, err) = check(&src);
+    assert!(!ok, "{err}");
+    let line = src
+        .lines()
+        .position(|l| l.starts_with("urls"))
+        .expect("urls line")
+        + 1;
+    assert!(
+        err.contains(&format!(
+            "redis.urls[0] (line {line}): rediss:// (Redis over TLS) is not built into this gateway; use redis://"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2"), "{err}");
+}
+
+/// The start-up wait is a bounded duration.
+#[test]
+fn startup_redis_wait_is_checked() {
+    for (value, problem) in [
+        ("-5", "expected an integer from 0 to 600000, found -5"),
+        (
+            "700000",
+            "expected an integer from 0 to 600000, found 700000",
+        ),
+    ] {
+        let src = MINIMAL.replace(
+            "listen = [\"127.0.0.1:8080\"]",
+            &format!("listen = [\"127.0.0.1:8080\"]\nstartup_redis_wait_ms = {value}"),
+        );
+        let (ok, _, err) = check(&src);
+        assert!(!ok, "{err}");
+        assert!(
+            err.contains(&format!("server.startup_redis_wait_ms (line 3): {problem}")),
+            "{err}"
+        );
+    }
+}

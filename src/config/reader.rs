@@ -108,7 +108,7 @@ impl<'s> Reader<'s> {
 
     /// An integer within `min..=max`.
     pub fn int(&mut self, path: &str, v: &Value<'_>, min: u64, max: u64) -> Option<u64> {
-        let expected = if min == 0 {
+        let expected = if min == 0 && max == u64::MAX {
             "a non-negative integer".to_string()
         } else if min == 1 && max == u64::MAX {
             "a positive integer".to_string()
