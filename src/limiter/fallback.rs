@@ -433,6 +433,7 @@ impl Fallback {
                     self.note_failure(e);
                     return;
                 }
+                redis.renew_request_connection();
                 if !self.redis_up.swap(true, Ordering::AcqRel) {
                     tracing::info!("limiter: redis healthy again, failing back");
                     metrics::fallback_transition(FallbackState::Redis);

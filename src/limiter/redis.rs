@@ -72,8 +72,9 @@ enum Topology {
 struct Inner {
     topology: Topology,
     connected: ArcSwapOption<Connected>,
-    /// Standalone: the request path's connection, created on first use.
-    single: OnceLock<ConnectionManager>,
+    /// Standalone: the request path's connection, created on first use and
+    /// renewed at each failback (`renew_request_connection`).
+    single: ArcSwapOption<ConnectionManager>,
     /// Standalone: the probe's connection.
     probe_single: OnceLock<ConnectionManager>,
     /// Sentinel: the request path's connection to the current master.
@@ -192,7 +193,7 @@ impl RedisBackend {
         let inner = Inner {
             topology,
             connected: ArcSwapOption::empty(),
-            single: OnceLock::new(),
+            single: ArcSwapOption::empty(),
             probe_single: OnceLock::new(),
             request_conn: ArcSwapOption::empty(),
             script: redis::Script::new(LIMITER_LUA),
@@ -237,6 +238,15 @@ impl RedisBackend {
             .submit(&self.inner, checks)
             .await
             .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+    }
+
+    /// Drops the request path's connection, so the next request opens a new
+    /// one on the proxy's runtime. At failback: the old one may have died
+    /// with the Redis that failed, and nothing used it since; its first use
+    /// would fail and open the breaker again.
+    pub fn renew_request_connection(&self) {
+        self.inner.single.store(None);
+        self.inner.request_conn.store(None);
     }
 
     /// Resolves when a call has passed its budget unanswered.
@@ -360,12 +370,14 @@ impl Inner {
     fn connection(&self) -> Result<Conn, LimiterError> {
         match &self.topology {
             Topology::Standalone(client) => {
-                if let Some(c) = self.single.get() {
-                    return Ok(Conn::Single(c.clone()));
+                if let Some(c) = self.single.load().as_ref() {
+                    return Ok(Conn::Single(ConnectionManager::clone(c)));
                 }
+                // Two requests racing here make two; the one stored stays.
                 let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config())
                     .map_err(redis_err)?;
-                Ok(Conn::Single(self.single.get_or_init(|| c).clone()))
+                self.single.store(Some(Arc::new(c.clone())));
+                Ok(Conn::Single(c))
             }
             Topology::Sentinel { .. } => {
                 let target = self.connected.load();
