@@ -195,8 +195,10 @@ pub fn config_reload(ok: bool) {
         .increment(1);
 }
 
-/// One route's series, registered on first use and then reused: the request
-/// path increments a handle instead of looking labels up in the registry.
+/// One route's series, registered (at 0) when the route is loaded and then
+/// reused: the request path increments a handle instead of looking labels up
+/// in the registry, and an alert on a route's 429s or 5xx can be written
+/// before the first one.
 pub struct RouteMetrics {
     route: String,
     requests: [OnceLock<Counter>; STATUS_LABELS],
@@ -208,33 +210,53 @@ const STATUS_LABELS: usize = NAMED.len() + 6;
 
 impl RouteMetrics {
     pub fn new(route: &str) -> Self {
-        RouteMetrics {
+        let m = RouteMetrics {
             route: route.to_string(),
             requests: std::array::from_fn(|_| OnceLock::new()),
             decisions: std::array::from_fn(|_| std::array::from_fn(|_| OnceLock::new())),
             upstream: OnceLock::new(),
+        };
+        // One status per label: the named codes, then one of each class.
+        let statuses = NAMED.iter().map(|(code, _)| *code);
+        for status in statuses.chain([100, 299, 399, 499, 599, 0]) {
+            m.requests_counter(status).increment(0);
         }
+        for tier in [Tier::Ip, Tier::Key, Tier::Route] {
+            for d in [
+                DecisionLabel::Allowed,
+                DecisionLabel::Rejected,
+                DecisionLabel::ShadowRejected,
+            ] {
+                m.decisions_counter(tier, d).increment(0);
+            }
+        }
+        m
+    }
+
+    fn requests_counter(&self, status: u16) -> &Counter {
+        let (i, label) = status_label_indexed(status);
+        self.requests[i].get_or_init(
+            || counter!("gateway_requests_total", "route" => self.route.clone(), "status" => label),
+        )
+    }
+
+    fn decisions_counter(&self, tier: Tier, decision: DecisionLabel) -> &Counter {
+        self.decisions[tier as usize][decision as usize].get_or_init(|| {
+            counter!(
+                "gateway_ratelimit_decisions_total",
+                "tier" => tier.as_str(),
+                "route" => self.route.clone(),
+                "decision" => decision.as_str()
+            )
+        })
     }
 
     pub fn request(&self, status: u16) {
-        let (i, label) = status_label_indexed(status);
-        self.requests[i]
-            .get_or_init(|| counter!("gateway_requests_total", "route" => self.route.clone(), "status" => label))
-            .increment(1);
+        self.requests_counter(status).increment(1);
     }
 
     pub fn decision(&self, tier: Tier, decision: DecisionLabel) {
-        let (t, d) = (tier as usize, decision as usize);
-        self.decisions[t][d]
-            .get_or_init(|| {
-                counter!(
-                    "gateway_ratelimit_decisions_total",
-                    "tier" => tier.as_str(),
-                    "route" => self.route.clone(),
-                    "decision" => decision.as_str()
-                )
-            })
-            .increment(1);
+        self.decisions_counter(tier, decision).increment(1);
     }
 
     pub fn upstream(&self, d: Duration) {

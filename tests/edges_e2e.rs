@@ -404,6 +404,9 @@ fn closed_label_counters_start_at_zero() {
         "gateway_redis_errors_total{reason=\"auth\"} 0",
         "gateway_redis_late_calls_total{verdict=\"redis\"} 0",
         "gateway_fallback_debts_charged_total 0",
+        "gateway_requests_total{route=\"r\",status=\"429\"} 0",
+        "gateway_requests_total{route=\"r\",status=\"5xx\"} 0",
+        "gateway_ratelimit_decisions_total{tier=\"route\",route=\"r\",decision=\"rejected\"} 0",
     ] {
         assert!(m.lines().any(|l| l == series), "missing: {series}\n{m}");
     }
