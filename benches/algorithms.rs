@@ -8,7 +8,8 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, Criterion};
 use ratelimit_gateway::clock::ManualClock;
 use ratelimit_gateway::config::Algorithm;
-use ratelimit_gateway::limiter::algorithms::{check, commit, State};
+use ratelimit_gateway::limiter::algorithms::outage;
+use ratelimit_gateway::limiter::algorithms::{check, commit, Decision, State};
 use ratelimit_gateway::limiter::keys::bucket_key;
 use ratelimit_gateway::limiter::{Check, LocalBackend, Tier};
 
@@ -93,6 +94,52 @@ fn local_three_tiers(c: &mut Criterion) {
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))
+        })
+    });
+}
+
+/// What a Redis-decided request adds to keep the fallback's starting point:
+/// each tier's answer turned into its local share's state and written to the
+/// local backend (10k clients, as above; compare with the row above).
+fn seed_three_tiers(c: &mut Criterion) {
+    let clock = Arc::new(ManualClock::new(T0));
+    let backend = LocalBackend::new(1_000_000, clock.clone());
+    let tb = |capacity, refill_per_sec| Algorithm::TokenBucket {
+        capacity,
+        refill_per_sec,
+    };
+    let tiers = [
+        (tb(400, 100.0), tb(133, 100.0 / 3.0)),
+        (tb(20, 10.0), tb(6, 10.0 / 3.0)),
+        (tb(20, 10.0), tb(6, 10.0 / 3.0)),
+    ];
+    let answer = |limit| Decision {
+        allowed: true,
+        limit,
+        remaining: limit - 3,
+        retry_after_us: 0,
+        reset_after_us: 300_000,
+        delay_us: 0,
+    };
+    let mut i = 0u64;
+    c.bench_function("seeding the fallback: three tiers, 10k clients", |b| {
+        b.iter(|| {
+            i += 1;
+            clock.advance(10);
+            let now = ratelimit_gateway::clock::Clock::now_us(&*clock);
+            let who = format!("ip:10.0.{}.{}", (i % 10_000) / 256, i % 256);
+            let keys = [
+                bucket_key("rl", "ip", "ip", &tiers[0].0, &who),
+                bucket_key("rl", "key", "free", &tiers[1].0, "k:demo"),
+                bucket_key("rl", "route", "r", &tiers[2].0, &who),
+            ];
+            for ((shared, local), key) in tiers.iter().zip(&keys) {
+                let d = answer(ratelimit_gateway::limiter::algorithms::quota(shared));
+                if let Some((state, ttl)) = outage::seed(shared, local, &d, now) {
+                    backend.seed(key, state, ttl, now);
+                }
+            }
+            black_box(&keys);
         })
     });
 }
@@ -201,6 +248,7 @@ criterion_group!(
     benches,
     decide_once,
     local_three_tiers,
+    seed_three_tiers,
     key_lookup,
     request_path
 );
