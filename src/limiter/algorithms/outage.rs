@@ -74,37 +74,33 @@ pub fn seed(
             };
             gcra_seed(ahead, now)
         }
-        Algorithm::FixedWindow { window_secs, .. } => {
+        Algorithm::FixedWindow { window_secs, .. }
+        | Algorithm::SlidingWindow { window_secs, .. }
+        | Algorithm::SlidingLog { window_secs, .. } => {
             let used = scaled_used(d, super::quota(local));
+            if used == 0 {
+                return None;
+            }
             let w = window_secs as i64 * 1_000_000;
             let n = now.div_euclid(w);
-            let ttl = ((n + 1) * w - now).max(0) as u64;
-            (used > 0).then_some((
-                State::Window {
-                    window: n,
-                    count: used,
-                },
-                ttl,
-            ))
-        }
-        Algorithm::SlidingWindow { window_secs, .. } => {
-            let used = scaled_used(d, super::quota(local));
-            let w = window_secs as i64 * 1_000_000;
-            let n = now.div_euclid(w);
-            let ttl = ((n + 2) * w - now).max(0) as u64;
-            (used > 0).then_some((
-                State::Sliding {
-                    window: n,
-                    prev: 0,
-                    cur: used,
-                },
-                ttl,
-            ))
-        }
-        Algorithm::SlidingLog { window_secs, .. } => {
-            let used = scaled_used(d, super::quota(local));
-            let w = window_secs * 1_000_000;
-            (used > 0).then(|| (State::Log((0..used).map(|_| now).collect()), w))
+            Some(match shared {
+                Algorithm::FixedWindow { .. } => (
+                    State::Window {
+                        window: n,
+                        count: used,
+                    },
+                    ((n + 1) * w - now).max(0) as u64,
+                ),
+                Algorithm::SlidingWindow { .. } => (
+                    State::Sliding {
+                        window: n,
+                        prev: 0,
+                        cur: used,
+                    },
+                    ((n + 2) * w - now).max(0) as u64,
+                ),
+                _ => (State::Log((0..used).map(|_| now).collect()), w as u64),
+            })
         }
     }
 }
@@ -367,6 +363,63 @@ mod tests {
             }
         }
         assert_eq!(admitted, 1, "3 left of 30 is 1 left of a share of 10");
+    }
+
+    /// The same for windows and logs: 27 of 30 spent leaves 1 of a share of 10.
+    #[test]
+    fn window_seeds_leave_the_share_of_what_was_left() {
+        for (shared, local) in [
+            (
+                Algorithm::FixedWindow {
+                    limit: 30,
+                    window_secs: 60,
+                },
+                Algorithm::FixedWindow {
+                    limit: 10,
+                    window_secs: 60,
+                },
+            ),
+            (
+                Algorithm::SlidingWindow {
+                    limit: 30,
+                    window_secs: 60,
+                },
+                Algorithm::SlidingWindow {
+                    limit: 10,
+                    window_secs: 60,
+                },
+            ),
+            (
+                Algorithm::SlidingLog {
+                    limit: 30,
+                    window_secs: 60,
+                },
+                Algorithm::SlidingLog {
+                    limit: 10,
+                    window_secs: 60,
+                },
+            ),
+        ] {
+            let mut s = None;
+            let mut last = None;
+            for i in 0..27 {
+                let e = check(&shared, s.as_ref(), T0 + i);
+                commit(&mut s, &e.update);
+                last = Some(e.decision);
+            }
+            let (seeded, _) = seed(&shared, &local, &last.unwrap(), T0 + 27).unwrap();
+            let mut local_state = Some(seeded);
+            let admitted = (0..10)
+                .filter(|i| {
+                    let e = check(&local, local_state.as_ref(), T0 + 28 + i);
+                    if e.decision.allowed {
+                        commit(&mut local_state, &e.update);
+                    }
+                    e.decision.allowed
+                })
+                .count();
+            assert_eq!(admitted, 1, "{shared:?}");
+        }
     }
 
     #[test]
