@@ -490,7 +490,7 @@ async fn charged_debts_agree() {
         p.clock.advance(rng.i64(0..400_000));
         let debts = vec![(c[0].clone(), debt.expect("recorded"))];
         let local = p.local.charge_at(&debts, p.now());
-        let redis = p.redis.charge(&debts).await.expect("charge.lua");
+        let redis = p.redis.charge(&debts, "r1").await.expect("charge.lua");
         assert_eq!(local, redis, "round {round}: buckets written for {alg:?}");
         charged += local;
         for _ in 0..8 {
@@ -502,6 +502,34 @@ async fn charged_debts_agree() {
         charged >= 25,
         "most debts still counted when charged ({charged})"
     );
+}
+
+/// A sliding log's debt names its entries by time, replica and rank, so a
+/// charge sent again (after a call that timed out but ran) adds nothing;
+/// another replica's entries of the same times are its own.
+#[tokio::test]
+async fn a_log_charge_sent_twice_counts_once() {
+    let p = Pair::new();
+    let alg = Algorithm::SlidingLog {
+        limit: 10,
+        window_secs: 60,
+    };
+    let c = [check(Tier::Route, "login", alg, "ip:10.0.0.1")];
+    let mut debt = None;
+    for _ in 0..3 {
+        outage::record(&alg, &mut debt, p.now());
+    }
+    let debts = vec![(c[0].clone(), debt.expect("recorded"))];
+    p.redis.charge(&debts, "r1").await.expect("first");
+    p.redis.charge(&debts, "r1").await.expect("again");
+    p.redis.charge(&debts, "r2").await.expect("another replica");
+    let mut left = 0;
+    for _ in 0..10 {
+        if p.redis.decide(&c).await.expect("redis").decisions[0].allowed {
+            left += 1;
+        }
+    }
+    assert_eq!(left, 4, "10 - 3 (r1, once) - 3 (r2)");
 }
 
 /// A debt is charged exactly as a replay: 4 local admissions onto a token
@@ -518,7 +546,7 @@ async fn a_charged_debt_leaves_what_a_replay_would() {
     }
     let debts = vec![(c[0].clone(), debt.expect("recorded"))];
     assert_eq!(p.local.charge_at(&debts, p.now()), 1);
-    assert_eq!(p.redis.charge(&debts).await.expect("charge.lua"), 1);
+    assert_eq!(p.redis.charge(&debts, "r1").await.expect("charge.lua"), 1);
     assert_eq!(
         run(&p, &c, 3).await,
         [true, true, false],

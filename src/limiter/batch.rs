@@ -70,7 +70,8 @@ impl Batcher {
         }
     }
 
-    /// Queues one request's checks; the reply arrives when its batch returns.
+    /// Queues one request's checks, read by the request at abandon count
+    /// `epoch`; the reply arrives when its batch returns.
     /// The first call (or the first after the task's runtime ended) starts the
     /// task on the caller's runtime: the proxy's. (On a thread of its own, with
     /// its own connection, the task measured worse: one more thread to wake per
@@ -79,9 +80,9 @@ impl Batcher {
         &self,
         decider: &Arc<D>,
         checks: Arc<[Check]>,
+        epoch: u64,
     ) -> oneshot::Receiver<Result<Verdict, LimiterError>> {
         let (reply, rx) = oneshot::channel();
-        let epoch = *decider.abandoned().borrow();
         let mut pending = Pending {
             epoch,
             checks,

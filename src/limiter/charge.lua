@@ -4,8 +4,9 @@ get its local shares and then a full shared bucket on top.
 
 KEYS     the buckets to charge (built by keys.rs; never a secret)
 ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME
-ARGV[2]  a tag naming this call, unique enough to keep two replicas' log
-         entries apart
+ARGV[2]  this replica's id: a log entry is named by its time, this id and
+         its rank among entries of the same time, so two replicas' entries
+         stay apart and charging the same debt twice adds nothing
 then per bucket (KEYS[k], in order): kind, p1, p2 (as in limiter.lua), then
 n, the number of debt values, then the values:
          kind 1, 2 (GCRA)     count, tat   tat: the arrival time of these
@@ -132,10 +133,11 @@ for k = 1, #KEYS do
     end
   else
     local w = p2 * 1000000
-    local any = false
+    local any, rank = false, 0
     for i = 1, #v do
+      if i > 1 and v[i] == v[i - 1] then rank = rank + 1 else rank = 0 end
       if v[i] > now - w then
-        call('ZADD', key, format('%d', v[i]), format('%d:%s:%d', v[i], tag, i))
+        call('ZADD', key, format('%d', v[i]), format('%d:%s:%d', v[i], tag, rank))
         any = true
       end
     end

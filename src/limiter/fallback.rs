@@ -35,8 +35,19 @@ const PROBES_TO_FAIL_BACK: u32 = 3;
 /// lasts three of these.
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 
+/// A sliding log's seed is renewed at most this often (microseconds).
+const LOG_SEED_EVERY_US: i64 = 1_000_000;
+
 /// Between start-up attempts to reach Redis.
 const STARTUP_RETRY: Duration = Duration::from_millis(50);
+
+/// How much longer than `startup_redis_wait_ms` a request waits for the
+/// start-up attempt to say it has ended (it always does; this is a bound).
+const STARTUP_SLACK: Duration = Duration::from_secs(2);
+
+/// Failed charges of the ledger before failing back anyway (the debts stay
+/// in the ledger and are charged once Redis takes them).
+const SETTLE_TRIES: u32 = 3;
 
 /// Which backend decided a request (also the `backend` metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +117,9 @@ pub struct Fallback {
     ledger: Ledger,
     /// True once the start-up attempt has ended.
     started: watch::Sender<bool>,
+    startup_wait: Duration,
+    /// Failed charges of the ledger in a row.
+    failed_settles: AtomicU32,
     started_fast: AtomicBool,
     /// The last reason Redis was not usable, for `/readyz` and the logs.
     last_error: Mutex<Option<LimiterError>>,
@@ -122,6 +136,7 @@ impl Fallback {
         instances: u32,
         key_prefix: &str,
         ledger_cap: usize,
+        startup_wait: Duration,
     ) -> Arc<Self> {
         let has_redis = redis.is_some();
         let f = Arc::new(Fallback {
@@ -139,6 +154,8 @@ impl Fallback {
             ledger: Ledger::new(ledger_cap),
             // Without Redis there is nothing to wait for.
             started: watch::channel(!has_redis).0,
+            startup_wait,
+            failed_settles: AtomicU32::new(0),
             started_fast: AtomicBool::new(!has_redis),
             last_error: Mutex::new(None),
             last_refusal_log: Mutex::new(None),
@@ -193,17 +210,20 @@ impl Fallback {
             return self.local_outcome(checks.clone()).await;
         };
         if !self.started_fast.load(Ordering::Acquire) {
-            // The start-up attempt is bounded; this wait is too, in case the
-            // task making it never ran.
+            // The start-up attempt is bounded, and marks its end even if it
+            // is cut short; this wait is bounded as well, to be sure.
             let mut rx = self.started.subscribe();
-            let _ = tokio::time::timeout(Duration::from_secs(600), rx.wait_for(|s| *s)).await;
+            let _ =
+                tokio::time::timeout(self.startup_wait + STARTUP_SLACK, rx.wait_for(|s| *s)).await;
         }
-        if self.redis_up.load(Ordering::Relaxed) {
+        // Read before the breaker: see `RedisBackend::epoch`.
+        let epoch = redis.epoch();
+        if self.redis_up.load(Ordering::Acquire) {
             let started = Instant::now();
             if let Some(outcome) = self.remembered_denial(checks, started) {
                 return outcome;
             }
-            let result = redis.decide_shared(checks.clone()).await;
+            let result = redis.decide_shared(checks.clone(), epoch).await;
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(verdict) => {
@@ -216,7 +236,11 @@ impl Fallback {
                             );
                         }
                     }
-                    self.seed(checks, &verdict.decisions);
+                    // An answer that arrives after the breaker opened must
+                    // not overwrite what the fallback has admitted since.
+                    if self.redis_up.load(Ordering::Acquire) {
+                        self.seed(checks, &verdict.decisions);
+                    }
                     return Outcome::Decided {
                         verdict,
                         backend: FallbackState::Redis,
@@ -225,7 +249,9 @@ impl Fallback {
                 }
                 Err(e) => {
                     // Abandoned: the breaker has just opened on Redis's account.
-                    if !matches!(e, LimiterError::Abandoned) {
+                    // A failure of a call from before an earlier opening says
+                    // nothing of the Redis failed back to since.
+                    if !matches!(e, LimiterError::Abandoned) && redis.epoch() == epoch {
                         self.trip(e.clone());
                     }
                     if matches!(e, LimiterError::CrossSlot) {
@@ -251,6 +277,17 @@ impl Fallback {
         let n = self.replicas();
         let now = SystemClock.now_us();
         for (c, d) in checks.iter().zip(decisions) {
+            // A log's seed holds one entry per request spent: at most one a
+            // second per bucket, so a large log costs no copy per request.
+            if let Algorithm::SlidingLog { window_secs, .. } = c.algorithm {
+                let w = window_secs as i64 * 1_000_000;
+                if self
+                    .local
+                    .log_written_within(&c.key, w, LOG_SEED_EVERY_US, now)
+                {
+                    continue;
+                }
+            }
             let local = share(&c.algorithm, n);
             if let Some((state, ttl)) = outage::seed(&c.algorithm, &local, d, now) {
                 self.local.seed(&c.key, state, ttl, now);
@@ -325,7 +362,12 @@ impl Fallback {
             if let Some(r) = &self.redis {
                 r.abandon();
             }
-            tracing::warn!(error = %self.redact(&e.to_string()), reason = e.reason(), on_redis_failure = ?self.on_failure, "limiter: redis failed, failing over");
+            let text = self.redact(&e.to_string());
+            if matches!(e, LimiterError::Refused { .. }) {
+                tracing::error!(error = %text, reason = e.reason(), on_redis_failure = ?self.on_failure, "limiter: redis refuses this gateway, failing over; check redis.urls (password, user, database)");
+            } else {
+                tracing::warn!(error = %text, reason = e.reason(), on_redis_failure = ?self.on_failure, "limiter: redis failed, failing over");
+            }
             metrics::fallback_transition(FallbackState::Local);
         }
         *self.last_error.lock() = Some(e);
@@ -365,6 +407,15 @@ impl Fallback {
     /// decided by Redis from the first one; if not, by the fallback, and the
     /// probe takes over. Requests arriving meanwhile wait for it.
     pub async fn start(&self, wait: Duration) {
+        // Marks the end even if this future is dropped (shutdown) or panics.
+        struct Ended<'a>(&'a Fallback);
+        impl Drop for Ended<'_> {
+            fn drop(&mut self) {
+                self.0.started_fast.store(true, Ordering::Release);
+                self.0.started.send_replace(true);
+            }
+        }
+        let _ended = Ended(self);
         if let Some(redis) = &self.redis {
             let until = Instant::now() + wait;
             while Instant::now() < until {
@@ -429,17 +480,22 @@ impl Fallback {
                     return;
                 }
                 if let Err(e) = self.settle_debts(redis).await {
-                    self.good_probes.store(0, Ordering::Relaxed);
-                    self.note_failure(e);
-                    return;
+                    let tries = self.failed_settles.fetch_add(1, Ordering::AcqRel) + 1;
+                    if tries < SETTLE_TRIES {
+                        self.good_probes.store(0, Ordering::Relaxed);
+                        self.note_failure(e);
+                        return;
+                    }
+                    tracing::error!(error = %self.redact(&e.to_string()), tries, "limiter: cannot charge what was admitted locally; failing back anyway, the charge is retried each second");
                 }
+                self.failed_settles.store(0, Ordering::Relaxed);
                 redis.renew_request_connection();
                 if !self.redis_up.swap(true, Ordering::AcqRel) {
                     tracing::info!("limiter: redis healthy again, failing back");
                     metrics::fallback_transition(FallbackState::Redis);
                 }
                 // Admissions decided locally while the first charge ran.
-                let _ = self.settle_debts(redis).await;
+                self.settle_later(redis).await;
                 self.heartbeat().await;
             }
             Err(e) => {
@@ -449,14 +505,14 @@ impl Fallback {
         }
     }
 
-    /// Charges the ledger to Redis; on failure the debts are kept for the
-    /// next attempt.
+    /// Charges the ledger to Redis; what a failure leaves uncharged is put
+    /// back for the next attempt (merged with what was recorded since).
     async fn settle_debts(&self, redis: &RedisBackend) -> Result<(), LimiterError> {
-        let debts = self.ledger.take();
+        let mut debts = self.ledger.take();
         if debts.is_empty() {
             return Ok(());
         }
-        match redis.charge(&debts).await {
+        match redis.charge(&debts, &self.replica_id).await {
             Ok(written) => {
                 tracing::info!(
                     buckets = debts.len(),
@@ -466,10 +522,23 @@ impl Fallback {
                 metrics::debts_charged(debts.len());
                 Ok(())
             }
-            Err(e) => {
-                self.ledger.restore(debts);
+            Err((charged, e)) => {
+                metrics::debts_charged(charged);
+                self.ledger.restore(debts.split_off(charged));
                 Err(e)
             }
+        }
+    }
+
+    /// A charge while Redis decides (stragglers after failback, or a charge
+    /// that failed before it): a failure is logged and retried next second.
+    async fn settle_later(&self, redis: &RedisBackend) {
+        if self.ledger.is_empty() {
+            return;
+        }
+        if let Err(e) = self.settle_debts(redis).await {
+            metrics::redis_error(e.reason());
+            tracing::warn!(error = %self.redact(&e.to_string()), "limiter: charging what was admitted locally failed; retrying in a second");
         }
     }
 
@@ -501,6 +570,7 @@ impl Fallback {
                 _ = tokio::time::sleep_until(next_heartbeat.into()) => {
                     next_heartbeat = Instant::now() + HEARTBEAT_EVERY;
                     self.heartbeat().await;
+                    self.settle_later(redis).await;
                 }
             }
         }

@@ -2,12 +2,14 @@
 //! failback charges it to Redis (`charge.lua`).
 //!
 //! Bounded like the local backend: at most `cap` buckets. A full shard drops
-//! a debt (preferring one whose own arrival time has passed); a dropped debt
-//! only means a client is charged less than it spent.
+//! one debt from a small random sample (preferring one whose own arrival time
+//! has passed); a dropped debt only means a client is charged less than it
+//! spent. Debts put back after a failed charge are merged with what was
+//! recorded since, never dropped for room.
 
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 
+use indexmap::IndexMap;
 use parking_lot::Mutex;
 
 use super::algorithms::outage::{self, Debt};
@@ -15,9 +17,10 @@ use super::algorithms::Micros;
 use super::Check;
 
 const SHARDS: usize = 16;
+const EVICTION_SAMPLE: usize = 8;
 
 /// Bucket name -> the shared rule's check and what was admitted against it.
-type Shard = HashMap<String, (Check, Option<Debt>)>;
+type Shard = IndexMap<String, (Check, Option<Debt>), std::hash::RandomState>;
 
 pub struct Ledger {
     shards: Vec<Mutex<Shard>>,
@@ -28,10 +31,16 @@ pub struct Ledger {
 impl Ledger {
     pub fn new(cap: usize) -> Self {
         Ledger {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(IndexMap::default()))
+                .collect(),
             per_shard: cap.div_ceil(SHARDS).max(1),
             hasher: std::hash::RandomState::new(),
         }
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<Shard> {
+        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
     /// Records one admission of every tier that admitted it. `shared` are the
@@ -41,7 +50,7 @@ impl Ledger {
             if !ok {
                 continue;
             }
-            let mut shard = self.shards[(self.hasher.hash_one(&c.key) as usize) % SHARDS].lock();
+            let mut shard = self.shard(&c.key).lock();
             if let Some((_, debt)) = shard.get_mut(&c.key) {
                 outage::record(&c.algorithm, debt, now);
                 continue;
@@ -59,7 +68,7 @@ impl Ledger {
     pub fn take(&self) -> Vec<(Check, Debt)> {
         let mut out = Vec::new();
         for shard in &self.shards {
-            let drained: Vec<_> = shard.lock().drain().collect();
+            let drained: Vec<_> = shard.lock().drain(..).collect();
             out.extend(
                 drained
                     .into_iter()
@@ -69,26 +78,80 @@ impl Ledger {
         out
     }
 
-    /// Puts debts back (a failed charge is tried again at the next failback).
+    pub fn is_empty(&self) -> bool {
+        self.shards.iter().all(|s| s.lock().is_empty())
+    }
+
+    /// Puts back debts whose charge failed, merged with anything recorded
+    /// for the same bucket since (which came after them).
     pub fn restore(&self, debts: Vec<(Check, Debt)>) {
-        for (c, d) in debts {
-            let mut shard = self.shards[(self.hasher.hash_one(&c.key) as usize) % SHARDS].lock();
-            if shard.len() < self.per_shard {
-                shard.entry(c.key.clone()).or_insert((c, Some(d)));
+        for (c, earlier) in debts {
+            let mut shard = self.shard(&c.key).lock();
+            match shard.get_mut(&c.key) {
+                Some((_, slot @ Some(_))) => {
+                    if let Some(later) = slot.take() {
+                        *slot = Some(outage::merge(&c.algorithm, earlier, later));
+                    }
+                }
+                _ => {
+                    shard.insert(c.key.clone(), (c, Some(earlier)));
+                }
             }
         }
     }
 }
 
-/// Drops a GCRA debt whose own arrival time has passed (the least it adds),
-/// else any one.
+/// Drops one debt of a random sample: one whose own arrival time has passed
+/// (it adds least), else the first sampled.
 fn evict(shard: &mut Shard, now: Micros) {
-    let paid = shard
-        .iter()
-        .find(|(_, (_, d))| matches!(d, Some(Debt::Gcra { tat, .. }) if *tat <= now as f64))
-        .map(|(k, _)| k.clone());
-    let victim = paid.or_else(|| shard.keys().next().cloned());
-    if let Some(k) = victim {
-        shard.remove(&k);
+    let n = shard.len();
+    if n == 0 {
+        return;
+    }
+    let mut victim = fastrand::usize(..n);
+    for _ in 0..EVICTION_SAMPLE.min(n) {
+        let i = fastrand::usize(..n);
+        if matches!(&shard[i].1, Some(Debt::Gcra { tat, .. }) if *tat <= now as f64) {
+            victim = i;
+            break;
+        }
+    }
+    shard.swap_remove_index(victim);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Algorithm;
+    use crate::limiter::Tier;
+
+    /// A debt put back after a failed charge keeps what was recorded for the
+    /// same bucket meanwhile: 50 before the charge + 1 during it = 51.
+    #[test]
+    fn restored_debts_merge_with_what_came_since() {
+        let alg = Algorithm::TokenBucket {
+            capacity: 100,
+            refill_per_sec: 1.0,
+        };
+        let c = Check {
+            tier: Tier::Key,
+            key: "rl:key:p:tb-100-1:k:a".into(),
+            algorithm: alg,
+            shadow: false,
+        };
+        let ledger = Ledger::new(16);
+        let t0 = 1_700_000_000_000_000;
+        for i in 0..50 {
+            ledger.record(std::slice::from_ref(&c), [true].into_iter(), t0 + i);
+        }
+        let out = ledger.take();
+        ledger.record(std::slice::from_ref(&c), [true].into_iter(), t0 + 100);
+        ledger.restore(out);
+        let back = ledger.take();
+        assert_eq!(back.len(), 1);
+        match &back[0].1 {
+            Debt::Gcra { count, .. } => assert_eq!(*count, 51),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -145,6 +145,15 @@ impl LocalBackend {
         );
     }
 
+    /// Whether a sliding log's state was written less than `within_us` ago
+    /// (its entries live `window_us`, and every write renews that).
+    pub fn log_written_within(&self, key: &str, window_us: i64, within_us: i64, now: i64) -> bool {
+        let shard = self.shards[self.shard_of(key)].lock();
+        shard.get(key).is_some_and(|e| {
+            matches!(e.state, Some(State::Log(_))) && e.expires_at - window_us > now - within_us
+        })
+    }
+
     /// Adds debts to buckets (`outage::charge`); returns how many were written.
     /// The Redis backend's `charge` does the same with `charge.lua`.
     pub fn charge_at(&self, debts: &[(Check, Debt)], now: i64) -> usize {

@@ -143,7 +143,12 @@ impl RedisBackend {
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, LimiterError> {
         let client = redis::Client::open(url).map_err(redis_err)?;
-        Ok(Self::with(Topology::Standalone(client), budget, clock))
+        Ok(Self::with(
+            Topology::Standalone(client),
+            budget,
+            clock,
+            Vec::new(),
+        ))
     }
 
     /// The backend a `[redis]` section describes.
@@ -182,14 +187,15 @@ impl RedisBackend {
                     .map_err(redis_err)?,
             )),
         };
-        let mut b = Self::with(topology, budget, clock);
-        if let Some(inner) = Arc::get_mut(&mut b.inner) {
-            inner.secrets = secrets;
-        }
-        Ok(b)
+        Ok(Self::with(topology, budget, clock, secrets))
     }
 
-    fn with(topology: Topology, budget: Duration, clock: Option<Arc<dyn Clock>>) -> Self {
+    fn with(
+        topology: Topology,
+        budget: Duration,
+        clock: Option<Arc<dyn Clock>>,
+        secrets: Vec<String>,
+    ) -> Self {
         let inner = Inner {
             topology,
             connected: ArcSwapOption::empty(),
@@ -205,7 +211,7 @@ impl RedisBackend {
             late: tokio::sync::Notify::new(),
             abandon: tokio::sync::watch::channel(0).0,
             clock,
-            secrets: Vec::new(),
+            secrets,
         };
         RedisBackend {
             inner: Arc::new(inner),
@@ -225,17 +231,29 @@ impl RedisBackend {
         self.inner.decide_batch(requests, &mut abandon).await
     }
 
+    /// How many times calls have been abandoned (the breaker opened). A
+    /// request reads it *before* it looks at the breaker and hands it to
+    /// `decide_shared`: a breaker that opens in between fails the request
+    /// instead of sending it to the Redis just given up on.
+    pub fn epoch(&self) -> u64 {
+        *self.inner.abandon.borrow()
+    }
+
     /// `Backend::decide` for checks the caller shares with the batch (no copy).
     /// The request waits for its batch's answer: the budget runs from when
     /// the call is sent, not from when this request queued (a busy worker's
     /// queue is not Redis's latency).
-    pub async fn decide_shared(&self, checks: Arc<[Check]>) -> Result<Verdict, LimiterError> {
+    pub async fn decide_shared(
+        &self,
+        checks: Arc<[Check]>,
+        epoch: u64,
+    ) -> Result<Verdict, LimiterError> {
         if matches!(self.inner.topology, Topology::Cluster(_)) {
             let conn = self.inner.connection()?;
-            return self.inner.decide_clustered(conn, &checks).await;
+            return self.inner.decide_clustered(conn, &checks, epoch).await;
         }
         self.batcher
-            .submit(&self.inner, checks)
+            .submit(&self.inner, checks, epoch)
             .await
             .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
     }
@@ -304,23 +322,29 @@ impl RedisBackend {
 
     /// Adds what was admitted locally during an outage to the shared buckets
     /// (`charge.lua`), a few hundred buckets per call (one per call in
-    /// cluster mode, where buckets live in different slots). Returns how
-    /// many buckets were written.
-    pub async fn charge(&self, debts: &[(Check, Debt)]) -> Result<usize, LimiterError> {
-        let mut conn = self.inner.probe_connection()?;
+    /// cluster mode, where buckets live in different slots). `replica` names
+    /// this replica's sliding-log entries, so charging them again after a
+    /// call that timed out but ran adds nothing. Returns how many buckets
+    /// were written; on failure, how many debts were charged before it (the
+    /// caller keeps the rest).
+    pub async fn charge(
+        &self,
+        debts: &[(Check, Debt)],
+        replica: &str,
+    ) -> Result<usize, (usize, LimiterError)> {
+        let mut conn = self.inner.probe_connection().map_err(|e| (0, e))?;
         let per_call = match conn {
             Conn::Cluster(_) => 1,
             Conn::Single(_) => CHARGE_BATCH,
         };
-        let tag = format!("{:08x}", fastrand::u32(..));
         let mut written = 0;
-        for chunk in debts.chunks(per_call) {
+        for (i, chunk) in debts.chunks(per_call).enumerate() {
             let mut inv = self.inner.charge.prepare_invoke();
             match &self.inner.clock {
                 Some(clock) => inv.arg(clock.now_us()),
                 None => inv.arg(""),
             };
-            inv.arg(tag.as_str());
+            inv.arg(replica);
             for (c, debt) in chunk {
                 inv.key(c.key.as_str());
                 let (kind, p1, p2) = script_args(&c.algorithm);
@@ -346,7 +370,11 @@ impl RedisBackend {
                 .map_err(redis_err)
             };
             let limit = self.inner.budget.max(Duration::from_millis(500));
-            written += self.inner.by(Instant::now() + limit, call).await?;
+            written += self
+                .inner
+                .by(Instant::now() + limit, call)
+                .await
+                .map_err(|e| (i * per_call, e))?;
         }
         Ok(written)
     }
@@ -634,7 +662,8 @@ impl Inner {
                                 Conn::Cluster(c) => inv.invoke_async(c).await,
                             };
                             if let Err(e) = r {
-                                tracing::warn!(error = %e, "limiter: refund failed; the client stays charged");
+                                // The error's class only: its text could name the server.
+                                tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged");
                             }
                         })
                     })
@@ -861,7 +890,12 @@ impl Inner {
         &self,
         mut conn: Conn,
         checks: &[Check],
+        epoch: u64,
     ) -> Result<Verdict, LimiterError> {
+        let mut abandon = self.abandon.subscribe();
+        if *abandon.borrow_and_update() != epoch {
+            return Err(LimiterError::Abandoned);
+        }
         let across_slots = checks
             .windows(2)
             .any(|w| slot(&w[0].key) != slot(&w[1].key));
@@ -873,7 +907,6 @@ impl Inner {
                 run_script(&self.script, self.clock.as_ref(), &mut conn, &[checks]).await?;
             Ok(verdicts.remove(0))
         };
-        let mut abandon = self.abandon.subscribe();
         self.answer(work, &mut abandon).await
     }
 
@@ -890,12 +923,19 @@ impl Inner {
         if let Ok(r) = tokio::time::timeout(self.budget, &mut work).await {
             return r;
         }
-        self.late.notify_one();
-        tokio::select! {
-            r = &mut work => r,
-            _ = abandon.changed() => Err(LimiterError::Abandoned),
-            _ = tokio::time::sleep_until((sent + self.max_wait).into()) => {
-                Err(LimiterError::Timeout(self.max_wait.as_millis() as u64))
+        // Late: the watchdog asks Redis again every budget while it stays so
+        // (a Redis that stalls right after answering one PING is still caught).
+        let give_up = tokio::time::sleep_until((sent + self.max_wait).into());
+        tokio::pin!(give_up);
+        loop {
+            self.late.notify_one();
+            tokio::select! {
+                r = &mut work => return r,
+                _ = abandon.changed() => return Err(LimiterError::Abandoned),
+                _ = &mut give_up => {
+                    return Err(LimiterError::Timeout(self.max_wait.as_millis() as u64));
+                }
+                _ = tokio::time::sleep(self.budget) => {}
             }
         }
     }
@@ -932,7 +972,7 @@ impl Decider for Inner {
 #[async_trait]
 impl Backend for RedisBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
-        self.decide_shared(checks.into()).await
+        self.decide_shared(checks.into(), self.epoch()).await
     }
 }
 

@@ -177,5 +177,6 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
             .as_ref()
             .map_or("rl", |r| r.key_prefix.as_str()),
         config.limiter.local_max_entries,
+        Duration::from_millis(config.server.startup_redis_wait_ms),
     ))
 }

@@ -188,6 +188,60 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
     }
 }
 
+/// Two debts of one bucket as one: `earlier`'s admissions all came before
+/// `later`'s (a debt put back after a failed charge, and what was admitted
+/// since). Exact for GCRA: replaying `later`'s admissions onto `earlier`'s
+/// arrival time gives `max(tat_e + n_l * T, tat_l)`.
+pub fn merge(shared: &Algorithm, earlier: Debt, later: Debt) -> Debt {
+    match (earlier, later) {
+        (Debt::Gcra { count: ce, tat: te }, Debt::Gcra { count: cl, tat: tl }) => {
+            let t = gcra_interval(shared).unwrap_or(0.0);
+            Debt::Gcra {
+                count: ce + cl,
+                tat: (te + cl as f64 * t).max(tl),
+            }
+        }
+        (
+            Debt::Window {
+                window: we,
+                count: ce,
+            },
+            Debt::Window {
+                window: wl,
+                count: cl,
+            },
+        ) => Debt::Window {
+            window: wl,
+            count: cl + if we == wl { ce } else { 0 },
+        },
+        (
+            Debt::Sliding {
+                window: we,
+                prev: pe,
+                cur: ce,
+            },
+            Debt::Sliding {
+                window: wl,
+                prev: pl,
+                cur: cl,
+            },
+        ) => {
+            let (p, c) = roll(we, pe, ce, wl);
+            Debt::Sliding {
+                window: wl,
+                prev: pl + p,
+                cur: cl + c,
+            }
+        }
+        (Debt::Log(mut e), Debt::Log(l)) => {
+            e.extend(l);
+            Debt::Log(e)
+        }
+        // Kinds differ only if the bucket's name did not carry its algorithm.
+        (_, later) => later,
+    }
+}
+
 /// A sliding window's (prev, cur) counts seen from window `n`.
 fn roll(window: i64, prev: u64, cur: u64, n: i64) -> (u64, u64) {
     if window == n {
@@ -419,6 +473,48 @@ mod tests {
                 })
                 .count();
             assert_eq!(admitted, 1, "{shared:?}");
+        }
+    }
+
+    /// A debt put back after a failed charge and merged with what came after
+    /// charges what one debt of all those admissions would.
+    #[test]
+    fn merged_debts_charge_as_one() {
+        let algs = [
+            Algorithm::TokenBucket {
+                capacity: 10,
+                refill_per_sec: 4.0,
+            },
+            Algorithm::FixedWindow {
+                limit: 50,
+                window_secs: 1,
+            },
+            Algorithm::SlidingWindow {
+                limit: 50,
+                window_secs: 1,
+            },
+            Algorithm::SlidingLog {
+                limit: 50,
+                window_secs: 1,
+            },
+        ];
+        let times: Vec<Micros> = (0..12).map(|i| T0 + i * 150_000).collect();
+        for alg in algs {
+            for split in 1..times.len() {
+                let (mut whole, mut a, mut b) = (None, None, None);
+                for (i, &t) in times.iter().enumerate() {
+                    record(&alg, &mut whole, t);
+                    record(&alg, if i < split { &mut a } else { &mut b }, t);
+                }
+                let merged = merge(&alg, a.unwrap(), b.unwrap());
+                let now = times[times.len() - 1] + 1;
+                let state = None;
+                assert_eq!(
+                    charge(&alg, state.as_ref(), &merged, now),
+                    charge(&alg, state.as_ref(), whole.as_ref().unwrap(), now),
+                    "{alg:?} split at {split}"
+                );
+            }
         }
     }
 
