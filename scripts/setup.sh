@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the gateway needs to build and test, if missing: cmake (Pingora
 # builds zlib-ng with it), redis-server and redis-tools (the limiter's shared
-# backend, used by the tests), python3-venv (load tests, manifest checks).
+# backend, used by the tests), python3-venv (load tests, manifest checks),
+# curl and openssl (the TLS tests make their certificates and connect with them).
 # Debian/Ubuntu packages via apt-get; Rust itself is assumed (rustup).
 set -euo pipefail
 
@@ -11,6 +12,7 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v c++ >/dev/null 2>&1 || missing+=(g++)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]} (apt-get)"

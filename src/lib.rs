@@ -4,6 +4,7 @@
 //! `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
 
 pub mod admission;
+pub mod certs;
 pub mod clock;
 pub mod config;
 pub mod identity;

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 // thread-local free lists make that cheaper than glibc's malloc.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use ratelimit_gateway::{config, metrics, proxy};
+use ratelimit_gateway::{certs, config, metrics, proxy};
 
 #[derive(Parser)]
 #[command(
@@ -41,8 +41,30 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => match config::load(&config) {
             Ok(cfg) => {
+                // Certificate files belong to the machine that runs the
+                // gateway: one that cannot be read here is a warning (run
+                // refuses to start without it), one that is read and refused
+                // is an error.
+                let certs = cfg
+                    .server
+                    .tls
+                    .as_ref()
+                    .map(|t| certs::Certificates::load(&t.certificates));
+                if let Some(Err(e)) = &certs {
+                    if !e.unreadable {
+                        eprintln!("{}: {e}", config.display());
+                        return ExitCode::from(2);
+                    }
+                }
                 println!("{}: ok", config.display());
                 print!("{}", cfg.summary());
+                match certs {
+                    Some(Ok(c)) => println!("tls: certificates serve {:?}", c.names()),
+                    Some(Err(e)) => eprintln!(
+                        "warning: {e}; `gateway run` refuses to start until it can be read"
+                    ),
+                    None => {}
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {

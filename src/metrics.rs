@@ -99,6 +99,13 @@ pub fn install() {
             counter!("gateway_redis_late_calls_total", "verdict" => verdict).absolute(0);
         }
         counter!("gateway_fallback_debts_charged_total").absolute(0);
+        describe_counter!(
+            "gateway_tls_certificate_reloads_total",
+            "TLS certificate files re-read after a change, by result (ok, error: the certificates in use were kept)"
+        );
+        for result in ["ok", "error"] {
+            counter!("gateway_tls_certificate_reloads_total", "result" => result).absolute(0);
+        }
         Some(handle)
     });
 }
@@ -188,6 +195,11 @@ pub fn redis_batch(requests: usize) {
 
 pub fn local_entries(n: usize) {
     gauge!("gateway_limiter_local_entries").set(n as f64);
+}
+
+pub fn certificate_reload(ok: bool) {
+    let result = if ok { "ok" } else { "error" };
+    counter!("gateway_tls_certificate_reloads_total", "result" => result).increment(1);
 }
 
 pub fn config_reload(ok: bool) {

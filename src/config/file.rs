@@ -239,7 +239,7 @@ fn array_of_tables<T>(
 
 /// Reads an optional key with `read`, or returns `default` when it is absent.
 /// `None` means the key was present but wrong (already reported).
-fn opt<T>(
+pub(super) fn opt<T>(
     r: &mut Reader<'_>,
     t: &DeTable<'_>,
     path: &str,
@@ -257,7 +257,7 @@ fn opt<T>(
 }
 
 /// Reads a required key, reporting its absence against the table's line.
-fn req<T>(
+pub(super) fn req<T>(
     r: &mut Reader<'_>,
     t: &DeTable<'_>,
     path: &str,
@@ -281,7 +281,7 @@ fn req<T>(
 type CheckItem = fn(&mut Reader<'_>, &str, &(String, Range<usize>)) -> Option<String>;
 
 /// A non-empty array of strings, each checked by `item` (every bad one reported).
-fn non_empty(
+pub(super) fn non_empty(
     r: &mut Reader<'_>,
     path: &str,
     v: &Value<'_>,
@@ -305,7 +305,7 @@ fn non_empty(
     checked.into_iter().collect()
 }
 
-fn socket_addr(
+pub(super) fn socket_addr(
     r: &mut Reader<'_>,
     path: &str,
     (s, span): &(String, Range<usize>),
@@ -405,6 +405,8 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
             "max_request_headers",
             "header_read_timeout_ms",
             "startup_redis_wait_ms",
+            "h2c",
+            "tls",
         ],
     );
     let listen = req(r, t, p, None, "listen", |r, path, v| {
@@ -434,6 +436,14 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
     let startup_wait = opt(r, t, p, "startup_redis_wait_ms", 1000, |r, path, v| {
         r.int(path, v, 0, 600_000)
     });
+    let h2c = opt(r, t, p, "h2c", false, |r, path, v| r.boolean(path, v));
+    let tls = match t.get("tls") {
+        Some(v) => r
+            .table("server.tls", v)
+            .and_then(|tt| super::tls::read(r, tt, &v.span()))
+            .map(Some),
+        None => Some(None),
+    };
     Some(Server {
         listen: listen?,
         admin_listen: admin_listen?,
@@ -443,6 +453,8 @@ fn server(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
         max_request_headers: max_headers?,
         header_read_timeout_ms: hdr_timeout?,
         startup_redis_wait_ms: startup_wait?,
+        h2c: h2c?,
+        tls: tls?,
     })
 }
 

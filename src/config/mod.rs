@@ -6,6 +6,7 @@
 mod file;
 pub mod model;
 mod reader;
+mod tls;
 
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
@@ -81,14 +82,23 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "server: threads={} grace_period_secs={} max_request_header_bytes={} max_request_headers={} header_read_timeout_ms={} startup_redis_wait_ms={}",
+            "server: threads={} grace_period_secs={} max_request_header_bytes={} max_request_headers={} header_read_timeout_ms={} startup_redis_wait_ms={} h2c={}",
             srv.threads,
             srv.grace_period_secs,
             srv.max_request_header_bytes,
             srv.max_request_headers,
             srv.header_read_timeout_ms,
-            srv.startup_redis_wait_ms
+            srv.startup_redis_wait_ms,
+            srv.h2c
         );
+        if let Some(tls) = &srv.tls {
+            let _ = writeln!(
+                s,
+                "tls: listeners: {} certificates={} (HTTP/2 and HTTP/1.1 by ALPN, TLS 1.2 and 1.3)",
+                tls.listen.join(", "),
+                tls.certificates.len()
+            );
+        }
         let l = &self.limiter;
         let _ = writeln!(
             s,

@@ -35,6 +35,28 @@ pub struct Server {
     pub header_read_timeout_ms: u64,
     /// Before serving, how long to wait for Redis (0: start on the fallback).
     pub startup_redis_wait_ms: u64,
+    /// Plaintext listeners also accept HTTP/2 with prior knowledge.
+    pub h2c: bool,
+    /// `[server.tls]`: TLS listeners, HTTP/1.1 and HTTP/2 by ALPN.
+    pub tls: Option<TlsListeners>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsListeners {
+    pub listen: Vec<String>,
+    /// The first is the default; the others are chosen by SNI from the names
+    /// their certificates carry.
+    pub certificates: Vec<CertificateFiles>,
+}
+
+/// One certificate chain and its key, as files (re-read when they change).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CertificateFiles {
+    pub cert_file: std::path::PathBuf,
+    pub key_file: std::path::PathBuf,
+    /// Where it is configured: `server.tls.certificates[i]`, and its line.
+    pub key_path: String,
+    pub line: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

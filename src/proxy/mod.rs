@@ -78,10 +78,15 @@ pub struct Ctx {
     tiers: Vec<(Tier, DecisionLabel)>,
     backend: &'static str,
     upstream_sent: Option<Instant>,
+    /// The status of a reply the gateway wrote itself: what metrics and the
+    /// access log count, also when a gRPC client was told it as a
+    /// `grpc-status` on an HTTP 200.
+    replied: Option<u16>,
 }
 
 impl Gateway {
-    async fn reply(&self, session: &mut Session, ctx: &Ctx, reply: Reply) -> Result<bool> {
+    async fn reply(&self, session: &mut Session, ctx: &mut Ctx, reply: Reply) -> Result<bool> {
+        ctx.replied = Some(reply.status);
         responses::send(session, reply, &ctx.request_id).await?;
         Ok(true)
     }
@@ -144,6 +149,7 @@ impl ProxyHttp for Gateway {
             tiers: Vec::new(),
             backend: "none",
             upstream_sent: None,
+            replied: None,
         }
     }
 
@@ -354,14 +360,10 @@ impl ProxyHttp for Gateway {
         if code > 0 && session.response_written().is_none() {
             let reply = match code {
                 502 | 504 => responses::upstream_failure(code),
-                400 => Reply {
-                    status: 400,
-                    content_type: "application/json",
-                    body: r#"{"error":"bad_request","message":"malformed request"}"#.to_string(),
-                    headers: Vec::new(),
-                },
+                400 => responses::json(400, "bad_request", "malformed request"),
                 _ => responses::internal(),
             };
+            ctx.replied = Some(code);
             if let Err(err) = responses::send(session, reply, &ctx.request_id).await {
                 tracing::debug!(error = %err, "could not send error response");
             }
@@ -395,7 +397,9 @@ impl ProxyHttp for Gateway {
 
     /// Metrics and one access-log line per request.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
-        let status = session.response_written().map_or(0, |r| r.status.as_u16());
+        let status = ctx
+            .replied
+            .unwrap_or_else(|| session.response_written().map_or(0, |r| r.status.as_u16()));
         let route = Self::route_name(ctx);
         if let Some(m) = Self::route_metrics(ctx) {
             m.request(status);

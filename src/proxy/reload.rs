@@ -93,6 +93,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             "server.header_read_timeout_ms",
             s0.header_read_timeout_ms != s1.header_read_timeout_ms,
         ),
+        ("server.h2c", s0.h2c != s1.h2c),
+        // The listeners and which files: the files' contents reload live.
+        ("server.tls", s0.tls != s1.tls),
         (
             "server.startup_redis_wait_ms",
             s0.startup_redis_wait_ms != s1.startup_redis_wait_ms,

@@ -1,6 +1,9 @@
 //! Every response the gateway writes itself, built in one place: small JSON
 //! (problem+json for limits) bodies that name what was wrong, never echoing a
-//! secret or the raw request.
+//! secret or the raw request. To a gRPC request (`content-type:
+//! application/grpc*`) the same refusal is a gRPC status a client library
+//! understands: HTTP 200, a trailers-only response carrying `grpc-status` and
+//! `grpc-message` (429 is RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms`).
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -16,15 +19,57 @@ pub struct Reply {
     pub content_type: &'static str,
     pub body: String,
     pub headers: Vec<(&'static str, HeaderValue)>,
+    /// One line saying what was wrong (`grpc-message` to a gRPC client).
+    pub message: String,
+    /// When to come back, for a gRPC client's `grpc-retry-pushback-ms`.
+    pub retry_after_ms: Option<u64>,
 }
 
-fn json(status: u16, error: &str, message: &str) -> Reply {
+pub fn json(status: u16, error: &str, message: &str) -> Reply {
     Reply {
         status,
         content_type: "application/json",
         body: serde_json::json!({ "error": error, "message": message }).to_string(),
         headers: Vec::new(),
+        message: message.to_string(),
+        retry_after_ms: None,
     }
+}
+
+/// The gRPC status for a refusal of this HTTP status.
+fn grpc_status(http_status: u16) -> u8 {
+    match http_status {
+        400 => 3,             // INVALID_ARGUMENT
+        401 => 16,            // UNAUTHENTICATED
+        403 => 7,             // PERMISSION_DENIED
+        404 | 405 => 12,      // UNIMPLEMENTED
+        413 | 429 | 431 => 8, // RESOURCE_EXHAUSTED
+        500 => 13,            // INTERNAL
+        502 | 503 => 14,      // UNAVAILABLE
+        504 => 4,             // DEADLINE_EXCEEDED
+        _ => 2,               // UNKNOWN
+    }
+}
+
+/// `grpc-message` is percent-encoded outside printable ASCII (and `%`).
+fn grpc_message(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn is_grpc(session: &Session) -> bool {
+    session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
 pub fn refusal(r: &Refusal) -> Reply {
@@ -58,6 +103,7 @@ pub fn too_many_requests(
     violated: &[Tier],
 ) -> Reply {
     let violated: Vec<&str> = violated.iter().map(|t| t.as_str()).collect();
+    let detail = format!("rate limit exceeded on tier(s): {}", violated.join(", "));
     Reply {
         status: 429,
         content_type: "application/problem+json",
@@ -65,12 +111,14 @@ pub fn too_many_requests(
             "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
             "title": "Too Many Requests",
             "status": 429,
-            "detail": format!("rate limit exceeded on tier(s): {}", violated.join(", ")),
+            "detail": detail,
             "violated-policies": violated,
             "retry_after_ms": retry_after_ms,
         })
         .to_string(),
         headers,
+        message: format!("{detail}; retry after {retry_after_ms} ms"),
+        retry_after_ms: Some(retry_after_ms),
     }
 }
 
@@ -86,6 +134,8 @@ pub fn reduced_capacity() -> Reply {
         })
         .to_string(),
         headers: vec![("retry-after", HeaderValue::from_static("1"))],
+        message: "the rate limiter is unavailable and this gateway is configured to deny".into(),
+        retry_after_ms: Some(1000),
     }
 }
 
@@ -127,6 +177,9 @@ const DRAIN_LIMIT: u64 = 64 * 1024;
 
 /// Writes a reply; the connection stays open for the next request.
 pub async fn send(session: &mut Session, reply: Reply, request_id: &str) -> Result<()> {
+    if is_grpc(session) {
+        return send_grpc(session, reply, request_id).await;
+    }
     let small_body = session
         .req_header()
         .headers
@@ -161,4 +214,25 @@ pub async fn send(session: &mut Session, reply: Reply, request_id: &str) -> Resu
             .await?;
     }
     Ok(())
+}
+
+/// A refusal as a gRPC trailers-only response: the status travels in the
+/// headers of a response with no body (HTTP/2: one HEADERS frame that ends
+/// the stream); the rate-limit headers and Retry-After are kept.
+async fn send_grpc(session: &mut Session, reply: Reply, request_id: &str) -> Result<()> {
+    let mut h = ResponseHeader::build(200, Some(6 + reply.headers.len()))?;
+    h.insert_header("content-type", "application/grpc")?;
+    h.insert_header("grpc-status", grpc_status(reply.status).to_string())?;
+    h.insert_header("grpc-message", grpc_message(&reply.message))?;
+    if let Some(ms) = reply.retry_after_ms {
+        h.insert_header("grpc-retry-pushback-ms", ms.to_string())?;
+    }
+    h.insert_header("x-request-id", request_id)?;
+    for (name, value) in reply.headers {
+        h.insert_header(name, value)?;
+    }
+    if !session.is_http2() {
+        h.insert_header("content-length", "0")?;
+    }
+    session.write_response_header(Box::new(h), true).await
 }

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
+use pingora::apps::HttpServerOptions;
+use pingora::listeners::tls::TlsSettings;
 use pingora::server::configuration::{Opt, ServerConf};
 use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
@@ -18,6 +20,7 @@ use super::reload::Reloader;
 use super::upstreams::Pools;
 use super::{Gateway, Live};
 use crate::admission::Policy;
+use crate::certs::Certificates;
 use crate::clock::SystemClock;
 use crate::config::{Backend, Config};
 use crate::limiter::{Fallback, LocalBackend, RedisBackend};
@@ -69,6 +72,41 @@ impl BackgroundService for HealthChecks {
     }
 }
 
+/// Every second: re-reads the TLS certificate files; a change with every file
+/// valid is swapped in, a bad one keeps the certificates in use (and says why).
+struct CertificateReload {
+    certs: Arc<Certificates>,
+}
+
+#[async_trait]
+impl BackgroundService for CertificateReload {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut last_error = String::new();
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            match self.certs.reload() {
+                Ok(false) => {}
+                Ok(true) => {
+                    last_error.clear();
+                    crate::metrics::certificate_reload(true);
+                    tracing::info!(names = ?self.certs.names(), "tls: certificates reloaded");
+                }
+                Err(e) => {
+                    let text = e.to_string();
+                    if text != last_error {
+                        crate::metrics::certificate_reload(false);
+                        tracing::error!(error = %text, "tls: certificate files changed but cannot be used; keeping the certificates in use");
+                        last_error = text;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Starts serving; returns only on a start-up error.
 pub fn run(config: Config, path: &Path) -> Result<(), String> {
     let config = Arc::new(config);
@@ -107,6 +145,12 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     };
     let mut proxy = pingora::proxy::HttpProxy::new(gateway, server.configuration.clone());
     proxy.handle_init_modules();
+    if srv.h2c {
+        // Plaintext HTTP/2 with prior knowledge; HTTP/1.1 still served.
+        let mut options = HttpServerOptions::default();
+        options.h2c = true;
+        proxy.server_options = Some(options);
+    }
     let app = HeaderDeadline {
         inner: Arc::new(proxy),
         deadline: Duration::from_millis(srv.header_read_timeout_ms),
@@ -114,6 +158,21 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     let mut service = Service::new("gateway".to_string(), app);
     for addr in &srv.listen {
         service.add_tcp(addr);
+    }
+    if let Some(tls) = &srv.tls {
+        let certs = Arc::new(Certificates::load(&tls.certificates).map_err(|e| e.to_string())?);
+        for addr in &tls.listen {
+            // The resolver picks the certificate; these paths are never read.
+            let mut settings = TlsSettings::intermediate("", "").map_err(|e| e.to_string())?;
+            settings.set_cert_resolver(certs.clone());
+            settings.enable_h2();
+            service.add_tls_with_settings(addr, None, settings);
+        }
+        tracing::info!(listen = ?tls.listen, names = ?certs.names(), "tls: listening");
+        server.add_service(background_service(
+            "certificate reload",
+            CertificateReload { certs },
+        ));
     }
     server.add_service(service);
 

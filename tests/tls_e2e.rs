@@ -1,0 +1,477 @@
+//! TLS termination and HTTP/2 through the real gateway, with certificates the
+//! test makes itself (`openssl`) and a real client (`curl`): ALPN h2 and
+//! HTTP/1.1 on the TLS listener, certificates chosen by SNI, h2c on the
+//! plaintext one, limits and headers alike on every protocol, certificates
+//! rotated by symlink swap while a client keeps connecting, and bad files
+//! refused with their key path and line.
+
+mod support;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{free_port, wait_for, GatewayGuard, UpstreamGuard};
+
+/// A CA and leaf certificates it signs, in a temp dir.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl (scripts/setup.sh installs it)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Pki {
+    fn new() -> Self {
+        Pki {
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A self-signed CA `name`.crt / `name`.key.
+    fn ca(&self, name: &str) {
+        openssl(
+            self.dir.path(),
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN={name}"),
+                "-keyout",
+                &format!("{name}.key"),
+                "-out",
+                &format!("{name}.crt"),
+            ],
+        );
+    }
+
+    /// A leaf `file`.crt / `file`.key for `names` (subjectAltName), signed by `ca`.
+    fn leaf(&self, ca: &str, file: &str, names: &[&str]) {
+        let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
+        fs::write(
+            self.path(&format!("{file}.ext")),
+            format!("subjectAltName={}\n", san.join(",")),
+        )
+        .expect("ext file");
+        openssl(
+            self.dir.path(),
+            &[
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-subj",
+                &format!("/CN={}", names[0]),
+                "-keyout",
+                &format!("{file}.key"),
+                "-out",
+                &format!("{file}.csr"),
+            ],
+        );
+        openssl(
+            self.dir.path(),
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{file}.csr"),
+                "-CA",
+                &format!("{ca}.crt"),
+                "-CAkey",
+                &format!("{ca}.key"),
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-extfile",
+                &format!("{file}.ext"),
+                "-out",
+                &format!("{file}.crt"),
+            ],
+        );
+    }
+}
+
+struct Setup {
+    pki: Pki,
+    tls_port: u16,
+    gw: GatewayGuard,
+    _up: UpstreamGuard,
+}
+
+/// A gateway with a plaintext (h2c) listener and a TLS one serving
+/// `certs` (file stems in the PKI dir, the first the default); one route
+/// limited to 3 requests.
+fn start(pki: Pki, certs: &[&str]) -> Setup {
+    let up = UpstreamGuard::start();
+    let tls_port = free_port();
+    let list: Vec<String> = certs
+        .iter()
+        .map(|c| {
+            format!(
+                "{{ cert_file = \"{}\", key_file = \"{}\" }}",
+                pki.path(&format!("{c}.crt")).display(),
+                pki.path(&format!("{c}.key")).display()
+            )
+        })
+        .collect();
+    let cfg = format!(
+        r#"
+[server]
+listen = ["{{listen}}"]
+admin_listen = "{{admin}}"
+threads = 2
+grace_period_secs = 1
+h2c = true
+
+[server.tls]
+listen = ["127.0.0.1:{tls_port}"]
+certificates = [{}]
+
+[limiter]
+backend = "local"
+retry_after_jitter_ms = 0
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+
+[[routes]]
+name = "r"
+path_prefix = "/r"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = 3, refill_per_sec = 0.001, scope = "global" }}
+
+[[routes]]
+name = "open"
+path_prefix = "/"
+upstream = "up"
+"#,
+        list.join(", "),
+        up.addr
+    );
+    let gw = GatewayGuard::start(&cfg);
+    Setup {
+        pki,
+        tls_port,
+        gw,
+        _up: up,
+    }
+}
+
+/// `curl` with `args`; returns (exit code, stdout).
+fn curl(args: &[&str]) -> (i32, String) {
+    let out = Command::new("curl")
+        .args(["-s", "--max-time", "5"])
+        .args(args)
+        .output()
+        .expect("curl");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+    )
+}
+
+impl Setup {
+    /// An HTTPS request to `name` (resolved to loopback), trusting `ca`.
+    fn https(&self, name: &str, ca: &str, path: &str, extra: &[&str]) -> (i32, String) {
+        let resolve = format!("{name}:{}:127.0.0.1", self.tls_port);
+        let url = format!("https://{name}:{}{path}", self.tls_port);
+        let ca = self.pki.path(&format!("{ca}.crt"));
+        let mut args = vec!["--resolve", &resolve, "--cacert"];
+        let ca = ca.to_string_lossy().to_string();
+        args.push(&ca);
+        args.extend_from_slice(extra);
+        args.push(&url);
+        curl(&args)
+    }
+}
+
+const WRITE_OUT: &[&str] = &["-o", "/dev/null", "-w", "%{http_version} %{http_code}"];
+
+#[test]
+fn tls_with_alpn_h2_sni_and_h2c() {
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.leaf("ca", "a", &["a.test"]);
+    pki.leaf("ca", "b", &["b.test", "*.wild.test"]);
+    let s = start(pki, &["a", "b"]);
+
+    // ALPN: HTTP/2 when offered, HTTP/1.1 when asked for.
+    assert_eq!(s.https("a.test", "ca", "/", WRITE_OUT).1, "2 200");
+    let mut h1 = vec!["--http1.1"];
+    h1.extend_from_slice(WRITE_OUT);
+    assert_eq!(s.https("a.test", "ca", "/", &h1).1, "1.1 200");
+    // SNI: curl verifies the name, so these pass only if the right
+    // certificate was chosen; a name no certificate holds gets the default.
+    assert_eq!(s.https("b.test", "ca", "/", WRITE_OUT).1, "2 200");
+    assert_eq!(s.https("x.wild.test", "ca", "/", WRITE_OUT).1, "2 200");
+    let (code, _) = s.https("other.test", "ca", "/", WRITE_OUT);
+    assert_eq!(code, 60, "other.test gets the default (a.test) certificate");
+    // h2c: prior knowledge on the plaintext listener; HTTP/1.1 still served.
+    let plain = format!("http://{}/", s.gw.addr);
+    let mut h2c = vec!["--http2-prior-knowledge"];
+    h2c.extend_from_slice(WRITE_OUT);
+    h2c.push(&plain);
+    assert_eq!(curl(&h2c).1, "2 200");
+    let mut plain1 = WRITE_OUT.to_vec();
+    plain1.push(&plain);
+    assert_eq!(curl(&plain1).1, "1.1 200");
+    // TLS 1.1 is refused.
+    let (code, _) = s.https("a.test", "ca", "/", &["--tls-max", "1.1"]);
+    assert_ne!(code, 0, "TLS 1.1 refused");
+
+    // One limit whatever the protocol: h2, HTTP/1.1 over TLS, h2c, then the
+    // fourth is a 429 with its headers on HTTP/2.
+    assert_eq!(s.https("a.test", "ca", "/r", WRITE_OUT).1, "2 200");
+    assert_eq!(s.https("a.test", "ca", "/r", &h1).1, "1.1 200");
+    let r_plain = format!("http://{}/r", s.gw.addr);
+    let mut h2c_r = vec!["--http2-prior-knowledge"];
+    h2c_r.extend_from_slice(WRITE_OUT);
+    h2c_r.push(&r_plain);
+    assert_eq!(curl(&h2c_r).1, "2 200");
+    let (_, head) = s.https("a.test", "ca", "/r", &["-i"]);
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/2 429"), "{head}");
+    for h in [
+        "retry-after:",
+        "x-ratelimit-limit: 3",
+        "x-ratelimit-remaining: 0",
+        "ratelimit-policy:",
+    ] {
+        assert!(head.contains(h), "{h} missing on HTTP/2:\n{head}");
+    }
+    let m = s.gw.metrics();
+    assert!(
+        m.contains("gateway_requests_total{route=\"r\",status=\"429\"} 1"),
+        "counted as on HTTP/1.1"
+    );
+}
+
+/// Kubernetes updates a mounted secret by pointing a `..data` symlink at a
+/// new directory. The gateway picks the new certificate up without a
+/// restart while a client keeps connecting, every handshake succeeding with
+/// the old or the new one; a broken update keeps the certificate in use.
+#[test]
+fn certificates_rotate_without_a_restart() {
+    let pki = Pki::new();
+    pki.ca("ca1");
+    pki.ca("ca2");
+    pki.leaf("ca1", "old", &["a.test"]);
+    pki.leaf("ca2", "new", &["a.test"]);
+    // The mounted-secret layout: tls.crt -> ..data/tls.crt -> v1/tls.crt.
+    let mount = pki.path("mount");
+    let v1 = mount.join("v1");
+    fs::create_dir_all(&v1).expect("v1");
+    fs::copy(pki.path("old.crt"), v1.join("tls.crt")).expect("copy");
+    fs::copy(pki.path("old.key"), v1.join("tls.key")).expect("copy");
+    std::os::unix::fs::symlink("v1", mount.join("..data")).expect("..data");
+    for f in ["tls.crt", "tls.key"] {
+        std::os::unix::fs::symlink(format!("..data/{f}"), mount.join(f)).expect("link");
+    }
+    let bundle = format!(
+        "{}{}",
+        fs::read_to_string(pki.path("ca1.crt")).expect("ca1"),
+        fs::read_to_string(pki.path("ca2.crt")).expect("ca2")
+    );
+    fs::write(pki.path("both.crt"), bundle).expect("bundle");
+    // The configured files are the mount's symlinks.
+    std::os::unix::fs::symlink(mount.join("tls.crt"), pki.path("m.crt")).expect("m.crt");
+    std::os::unix::fs::symlink(mount.join("tls.key"), pki.path("m.key")).expect("m.key");
+    let s = Arc::new(start(pki, &["m"]));
+    assert_eq!(s.https("a.test", "ca1", "/", WRITE_OUT).1, "2 200");
+
+    // A client that keeps connecting (a new TLS handshake each time).
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let client = {
+        let (s, stop, ok, failed) = (s.clone(), stop.clone(), ok.clone(), failed.clone());
+        std::thread::spawn(move || {
+            for _ in 0..400 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                match s.https("a.test", "both", "/", WRITE_OUT).1.as_str() {
+                    "2 200" => ok.fetch_add(1, Ordering::Relaxed),
+                    _ => failed.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // The swap: a new directory, then the `..data` link replaced atomically.
+    let v2 = mount.join("v2");
+    fs::create_dir_all(&v2).expect("v2");
+    fs::copy(s.pki.path("new.crt"), v2.join("tls.crt")).expect("copy");
+    fs::copy(s.pki.path("new.key"), v2.join("tls.key")).expect("copy");
+    std::os::unix::fs::symlink("v2", mount.join("..data.tmp")).expect("tmp link");
+    fs::rename(mount.join("..data.tmp"), mount.join("..data")).expect("swap");
+    wait_for(
+        "the new certificate served",
+        Duration::from_secs(10),
+        || (s.https("a.test", "ca2", "/", WRITE_OUT).1 == "2 200").then_some(()),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::Relaxed);
+    client.join().expect("client");
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("FIGURES tls-rotation: {ok} handshakes ok, {failed} failed across the swap");
+    assert_eq!(failed, 0, "every handshake succeeded across the rotation");
+    assert!(ok >= 5, "the client kept connecting ({ok})");
+    assert_eq!(
+        s.gw.metric("gateway_tls_certificate_reloads_total{result=\"ok\"}"),
+        1.0
+    );
+
+    // A broken update (a truncated certificate) is refused; the new
+    // certificate stays in use.
+    fs::write(v2.join("tls.crt"), "-----BEGIN CERTIFICATE-----\nAAAA\n").expect("break");
+    wait_for("the broken file refused", Duration::from_secs(10), || {
+        (s.gw
+            .metric("gateway_tls_certificate_reloads_total{result=\"error\"}")
+            >= 1.0)
+            .then_some(())
+    });
+    assert_eq!(s.https("a.test", "ca2", "/", WRITE_OUT).1, "2 200");
+    assert!(
+        s.gw.log().contains("certificates[0] (line"),
+        "the error names the key and line"
+    );
+}
+
+/// A certificate file that cannot be used stops `run` with its key path and
+/// line, and `check` says the same (a missing file is a warning for
+/// `check`, which may run on another machine).
+#[test]
+fn unusable_certificates_are_refused_with_their_key() {
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.leaf("ca", "a", &["a.test"]);
+    pki.leaf("ca", "b", &["b.test"]);
+    let cfg = |cert: &str, key: &str| {
+        format!(
+            "[server]\nlisten = [\"127.0.0.1:{}\"]\n\n[server.tls]\nlisten = [\"127.0.0.1:{}\"]\n\
+             certificates = [\n  {{ cert_file = \"{}\", key_file = \"{}\" }},\n]\n\n\
+             [[upstreams]]\nname = \"u\"\nservers = [\"127.0.0.1:9\"]\n\n\
+             [[routes]]\nname = \"all\"\npath_prefix = \"/\"\nupstream = \"u\"\n",
+            free_port(),
+            free_port(),
+            pki.path(cert).display(),
+            pki.path(key).display()
+        )
+    };
+    let run = |args: &[&str], text: &str| {
+        let file = pki.path("gw.toml");
+        fs::write(&file, text).expect("config");
+        let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .args(args)
+            .arg(&file)
+            .output()
+            .expect("gateway");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // The key of another certificate: refused by check and run.
+    let mismatched = cfg("a.crt", "b.key");
+    let (code, err) = run(&["check", "-c"], &mismatched);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("server.tls.certificates[0] (line 7):")
+            && err.contains("does not belong to the certificate"),
+        "{err}"
+    );
+    let (code, err) = run(&["run", "-c"], &mismatched);
+    assert_ne!(code, Some(0), "{err}");
+    assert!(
+        err.contains("server.tls.certificates[0] (line 7):"),
+        "{err}"
+    );
+    // A missing file: a warning for check, an error for run.
+    let missing = cfg("nope.crt", "a.key");
+    let (code, err) = run(&["check", "-c"], &missing);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("warning: server.tls.certificates[0] (line 7): cannot read"),
+        "{err}"
+    );
+    let (code, err) = run(&["run", "-c"], &missing);
+    assert_ne!(code, Some(0), "{err}");
+    assert!(err.contains("cannot read"), "{err}");
+}
+
+/// To a gRPC request the gateway's own refusal is a gRPC status: over h2c, a
+/// 429 is HTTP 200 with `grpc-status: 8` (RESOURCE_EXHAUSTED) in a
+/// trailers-only response, the retry delay in `grpc-retry-pushback-ms`, and
+/// the rate-limit headers kept.
+#[test]
+fn grpc_requests_get_grpc_refusals() {
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.leaf("ca", "a", &["a.test"]);
+    let s = start(pki, &["a"]);
+    let url = format!("http://{}/r/ride.v1.Rides/Request", s.gw.addr);
+    let grpc = |extra: &[&str]| {
+        let mut args = vec![
+            "--http2-prior-knowledge",
+            "-i",
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/grpc",
+            "-H",
+            "te: trailers",
+            "--data-binary",
+            "@/dev/null",
+        ];
+        args.extend_from_slice(extra);
+        args.push(&url);
+        curl(&args).1.to_ascii_lowercase()
+    };
+    for _ in 0..3 {
+        grpc(&[]); // admitted: the mock upstream answers them as HTTP
+    }
+    let head = grpc(&[]);
+    assert!(head.starts_with("http/2 200"), "{head}");
+    for h in [
+        "content-type: application/grpc",
+        "grpc-status: 8",
+        "grpc-message: rate limit exceeded on tier(s): route; retry after",
+        "grpc-retry-pushback-ms:",
+        "retry-after:",
+        "x-ratelimit-remaining: 0",
+    ] {
+        assert!(head.contains(h), "{h} missing:\n{head}");
+    }
+    assert_eq!(
+        s.gw.metric("gateway_requests_total{route=\"r\",status=\"429\"}"),
+        1.0,
+        "counted as the 429 it is, though answered 200 on the wire"
+    );
+}
