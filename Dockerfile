@@ -53,6 +53,13 @@ RUN cargo build --release --locked --bin gateway \
 
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime
 
+# The system roots: an upstream with tls = true and no ca_file is verified
+# against them (TLS itself is rustls, compiled into the binary).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        ca-certificates=20230311+deb12u1 \
+    && rm -rf /var/lib/apt/lists/*
+
 COPY --from=build /src/target/release/gateway /usr/local/bin/gateway
 
 # A numeric user that exists in no passwd file: Kubernetes' runAsNonRoot can

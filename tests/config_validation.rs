@@ -261,3 +261,37 @@ fn startup_redis_wait_is_checked() {
         );
     }
 }
+
+/// Upstream protocols: h2 needs TLS, h2c is plaintext; each refusal names
+/// the key and its line.
+#[test]
+fn upstream_protocols_are_checked() {
+    let with = |keys: &str| {
+        MINIMAL.replace(
+            "servers = [\"127.0.0.1:9001\"]",
+            &format!("servers = [\"127.0.0.1:9001\"]\n{keys}"),
+        )
+    };
+    let (ok, _, err) = check(&with("protocol = \"h2\""));
+    assert!(!ok);
+    assert!(
+        err.contains("upstreams[0].protocol (line 7): \"h2\" needs tls = true"),
+        "{err}"
+    );
+    let (ok, _, err) = check(&with("protocol = \"h2c\"\ntls = true"));
+    assert!(!ok);
+    assert!(
+        err.contains("upstreams[0].protocol (line 7): \"h2c\" is HTTP/2 in plaintext"),
+        "{err}"
+    );
+    let (ok, _, err) = check(&with("protocol = \"http3\""));
+    assert!(!ok);
+    assert!(
+        err.contains("upstreams[0].protocol (line 7): expected one of"),
+        "{err}"
+    );
+    let (ok, _, err) = check(&with(
+        "protocol = \"h2\"\ntls = true\nsni = \"api.internal\"\nverify = false",
+    ));
+    assert!(ok, "{err}");
+}

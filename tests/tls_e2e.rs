@@ -475,3 +475,105 @@ fn grpc_requests_get_grpc_refusals() {
         "counted as the 429 it is, though answered 200 on the wire"
     );
 }
+
+/// A front gateway whose one upstream is described by `upstream` (the keys
+/// after `name`); its route `/` has no limit.
+fn front(upstream: &str) -> GatewayGuard {
+    GatewayGuard::start(&format!(
+        r#"
+[server]
+listen = ["{{listen}}"]
+admin_listen = "{{admin}}"
+threads = 1
+grace_period_secs = 1
+
+[limiter]
+backend = "local"
+
+[[upstreams]]
+name = "back"
+{upstream}
+connect_timeout_ms = 1000
+read_timeout_ms = 5000
+
+[[routes]]
+name = "all"
+path_prefix = "/"
+upstream = "back"
+"#
+    ))
+}
+
+/// The protocol of the last request the back gateway logged.
+fn last_proto(gw: &GatewayGuard) -> String {
+    gw.log()
+        .lines()
+        .rev()
+        .find_map(|l| {
+            l.split("proto=").nth(1).map(|r| {
+                r.split_whitespace()
+                    .next()
+                    .unwrap_or("")
+                    .trim_matches('"')
+                    .to_string()
+            })
+        })
+        .unwrap_or_default()
+}
+
+/// Upstreams over TLS (verified against a CA file, with SNI), over HTTP/2
+/// by ALPN, and over h2c; a server whose certificate the CA did not sign is
+/// refused (502) unless verification is off. The upstream here is a second
+/// gateway terminating TLS in front of the mock upstream.
+#[test]
+fn upstreams_over_tls_h2_and_h2c() {
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.ca("other");
+    pki.leaf("ca", "b", &["back.internal"]);
+    let back = start(pki, &["b"]);
+    let ca = back.pki.path("ca.crt").display().to_string();
+    let other = back.pki.path("other.crt").display().to_string();
+    let tls_addr = format!("127.0.0.1:{}", back.tls_port);
+    let get = |gw: &GatewayGuard| gw.client().get("/").map(|r| r.status).unwrap_or(0);
+
+    let https = front(&format!(
+        "servers = [\"{tls_addr}\"]\ntls = true\nsni = \"back.internal\"\nca_file = \"{ca}\""
+    ));
+    assert_eq!(get(&https), 200, "HTTPS upstream, verified");
+    assert_eq!(last_proto(&back.gw), "http/1.1");
+
+    let h2 = front(&format!(
+        "servers = [\"{tls_addr}\"]\nprotocol = \"h2\"\ntls = true\nsni = \"back.internal\"\nca_file = \"{ca}\""
+    ));
+    assert_eq!(get(&h2), 200, "HTTP/2 upstream over TLS");
+    assert_eq!(last_proto(&back.gw), "h2");
+
+    let h2c = front(&format!(
+        "servers = [\"{}\"]\nprotocol = \"h2c\"",
+        back.gw.addr
+    ));
+    assert_eq!(get(&h2c), 200, "h2c upstream");
+    assert_eq!(last_proto(&back.gw), "h2");
+
+    let wrong_ca = front(&format!(
+        "servers = [\"{tls_addr}\"]\ntls = true\nsni = \"back.internal\"\nca_file = \"{other}\""
+    ));
+    assert_eq!(
+        get(&wrong_ca),
+        502,
+        "a certificate the CA did not sign is refused"
+    );
+    let wrong_name = front(&format!(
+        "servers = [\"{tls_addr}\"]\ntls = true\nsni = \"elsewhere.internal\"\nca_file = \"{ca}\""
+    ));
+    assert_eq!(
+        get(&wrong_name),
+        502,
+        "a certificate for another name is refused"
+    );
+    let unverified = front(&format!(
+        "servers = [\"{tls_addr}\"]\ntls = true\nsni = \"back.internal\"\nca_file = \"{other}\"\nverify = false"
+    ));
+    assert_eq!(get(&unverified), 200, "verify = false accepts it");
+}

@@ -921,6 +921,11 @@ fn upstream(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -
             "health_check_path",
             "connect_timeout_ms",
             "read_timeout_ms",
+            "protocol",
+            "tls",
+            "sni",
+            "ca_file",
+            "verify",
         ],
     );
     let uname = req(r, t, p, Some(span), "name", name);
@@ -946,12 +951,73 @@ fn upstream(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -
     let read = opt(r, t, p, "read_timeout_ms", 30_000, |r, path, v| {
         r.int(path, v, 1, 3_600_000)
     });
+    let protocol = opt(
+        r,
+        t,
+        p,
+        "protocol",
+        UpstreamProtocol::Http1,
+        |r, path, v| {
+            r.choice(
+                path,
+                v,
+                &[
+                    ("http1", UpstreamProtocol::Http1),
+                    ("h2", UpstreamProtocol::H2),
+                    ("h2c", UpstreamProtocol::H2c),
+                ],
+            )
+        },
+    );
+    let tls = opt(r, t, p, "tls", false, |r, path, v| r.boolean(path, v));
+    let sni = opt(r, t, p, "sni", None, |r, path, v| {
+        let s = r.string(path, v)?;
+        if s.is_empty() || s.contains(|c: char| c.is_whitespace() || c == '/') {
+            r.error(
+                path,
+                Some(&v.span()),
+                format!("expected a host name, found \"{s}\""),
+            );
+            return None;
+        }
+        Some(Some(s))
+    });
+    let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
+        let s = r.string(path, v)?;
+        if s.is_empty() {
+            r.error(path, Some(&v.span()), "expected a file path");
+            return None;
+        }
+        Some(Some(std::path::PathBuf::from(s)))
+    });
+    let verify = opt(r, t, p, "verify", true, |r, path, v| r.boolean(path, v));
+    let (protocol, tls) = (protocol?, tls?);
+    // sni, ca_file and verify apply with tls = true only (the contract
+    // writes them beside tls = false, ready to switch on).
+    if !tls && protocol == UpstreamProtocol::H2 {
+        r.error(
+            &join(p, "protocol"),
+            r.spans.get(&join(p, "protocol")).cloned().as_ref(),
+            "\"h2\" needs tls = true (for HTTP/2 in plaintext use \"h2c\")",
+        );
+    } else if tls && protocol == UpstreamProtocol::H2c {
+        r.error(
+            &join(p, "protocol"),
+            r.spans.get(&join(p, "protocol")).cloned().as_ref(),
+            "\"h2c\" is HTTP/2 in plaintext; with tls = true use \"h2\"",
+        );
+    }
     Some(Upstream {
         name: uname?,
         servers: servers?,
         health_check_path: hc?,
         connect_timeout_ms: connect?,
         read_timeout_ms: read?,
+        protocol,
+        tls,
+        sni: sni?,
+        ca_file: ca_file?,
+        verify: verify?,
     })
 }
 

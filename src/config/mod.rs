@@ -151,9 +151,26 @@ impl Config {
         let _ = writeln!(s, "api keys: {}", self.api_keys.len());
         let _ = writeln!(s, "upstreams:");
         for u in &self.upstreams {
+            let protocol = match u.protocol {
+                UpstreamProtocol::Http1 => "http1",
+                UpstreamProtocol::H2 => "h2",
+                UpstreamProtocol::H2c => "h2c",
+            };
+            let tls = if u.tls {
+                format!(
+                    "tls sni={} ca={} verify={}",
+                    u.sni.as_deref().unwrap_or("(server host)"),
+                    u.ca_file
+                        .as_ref()
+                        .map_or("(system roots)".to_string(), |p| p.display().to_string()),
+                    u.verify
+                )
+            } else {
+                "plaintext".to_string()
+            };
             let _ = writeln!(
                 s,
-                "  {}: {} (health check: {}; connect {} ms, read {} ms)",
+                "  {}: {} ({protocol}, {tls}; health check: {}; connect {} ms, read {} ms)",
                 u.name,
                 u.servers.join(", "),
                 u.health_check_path.as_deref().unwrap_or("off"),

@@ -240,6 +240,23 @@ pub struct Upstream {
     pub health_check_path: Option<String>,
     pub connect_timeout_ms: u64,
     pub read_timeout_ms: u64,
+    pub protocol: UpstreamProtocol,
+    /// HTTPS to the servers.
+    pub tls: bool,
+    /// `None`: each server's host.
+    pub sni: Option<String>,
+    /// `None`: the system roots.
+    pub ca_file: Option<std::path::PathBuf>,
+    pub verify: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamProtocol {
+    Http1,
+    /// HTTP/2 over TLS (ALPN).
+    H2,
+    /// HTTP/2 with prior knowledge, in plaintext.
+    H2c,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -270,16 +270,12 @@ impl ProxyHttp for Gateway {
                 "route's upstream is not configured",
             ));
         };
-        let Some(addr) = live.pools.select(&upstream.name) else {
+        let Some(peer) = live.pools.select(&upstream.name) else {
             return Err(Error::explain(
                 ErrorType::HTTPStatus(502),
                 "no healthy upstream server",
             ));
         };
-        let mut peer = HttpPeer::new(addr, false, String::new());
-        peer.options.connection_timeout = Some(Duration::from_millis(upstream.connect_timeout_ms));
-        peer.options.read_timeout = Some(Duration::from_millis(upstream.read_timeout_ms));
-        peer.options.idle_timeout = Some(Duration::from_secs(60));
         Ok(Box::new(peer))
     }
 
@@ -438,6 +434,7 @@ impl ProxyHttp for Gateway {
             rejected_by = rejected_by.as_str(),
             shadow_rejected_by = shadow_rejected_by.as_str(),
             backend = ctx.backend,
+            proto = if session.is_http2() { "h2" } else { "http/1.1" },
             latency_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
         );
     }

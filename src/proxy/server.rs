@@ -109,6 +109,15 @@ impl BackgroundService for CertificateReload {
 
 /// Starts serving; returns only on a start-up error.
 pub fn run(config: Config, path: &Path) -> Result<(), String> {
+    // Pingora's TLS connector reads these at start-up and panics when one
+    // names a file that is not there: say so plainly instead.
+    for var in ["SSL_CERT_FILE", "SSL_CERT_DIR"] {
+        if let Some(p) = std::env::var_os(var) {
+            if let Err(e) = std::fs::metadata(&p) {
+                return Err(format!("{var}={}: {e}", Path::new(&p).display()));
+            }
+        }
+    }
     let config = Arc::new(config);
     let srv = &config.server;
 

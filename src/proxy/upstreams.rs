@@ -3,19 +3,113 @@
 //! reload changes the upstreams; one background loop checks whichever pools
 //! are current.
 
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::RoundRobin;
 use pingora::lb::LoadBalancer;
+use pingora::prelude::HttpPeer;
+use pingora::protocols::ALPN;
+use pingora::utils::tls::{parse_x509, WrappedX509};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
 
-use crate::config::Upstream;
+use crate::config::{Upstream, UpstreamProtocol};
+
+/// How to speak to one upstream's servers.
+struct Transport {
+    protocol: UpstreamProtocol,
+    tls: bool,
+    sni: Option<String>,
+    /// Each server's host as configured (its SNI when `sni` is not set).
+    hosts: HashMap<SocketAddr, String>,
+    ca: Option<Arc<[WrappedX509]>>,
+    verify: bool,
+    connect_timeout: Duration,
+    read_timeout: Duration,
+}
 
 pub struct Pools {
     /// The upstreams these pools were built from (to tell whether a reload changed them).
     pub source: Vec<Upstream>,
-    by_name: Vec<(String, Arc<LoadBalancer<RoundRobin>>, bool)>,
+    by_name: Vec<(String, Arc<LoadBalancer<RoundRobin>>, bool, Transport)>,
+}
+
+/// The certificates of a PEM CA file, as Pingora's connector takes them.
+fn load_ca(u: &Upstream, path: &std::path::Path) -> Result<Arc<[WrappedX509]>, String> {
+    let at = format!("upstreams \"{}\".ca_file", u.name);
+    let pem =
+        std::fs::read(path).map_err(|e| format!("{at}: cannot read {}: {e}", path.display()))?;
+    let ders: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("{at}: {} is not PEM ({e})", path.display()))?;
+    if ders.is_empty() {
+        return Err(format!("{at}: no certificate in {}", path.display()));
+    }
+    let mut out = Vec::with_capacity(ders.len());
+    for der in ders {
+        // Pingora's parser panics on what it cannot parse: check first.
+        x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| {
+            format!(
+                "{at}: {} holds a certificate that does not parse ({e})",
+                path.display()
+            )
+        })?;
+        out.push(WrappedX509::new(der.as_ref().to_vec(), parse_x509));
+    }
+    Ok(out.into())
+}
+
+impl Transport {
+    fn of(u: &Upstream) -> Result<Self, String> {
+        let mut hosts = HashMap::new();
+        for server in &u.servers {
+            let host = server.rsplit_once(':').map_or(server.as_str(), |(h, _)| h);
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            if let Ok(addrs) = server.to_socket_addrs() {
+                for a in addrs {
+                    hosts.insert(a, host.to_string());
+                }
+            }
+        }
+        Ok(Transport {
+            protocol: u.protocol,
+            tls: u.tls,
+            sni: u.sni.clone(),
+            hosts,
+            ca: match (&u.ca_file, u.tls) {
+                (Some(path), true) => Some(load_ca(u, path)?),
+                _ => None,
+            },
+            verify: u.verify,
+            connect_timeout: Duration::from_millis(u.connect_timeout_ms),
+            read_timeout: Duration::from_millis(u.read_timeout_ms),
+        })
+    }
+
+    fn peer(&self, addr: SocketAddr) -> HttpPeer {
+        let sni = match (&self.sni, self.tls) {
+            (Some(s), true) => s.clone(),
+            (None, true) => self.hosts.get(&addr).cloned().unwrap_or_default(),
+            (_, false) => String::new(),
+        };
+        let mut peer = HttpPeer::new(addr, self.tls, sni);
+        let o = &mut peer.options;
+        o.connection_timeout = Some(self.connect_timeout);
+        o.read_timeout = Some(self.read_timeout);
+        o.idle_timeout = Some(Duration::from_secs(60));
+        o.alpn = match self.protocol {
+            UpstreamProtocol::Http1 => ALPN::H1,
+            UpstreamProtocol::H2 | UpstreamProtocol::H2c => ALPN::H2,
+        };
+        o.verify_cert = self.verify;
+        o.verify_hostname = self.verify;
+        o.ca = self.ca.clone();
+        peer
+    }
 }
 
 impl Pools {
@@ -28,9 +122,20 @@ impl Pools {
                     .map_err(|e| {
                         format!("upstreams \"{}\": cannot resolve its servers: {e}", u.name)
                     })?;
+            let transport = Transport::of(u)?;
             let checked = match &u.health_check_path {
                 Some(path) => {
-                    let mut hc = HttpHealthCheck::new("localhost", false);
+                    let host = u
+                        .sni
+                        .clone()
+                        .or_else(|| transport.hosts.values().next().cloned());
+                    let mut hc =
+                        HttpHealthCheck::new(host.as_deref().unwrap_or("localhost"), u.tls);
+                    if u.tls {
+                        hc.peer_template.options.verify_cert = u.verify;
+                        hc.peer_template.options.verify_hostname = u.verify;
+                        hc.peer_template.options.ca = transport.ca.clone();
+                    }
                     let uri = path
                         .parse()
                         .map_err(|e| format!("upstreams \"{}\".health_check_path: {e}", u.name))?;
@@ -43,7 +148,7 @@ impl Pools {
                 }
                 None => false,
             };
-            by_name.push((u.name.clone(), Arc::new(lb), checked));
+            by_name.push((u.name.clone(), Arc::new(lb), checked, transport));
         }
         Ok(Pools {
             source: upstreams.to_vec(),
@@ -51,16 +156,17 @@ impl Pools {
         })
     }
 
-    /// The next healthy server of a pool, round-robin.
-    pub fn select(&self, upstream: &str) -> Option<std::net::SocketAddr> {
-        let (_, lb, _) = self.by_name.iter().find(|(n, _, _)| n == upstream)?;
+    /// The next healthy server of a pool, round-robin, as a peer to connect
+    /// to with the upstream's protocol, TLS and timeouts.
+    pub fn select(&self, upstream: &str) -> Option<HttpPeer> {
+        let (_, lb, _, transport) = self.by_name.iter().find(|(n, ..)| n == upstream)?;
         let backend = lb.select(b"", 256)?;
-        backend.addr.as_inet().copied()
+        Some(transport.peer(*backend.addr.as_inet()?))
     }
 
     /// One round of health checks over every checked pool.
     pub async fn check_health(&self) {
-        for (_, lb, checked) in &self.by_name {
+        for (_, lb, checked, _) in &self.by_name {
             if *checked {
                 lb.backends().run_health_check(true).await;
             }
