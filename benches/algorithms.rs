@@ -216,6 +216,8 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
         xff: Vec::new(),
         api_key: vec![b"bench-key-0001"],
         authorization: Vec::new(),
+        host: Some("api.example.com"),
+        content_length: None,
     };
     let mut group = c.benchmark_group("request path");
     group.bench_function("classify", |b| {

@@ -20,7 +20,8 @@ use crate::limiter::algorithms::quota;
 use crate::limiter::keys::{bucket_name, rule_prefix};
 use crate::limiter::{Check, Decision, Outcome, Tier};
 use crate::metrics::DecisionLabel;
-use crate::routing::{normalize_path, PathError, RouteMatch, RouteTable};
+use crate::path::{normalize_path, PathError};
+use crate::routing::{RouteMatch, RouteTable};
 
 /// A config snapshot with the lookups the request path needs, built once per load.
 pub struct Policy {
@@ -121,6 +122,22 @@ pub struct RequestView<'a> {
     /// Values of the configured API-key header.
     pub api_key: Vec<&'a [u8]>,
     pub authorization: Vec<&'a [u8]>,
+    /// The host the request names (`Host`, or HTTP/2's `:authority`), as sent.
+    pub host: Option<&'a str>,
+    /// `Content-Length`, when the request declares one.
+    pub content_length: Option<u64>,
+}
+
+/// A host as routes match it: lower-case, without its port.
+fn host_of(raw: &str) -> String {
+    let h = if raw.starts_with('[') {
+        raw.split_once(']')
+            .map_or(raw, |(h, _)| h)
+            .trim_start_matches('[')
+    } else {
+        raw.rsplit_once(':').map_or(raw, |(h, _)| h)
+    };
+    h.trim_end_matches('.').to_ascii_lowercase()
 }
 
 /// A request answered before any limiter work.
@@ -133,6 +150,8 @@ pub enum Refusal {
     UnknownKey,
     KeyRequired,
     ConflictingKeys,
+    /// The declared body is larger than the route takes (the limit).
+    PayloadTooLarge(u64),
 }
 
 /// A request that may proceed once its checks admit it.
@@ -159,12 +178,19 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         return Err(Refusal::Forbidden);
     }
     let path = normalize_path(req.path).map_err(Refusal::BadPath)?;
-    let route = match policy.routes.find(&path, req.method) {
+    let host = req.host.map(host_of);
+    let route = match policy.routes.find(host.as_deref(), &path, req.method) {
         RouteMatch::Found(i) => i,
         RouteMatch::MethodNotAllowed(allowed) => return Err(Refusal::MethodNotAllowed(allowed)),
         RouteMatch::NotFound => return Err(Refusal::NotFound),
     };
     let r = &cfg.routes[route];
+    // Before any limiter work: a body the route will not take spends nothing.
+    if let (Some(max), Some(len)) = (r.max_request_body_bytes, req.content_length) {
+        if len > max {
+            return Err(Refusal::PayloadTooLarge(max));
+        }
+    }
     let presented = identity::presented_key(
         req.api_key.iter().copied(),
         req.authorization.iter().copied(),

@@ -10,5 +10,6 @@ pub mod config;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
+pub mod path;
 pub mod proxy;
 pub mod routing;

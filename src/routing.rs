@@ -1,130 +1,13 @@
-//! Which route a request is: path normalisation and longest-prefix matching.
+//! Which route a request is: its host, then the longest path prefix, then
+//! its method.
 //!
-//! The normalised path is both what the route table matches and what the
-//! upstream receives, so the limiter and the upstream can never disagree about
-//! which endpoint a request is for. Anything ambiguous is refused rather than
-//! guessed.
+//! Routes are tried most specific first: a route for the exact host, then
+//! for a wildcard host (longer suffix first), then routes for any host; within
+//! each, the longest prefix first. The first route whose host, prefix and
+//! method all match wins; a request whose path some route matches but never
+//! with its method is a 405, and one no route matches is a 404.
 
-use std::fmt;
-
-use crate::config::Route;
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PathError {
-    NotAbsolute,
-    /// `%` not followed by two hex digits.
-    MalformedEscape,
-    /// `%2F`, `%5C` or `%00`: a separator or NUL hidden from the router.
-    AmbiguousEscape(&'static str),
-    /// A raw backslash or control character.
-    ForbiddenByte,
-}
-
-impl fmt::Display for PathError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PathError::NotAbsolute => write!(f, "the path must start with '/'"),
-            PathError::MalformedEscape => write!(f, "malformed percent-encoding in the path"),
-            PathError::AmbiguousEscape(e) => {
-                write!(f, "ambiguous percent-encoding {e} in the path")
-            }
-            PathError::ForbiddenByte => {
-                write!(f, "backslash or control character in the path")
-            }
-        }
-    }
-}
-
-fn is_unreserved(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
-}
-
-fn hex(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
-    }
-}
-
-/// Normalises a request path (no query): decodes percent-encoded unreserved
-/// characters, upper-cases remaining escapes, collapses `//`, resolves `.` and
-/// `..` (never above the root), keeps a trailing slash.
-pub fn normalize_path(raw: &str) -> Result<String, PathError> {
-    let bytes = raw.as_bytes();
-    if bytes.first() != Some(&b'/') {
-        return Err(PathError::NotAbsolute);
-    }
-    // Pass 1: percent-decoding of unreserved characters only.
-    let mut decoded = String::with_capacity(raw.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        if b == b'%' {
-            let (Some(hi), Some(lo)) = (
-                bytes.get(i + 1).copied().and_then(hex),
-                bytes.get(i + 2).copied().and_then(hex),
-            ) else {
-                return Err(PathError::MalformedEscape);
-            };
-            let v = hi * 16 + lo;
-            match v {
-                b'/' => return Err(PathError::AmbiguousEscape("%2F")),
-                b'\\' => return Err(PathError::AmbiguousEscape("%5C")),
-                0 => return Err(PathError::AmbiguousEscape("%00")),
-                v if is_unreserved(v) => decoded.push(v as char),
-                v => {
-                    decoded.push('%');
-                    decoded.push(char::from(b"0123456789ABCDEF"[(v >> 4) as usize]));
-                    decoded.push(char::from(b"0123456789ABCDEF"[(v & 15) as usize]));
-                }
-            }
-            i += 3;
-            continue;
-        }
-        if b == b'\\' || b.is_ascii_control() {
-            return Err(PathError::ForbiddenByte);
-        }
-        // Non-ASCII bytes arrive here only as part of valid UTF-8 (raw is &str).
-        let ch_len = utf8_len(b);
-        decoded.push_str(&raw[i..i + ch_len]);
-        i += ch_len;
-    }
-    // Pass 2: segments.
-    let mut segments: Vec<&str> = Vec::new();
-    let mut trailing_slash = false;
-    for seg in decoded.split('/').skip(1) {
-        trailing_slash = false;
-        match seg {
-            "" => trailing_slash = true,
-            "." => trailing_slash = true,
-            ".." => {
-                segments.pop();
-                trailing_slash = true;
-            }
-            s => segments.push(s),
-        }
-    }
-    let mut out = String::with_capacity(decoded.len());
-    for s in &segments {
-        out.push('/');
-        out.push_str(s);
-    }
-    if segments.is_empty() || trailing_slash {
-        out.push('/');
-    }
-    Ok(out)
-}
-
-fn utf8_len(first: u8) -> usize {
-    match first {
-        0x00..=0x7F => 1,
-        0xC0..=0xDF => 2,
-        0xE0..=0xEF => 3,
-        _ => 4,
-    }
-}
+use crate::config::{HostPattern, Route};
 
 /// Outcome of matching a normalised path and method against the routes.
 #[derive(Debug, PartialEq, Eq)]
@@ -135,52 +18,71 @@ pub enum RouteMatch {
     NotFound,
 }
 
-/// Routes ordered for matching: longest prefix first.
-#[derive(Debug, Clone)]
+struct Entry {
+    host: Option<HostPattern>,
+    prefix: String,
+    methods: Option<Vec<String>>,
+    /// Index into the config's routes.
+    index: usize,
+}
+
+/// Routes ordered for matching: most specific first.
 pub struct RouteTable {
-    /// (prefix, methods, index into the config's routes)
-    entries: Vec<(String, Option<Vec<String>>, usize)>,
+    entries: Vec<Entry>,
 }
 
 impl RouteTable {
     pub fn new(routes: &[Route]) -> Self {
-        let mut entries: Vec<_> = routes
+        let mut entries: Vec<Entry> = routes
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.path_prefix.clone(), r.methods.clone(), i))
+            .map(|(i, r)| Entry {
+                host: r.host.clone(),
+                prefix: r.path_prefix.clone(),
+                methods: r.methods.clone(),
+                index: i,
+            })
             .collect();
-        // Stable: among equal prefixes, config order.
-        entries.sort_by_key(|e| std::cmp::Reverse(e.0.len()));
+        // Stable: among equals, config order.
+        entries.sort_by_key(|e| {
+            let host = e
+                .host
+                .as_ref()
+                .map_or((2, std::cmp::Reverse(0)), HostPattern::rank);
+            (host, std::cmp::Reverse(e.prefix.len()))
+        });
         RouteTable { entries }
     }
 
-    /// Longest prefix wins; among routes with that same prefix, the method
-    /// decides. A prefix is a plain string prefix, so `/a/b;x` and `/a/bc` are
-    /// still `/a/b`'s: a suffix can never escape a route's limit.
-    pub fn find(&self, path: &str, method: &str) -> RouteMatch {
-        let Some(longest) = self
-            .entries
-            .iter()
-            .find(|(p, _, _)| path.starts_with(p.as_str()))
-        else {
-            return RouteMatch::NotFound;
-        };
-        let mut allowed = Vec::new();
-        for (prefix, methods, idx) in self.entries.iter().filter(|e| e.0 == longest.0) {
-            debug_assert_eq!(prefix, &longest.0);
-            match methods {
-                None => return RouteMatch::Found(*idx),
-                Some(ms) => {
-                    // HEAD is GET without a body.
+    /// `host` is the request's host, lower-case and without its port. A
+    /// prefix is a plain string prefix, so `/a/b;x` and `/a/bc` are still
+    /// `/a/b`'s: a suffix can never escape a route's limit.
+    pub fn find(&self, host: Option<&str>, path: &str, method: &str) -> RouteMatch {
+        let mut allowed: Vec<String> = Vec::new();
+        for e in &self.entries {
+            let host_ok = match (&e.host, host) {
+                (None, _) => true,
+                (Some(p), Some(h)) => p.matches(h),
+                (Some(_), None) => false,
+            };
+            if !host_ok || !path.starts_with(e.prefix.as_str()) {
+                continue;
+            }
+            match &e.methods {
+                None => return RouteMatch::Found(e.index),
+                // HEAD is GET without a body.
+                Some(ms)
                     if ms
                         .iter()
-                        .any(|m| m == method || (method == "HEAD" && m == "GET"))
-                    {
-                        return RouteMatch::Found(*idx);
-                    }
-                    allowed.extend(ms.iter().cloned());
+                        .any(|m| m == method || (method == "HEAD" && m == "GET")) =>
+                {
+                    return RouteMatch::Found(e.index)
                 }
+                Some(ms) => allowed.extend(ms.iter().cloned()),
             }
+        }
+        if allowed.is_empty() {
+            return RouteMatch::NotFound;
         }
         allowed.sort();
         allowed.dedup();
@@ -192,111 +94,86 @@ impl RouteTable {
 mod tests {
     use super::*;
 
-    #[test]
-    fn normalisation_table() {
-        let ok = [
-            ("/", "/"),
-            ("//", "/"),
-            ("/a//b", "/a/b"),
-            ("/a/./b", "/a/b"),
-            ("/a/../b", "/b"),
-            ("/../../a", "/a"),
-            ("/a/b/", "/a/b/"),
-            ("/a/b/.", "/a/b/"),
-            ("/a/b/..", "/a/"),
-            ("/%61pi/rides", "/api/rides"),
-            ("/api/%72ides", "/api/rides"),
-            ("/a/%2e%2e/b", "/b"),
-            ("/a%20b", "/a%20b"),
-            ("/a%3bb", "/a%3Bb"),
-            ("/caf\u{e9}", "/caf\u{e9}"),
-        ];
-        for (input, want) in ok {
-            assert_eq!(
-                normalize_path(input).as_deref(),
-                Ok(want),
-                "input {input:?}"
-            );
-        }
-        let bad = [
-            ("a", PathError::NotAbsolute),
-            ("", PathError::NotAbsolute),
-            ("/a%2Fb", PathError::AmbiguousEscape("%2F")),
-            ("/a%2fb", PathError::AmbiguousEscape("%2F")),
-            ("/a%5cb", PathError::AmbiguousEscape("%5C")),
-            ("/a%00", PathError::AmbiguousEscape("%00")),
-            ("/a%", PathError::MalformedEscape),
-            ("/a%4", PathError::MalformedEscape),
-            ("/a%zz", PathError::MalformedEscape),
-            ("/a\\b", PathError::ForbiddenByte),
-        ];
-        for (input, want) in bad {
-            assert_eq!(normalize_path(input), Err(want), "input {input:?}");
-        }
-    }
-
     fn route(name: &str, prefix: &str, methods: Option<&[&str]>) -> Route {
         Route {
             name: name.into(),
+            host: None,
             path_prefix: prefix.into(),
             methods: methods.map(|m| m.iter().map(|s| s.to_string()).collect()),
             upstream: "u".into(),
             require_api_key: false,
             limit: None,
+            strip_prefix: false,
+            timeout_ms: None,
+            retries: 0,
+            max_request_body_bytes: None,
+        }
+    }
+
+    fn on(host: HostPattern, r: Route) -> Route {
+        Route {
+            host: Some(host),
+            ..r
         }
     }
 
     #[test]
-    fn longest_prefix_then_method() {
+    fn longest_prefix_then_method_then_fall_through() {
         let t = RouteTable::new(&[
             route("all", "/", None),
             route("req", "/api/rides/request", Some(&["POST"])),
             route("get", "/api/rides", Some(&["GET"])),
         ]);
-        assert_eq!(t.find("/api/rides/request", "POST"), RouteMatch::Found(1));
-        assert_eq!(t.find("/api/rides/request/x", "POST"), RouteMatch::Found(1));
-        assert_eq!(
-            t.find("/api/rides/request;a=b", "POST"),
-            RouteMatch::Found(1)
-        );
-        assert_eq!(
-            t.find("/api/rides/request", "GET"),
-            RouteMatch::MethodNotAllowed(vec!["POST".into()])
-        );
-        assert_eq!(t.find("/api/rides/list", "GET"), RouteMatch::Found(2));
-        assert_eq!(t.find("/api/rides/list", "HEAD"), RouteMatch::Found(2));
-        assert_eq!(t.find("/other", "DELETE"), RouteMatch::Found(0));
+        let f = |p, m| t.find(None, p, m);
+        assert_eq!(f("/api/rides/request", "POST"), RouteMatch::Found(1));
+        assert_eq!(f("/api/rides/request/x", "POST"), RouteMatch::Found(1));
+        assert_eq!(f("/api/rides/request;a=b", "POST"), RouteMatch::Found(1));
+        // A GET to the POST-only prefix falls through to /api/rides.
+        assert_eq!(f("/api/rides/request", "GET"), RouteMatch::Found(2));
+        // A DELETE matches neither method: it falls through to the catch-all.
+        assert_eq!(f("/api/rides/request", "DELETE"), RouteMatch::Found(0));
+        assert_eq!(f("/api/rides/list", "HEAD"), RouteMatch::Found(2));
+        assert_eq!(f("/other", "DELETE"), RouteMatch::Found(0));
         let t = RouteTable::new(&[route("only", "/api", None)]);
-        assert_eq!(t.find("/", "GET"), RouteMatch::NotFound);
+        assert_eq!(t.find(None, "/", "GET"), RouteMatch::NotFound);
+        // 405 only when no route takes the method.
+        let t = RouteTable::new(&[
+            route("post", "/api/rides/request", Some(&["POST"])),
+            route("put", "/api", Some(&["PUT"])),
+        ]);
+        assert_eq!(
+            t.find(None, "/api/rides/request", "GET"),
+            RouteMatch::MethodNotAllowed(vec!["POST".into(), "PUT".into()])
+        );
     }
-}
 
-#[cfg(test)]
-mod fuzz {
-    use proptest::prelude::*;
-
-    use super::normalize_path;
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2000))]
-
-        /// Never panics; what it returns is absolute, canonical and stable.
-        #[test]
-        fn normalised_paths_are_canonical(raw in "/[a-zA-Z0-9./%;~_\\-]{0,40}") {
-            if let Ok(n) = normalize_path(&raw) {
-                prop_assert!(n.starts_with('/'), "{raw:?} -> {n:?}");
-                prop_assert!(!n.contains("//"), "{raw:?} -> {n:?}");
-                for seg in n.split('/') {
-                    prop_assert!(seg != "." && seg != "..", "{raw:?} -> {n:?}");
-                }
-                prop_assert!(!n.to_ascii_uppercase().contains("%2F"), "{raw:?} -> {n:?}");
-                prop_assert_eq!(normalize_path(&n), Ok(n.clone()), "idempotent for {:?}", raw);
-            }
-        }
-
-        #[test]
-        fn arbitrary_bytes_never_panic(raw in any::<String>()) {
-            let _ = normalize_path(&raw);
-        }
+    #[test]
+    fn hosts_exact_then_wildcard_then_any() {
+        let t = RouteTable::new(&[
+            route("any", "/", None),
+            on(
+                HostPattern::Wildcard(".example.com".into()),
+                route("wild", "/", None),
+            ),
+            on(
+                HostPattern::Exact("api.example.com".into()),
+                route("exact", "/", None),
+            ),
+            on(
+                HostPattern::Wildcard(".eu.example.com".into()),
+                route("eu", "/", None),
+            ),
+        ]);
+        let f = |h| t.find(Some(h), "/x", "GET");
+        assert_eq!(f("api.example.com"), RouteMatch::Found(2));
+        assert_eq!(f("shop.example.com"), RouteMatch::Found(1));
+        assert_eq!(f("a.eu.example.com"), RouteMatch::Found(3));
+        assert_eq!(
+            f("example.com"),
+            RouteMatch::Found(0),
+            "*.example.com is not the apex"
+        );
+        assert_eq!(f("other.org"), RouteMatch::Found(0));
+        assert_eq!(t.find(None, "/x", "GET"), RouteMatch::Found(0));
     }
 }

@@ -16,7 +16,6 @@ use toml::de::{DeTable, DeValue};
 use super::model::*;
 use super::reader::{join, Reader, Value};
 use super::ConfigError;
-use crate::routing::normalize_path;
 
 /// Parses and validates a whole file; on failure returns every problem found.
 pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
@@ -80,7 +79,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
         upstream(r, p, t, s)
     });
     let routes = array_of_tables(&mut r, root, "routes", true, |r, p, t, s| {
-        route(r, p, t, s, &upstream_names)
+        super::routes::route(r, p, t, s, &upstream_names)
     });
 
     if let Some(limiter) = &limiter {
@@ -106,6 +105,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     for (n, (i, route)) in routes.iter().enumerate() {
         for (j, other) in routes.iter().take(n).map(|(j, o)| (j, o)) {
             if other.path_prefix == route.path_prefix
+                && other.host == route.host
                 && methods_overlap(&other.methods, &route.methods)
             {
                 let path = format!("routes[{i}].path_prefix");
@@ -373,7 +373,7 @@ fn cidrs(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<IpNet>> {
 }
 
 /// Names that end up in metric labels and Redis keys: a closed, safe alphabet.
-fn name(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<String> {
+pub(super) fn name(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<String> {
     let s = r.string(path, v)?;
     if !s.is_empty()
         && s.len() <= 64
@@ -690,7 +690,7 @@ fn clients(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Clients> {
 }
 
 /// An algorithm table: `algorithm` plus its own parameters (others are unknown keys).
-fn limit(
+pub(super) fn limit(
     r: &mut Reader<'_>,
     p: &str,
     t: &DeTable<'_>,
@@ -1018,116 +1018,5 @@ fn upstream(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -
         sni: sni?,
         ca_file: ca_file?,
         verify: verify?,
-    })
-}
-
-const METHODS: &[&str] = &[
-    "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
-];
-
-fn route(
-    r: &mut Reader<'_>,
-    p: &str,
-    t: &DeTable<'_>,
-    span: &Range<usize>,
-    upstreams: &[String],
-) -> Option<Route> {
-    r.only_keys(
-        p,
-        t,
-        &[
-            "name",
-            "path_prefix",
-            "methods",
-            "upstream",
-            "require_api_key",
-            "limit",
-        ],
-    );
-    let rname = req(r, t, p, Some(span), "name", name);
-    let prefix = req(r, t, p, Some(span), "path_prefix", |r, path, v| {
-        let s = r.string(path, v)?;
-        match normalize_path(&s) {
-            Ok(n) if n == s => Some(s),
-            Ok(n) => {
-                r.error(
-                    path,
-                    Some(&v.span()),
-                    format!("expected a normalised path, found \"{s}\" (write \"{n}\")"),
-                );
-                None
-            }
-            Err(e) => {
-                r.error(
-                    path,
-                    Some(&v.span()),
-                    format!("expected a path starting with '/': {e}"),
-                );
-                None
-            }
-        }
-    });
-    let methods = opt(r, t, p, "methods", None, |r, path, v| {
-        let items = r.strings(path, v)?;
-        let mut ok = !items.is_empty();
-        if items.is_empty() {
-            r.error(
-                path,
-                Some(&v.span()),
-                "expected at least one method (omit the key for all)",
-            );
-        }
-        let mut out = Vec::new();
-        for (i, (m, s)) in items.iter().enumerate() {
-            if METHODS.contains(&m.as_str()) {
-                out.push(m.clone());
-            } else {
-                ok = false;
-                r.error(
-                    &format!("{path}[{i}]"),
-                    Some(s),
-                    format!(
-                        "expected an upper-case HTTP method ({}), found \"{m}\"",
-                        METHODS.join(", ")
-                    ),
-                );
-            }
-        }
-        ok.then_some(Some(out))
-    });
-    let upstream = req(r, t, p, Some(span), "upstream", |r, path, v| {
-        let name = r.string(path, v)?;
-        if upstreams.contains(&name) {
-            Some(name)
-        } else {
-            r.error(
-                path,
-                Some(&v.span()),
-                format!(
-                    "upstream \"{name}\" is not defined; defined upstreams: [{}]",
-                    upstreams.join(", ")
-                ),
-            );
-            None
-        }
-    });
-    let require_key = opt(r, t, p, "require_api_key", false, |r, path, v| {
-        r.boolean(path, v)
-    });
-    let lim = match t.get("limit") {
-        Some(v) => {
-            let path = join(p, "limit");
-            let lt = r.table(&path, v)?;
-            Some(limit(r, &path, lt, &v.span(), true)?)
-        }
-        None => None,
-    };
-    Some(Route {
-        name: rname?,
-        path_prefix: prefix?,
-        methods: methods?,
-        upstream: upstream?,
-        require_api_key: require_key?,
-        limit: lim,
     })
 }

@@ -6,6 +6,7 @@
 mod file;
 pub mod model;
 mod reader;
+mod routes;
 mod tls;
 
 use std::fmt::{self, Write as _};
@@ -185,19 +186,31 @@ impl Config {
                 Some(l) => format!("{} scope={:?}{}", l.algorithm, l.scope, shadow(l)),
                 None => "no route limit".to_string(),
             };
+            let host = r.host.as_ref().map_or(String::new(), |h| h.to_string());
+            let mut extras = Vec::new();
+            if r.require_api_key {
+                extras.push("api key required".to_string());
+            }
+            if r.strip_prefix {
+                extras.push("prefix stripped".to_string());
+            }
+            if let Some(ms) = r.timeout_ms {
+                extras.push(format!("timeout {ms} ms"));
+            }
+            if r.retries > 0 {
+                extras.push(format!("retries {}", r.retries));
+            }
+            if let Some(b) = r.max_request_body_bytes {
+                extras.push(format!("body <= {b} bytes"));
+            }
+            let extras = match extras.is_empty() {
+                true => String::new(),
+                false => format!(" ({})", extras.join(", ")),
+            };
             let _ = writeln!(
                 s,
-                "  {} {} {} -> {}{}: {}",
-                r.name,
-                methods,
-                r.path_prefix,
-                r.upstream,
-                if r.require_api_key {
-                    " (api key required)"
-                } else {
-                    ""
-                },
-                limit
+                "  {} {} {host}{} -> {}{extras}: {}",
+                r.name, methods, r.path_prefix, r.upstream, limit
             );
         }
         s

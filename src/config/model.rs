@@ -262,10 +262,58 @@ pub enum UpstreamProtocol {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Route {
     pub name: String,
+    /// `None`: any host.
+    pub host: Option<HostPattern>,
     pub path_prefix: String,
     /// `None`: every method.
     pub methods: Option<Vec<String>>,
     pub upstream: String,
     pub require_api_key: bool,
     pub limit: Option<Limit>,
+    /// The upstream sees the path without `path_prefix`.
+    pub strip_prefix: bool,
+    /// The upstream read timeout for this route (`None`: the upstream's).
+    pub timeout_ms: Option<u64>,
+    /// Extra tries on another server for idempotent methods whose upstream
+    /// failed (a failed connect is always tried once more).
+    pub retries: u32,
+    /// Larger request bodies: 413.
+    pub max_request_body_bytes: Option<u64>,
+}
+
+/// A route's host: exact, or `*.example.com` for any name under it (not
+/// `example.com` itself). Lower-case, no port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostPattern {
+    Exact(String),
+    /// The suffix with its leading dot: `.example.com`.
+    Wildcard(String),
+}
+
+impl HostPattern {
+    pub fn matches(&self, host: &str) -> bool {
+        match self {
+            HostPattern::Exact(h) => h == host,
+            HostPattern::Wildcard(suffix) => {
+                host.len() > suffix.len() && host.ends_with(suffix.as_str())
+            }
+        }
+    }
+
+    /// More specific first: exact, then longer wildcard suffixes.
+    pub fn rank(&self) -> (u8, std::cmp::Reverse<usize>) {
+        match self {
+            HostPattern::Exact(_) => (0, std::cmp::Reverse(0)),
+            HostPattern::Wildcard(s) => (1, std::cmp::Reverse(s.len())),
+        }
+    }
+}
+
+impl fmt::Display for HostPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostPattern::Exact(h) => f.write_str(h),
+            HostPattern::Wildcard(s) => write!(f, "*{s}"),
+        }
+    }
 }

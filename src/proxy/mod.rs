@@ -26,6 +26,7 @@ use async_trait::async_trait;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::upstreams::peer::Peer;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 
 use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
@@ -82,6 +83,13 @@ pub struct Ctx {
     /// access log count, also when a gRPC client was told it as a
     /// `grpc-status` on an HTTP 200.
     replied: Option<u16>,
+    /// Servers that failed this request (a retry goes elsewhere).
+    failed: Vec<std::net::SocketAddr>,
+    /// Retries spent: the connect retry, and the route's `retries`.
+    connect_retried: bool,
+    retries_used: u32,
+    /// Request body bytes seen (against the route's `max_request_body_bytes`).
+    body_bytes: u64,
 }
 
 impl Gateway {
@@ -150,6 +158,10 @@ impl ProxyHttp for Gateway {
             backend: "none",
             upstream_sent: None,
             replied: None,
+            failed: Vec::new(),
+            connect_retried: false,
+            retries_used: 0,
+            body_bytes: 0,
         }
     }
 
@@ -204,6 +216,16 @@ impl ProxyHttp for Gateway {
                 .collect(),
             api_key: all(&cfg.clients.api_key_header),
             authorization: all("authorization"),
+            // HTTP/2 carries the host in `:authority`, which Pingora keeps in the URI.
+            host: req
+                .uri
+                .authority()
+                .map(|a| a.as_str())
+                .or_else(|| req.headers.get("host").and_then(|v| v.to_str().ok())),
+            content_length: req
+                .headers
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.trim().parse().ok()),
         };
         let plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,
@@ -270,13 +292,97 @@ impl ProxyHttp for Gateway {
                 "route's upstream is not configured",
             ));
         };
-        let Some(peer) = live.pools.select(&upstream.name) else {
+        let Some(mut peer) = live.pools.select(&upstream.name, &ctx.failed) else {
             return Err(Error::explain(
                 ErrorType::HTTPStatus(502),
                 "no healthy upstream server",
             ));
         };
+        if let Some(ms) = route.timeout_ms {
+            peer.options.read_timeout = Some(Duration::from_millis(ms));
+        }
         Ok(Box::new(peer))
+    }
+
+    /// A connect that failed sent nothing: one more try, on another server.
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        if let Some(addr) = peer.address().as_inet() {
+            ctx.failed.push(*addr);
+        }
+        if !ctx.connect_retried {
+            ctx.connect_retried = true;
+            e.set_retry(true);
+        }
+        e
+    }
+
+    /// After the request was sent, only an idempotent one is tried again:
+    /// on another server, as many times as the route's `retries` (and, as
+    /// Pingora does, once when a reused keep-alive connection turns out dead).
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Ctx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("route={}", Self::route_name(ctx)));
+        let idempotent = matches!(
+            session.req_header().method,
+            http::Method::GET
+                | http::Method::HEAD
+                | http::Method::PUT
+                | http::Method::DELETE
+                | http::Method::OPTIONS
+        );
+        if !idempotent || session.as_ref().retry_buffer_truncated() {
+            e.set_retry(false);
+            return e;
+        }
+        let allowed = match (&ctx.live, &ctx.plan) {
+            (Some(l), Some(p)) => l.policy.config.routes[p.route].retries,
+            _ => 0,
+        };
+        if ctx.retries_used < allowed {
+            ctx.retries_used += 1;
+            if let Some(addr) = peer.address().as_inet() {
+                ctx.failed.push(*addr);
+            }
+            e.set_retry(true);
+        } else {
+            e.retry.decide_reuse(client_reused);
+        }
+        e
+    }
+
+    /// Counts a body without a declared length against the route's limit.
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<bytes::Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let Some(chunk) = body else { return Ok(()) };
+        ctx.body_bytes += chunk.len() as u64;
+        let max = match (&ctx.live, &ctx.plan) {
+            (Some(l), Some(p)) => l.policy.config.routes[p.route].max_request_body_bytes,
+            _ => None,
+        };
+        match max {
+            Some(max) if ctx.body_bytes > max => Err(Error::explain(
+                ErrorType::HTTPStatus(413),
+                "request body larger than the route takes",
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The upstream sees exactly the path that was routed and limited.
@@ -286,10 +392,19 @@ impl ProxyHttp for Gateway {
         upstream_request: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(plan) = &ctx.plan {
+        if let (Some(plan), Some(live)) = (&ctx.plan, &ctx.live) {
+            let route = &live.policy.config.routes[plan.route];
+            // strip_prefix: "/api/reports/x" under "/api/reports" goes up as "/x".
+            let path = match route.strip_prefix {
+                true => match plan.path[route.path_prefix.len()..].trim_start_matches('/') {
+                    "" => "/".to_string(),
+                    rest => format!("/{rest}"),
+                },
+                false => plan.path.clone(),
+            };
             let uri = match upstream_request.uri.query() {
-                Some(q) => format!("{}?{}", plan.path, q),
-                None => plan.path.clone(),
+                Some(q) => format!("{path}?{q}"),
+                None => path,
             };
             let uri = uri.parse::<http::Uri>().map_err(|e| {
                 Error::because(ErrorType::InternalError, "normalised path is not a URI", e)
@@ -356,6 +471,15 @@ impl ProxyHttp for Gateway {
         if code > 0 && session.response_written().is_none() {
             let reply = match code {
                 502 | 504 => responses::upstream_failure(code),
+                413 => {
+                    let max = match (&ctx.live, &ctx.plan) {
+                        (Some(l), Some(p)) => {
+                            l.policy.config.routes[p.route].max_request_body_bytes
+                        }
+                        _ => None,
+                    };
+                    responses::payload_too_large(max.unwrap_or(0))
+                }
                 400 => responses::json(400, "bad_request", "malformed request"),
                 _ => responses::internal(),
             };

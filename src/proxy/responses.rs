@@ -94,6 +94,7 @@ pub fn refusal(r: &Refusal) -> Reply {
         Refusal::ConflictingKeys => {
             json(400, "bad_request", "more than one API key in the request")
         }
+        Refusal::PayloadTooLarge(max) => payload_too_large(*max),
     }
 }
 
@@ -164,6 +165,15 @@ pub fn upstream_failure(status: u16) -> Reply {
         ),
         _ => json(502, "bad_gateway", "the upstream could not be reached"),
     }
+}
+
+/// A request body over the route's `max_request_body_bytes`.
+pub fn payload_too_large(max: u64) -> Reply {
+    json(
+        413,
+        "payload_too_large",
+        &format!("the request body is larger than this route takes ({max} bytes)"),
+    )
 }
 
 pub fn internal() -> Reply {

@@ -156,12 +156,20 @@ impl Pools {
         })
     }
 
-    /// The next healthy server of a pool, round-robin, as a peer to connect
-    /// to with the upstream's protocol, TLS and timeouts.
-    pub fn select(&self, upstream: &str) -> Option<HttpPeer> {
+    /// The next healthy server of a pool, round-robin, skipping those that
+    /// already failed this request while another remains, as a peer to
+    /// connect to with the upstream's protocol, TLS and timeouts.
+    pub fn select(&self, upstream: &str, failed: &[SocketAddr]) -> Option<HttpPeer> {
         let (_, lb, _, transport) = self.by_name.iter().find(|(n, ..)| n == upstream)?;
-        let backend = lb.select(b"", 256)?;
-        Some(transport.peer(*backend.addr.as_inet()?))
+        let mut fallback = None;
+        for _ in 0..transport.hosts.len().max(1) {
+            let addr = *lb.select(b"", 256)?.addr.as_inet()?;
+            if !failed.contains(&addr) {
+                return Some(transport.peer(addr));
+            }
+            fallback.get_or_insert(addr);
+        }
+        fallback.map(|a| transport.peer(a))
     }
 
     /// One round of health checks over every checked pool.
