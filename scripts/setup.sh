@@ -28,3 +28,15 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install Rust with rustup (https://rustup.rs) first" >&2
   exit 1
 fi
+# The gRPC end-to-end test (tests/grpc_e2e.rs) drives the gateway with a real
+# gRPC client and server in Python; grpcio comes from PyPI into the repo's
+# .venv, the same virtualenv scripts/check_deploy.sh uses (created the same way).
+venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
+if [[ ! -x $venv/bin/python || ! -x $venv/bin/pip ]]; then
+  echo "setup: creating the Python virtualenv $venv"
+  python3 -m venv --clear "$venv"
+fi
+if ! "$venv/bin/python" -c 'import grpc' >/dev/null 2>&1; then
+  echo "setup: installing grpcio into $venv (pip)"
+  "$venv/bin/pip" install -q --disable-pip-version-check "grpcio==1.85.1"
+fi

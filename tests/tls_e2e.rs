@@ -8,114 +8,13 @@
 mod support;
 
 use std::fs;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use support::pki::Pki;
 use support::{free_port, wait_for, GatewayGuard, UpstreamGuard};
-
-/// A CA and leaf certificates it signs, in a temp dir.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("openssl (scripts/setup.sh installs it)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-impl Pki {
-    fn new() -> Self {
-        Pki {
-            dir: tempfile::tempdir().expect("temp dir"),
-        }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// A self-signed CA `name`.crt / `name`.key.
-    fn ca(&self, name: &str) {
-        openssl(
-            self.dir.path(),
-            &[
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                &format!("/CN={name}"),
-                "-keyout",
-                &format!("{name}.key"),
-                "-out",
-                &format!("{name}.crt"),
-            ],
-        );
-    }
-
-    /// A leaf `file`.crt / `file`.key for `names` (subjectAltName), signed by `ca`.
-    fn leaf(&self, ca: &str, file: &str, names: &[&str]) {
-        let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
-        fs::write(
-            self.path(&format!("{file}.ext")),
-            format!("subjectAltName={}\n", san.join(",")),
-        )
-        .expect("ext file");
-        openssl(
-            self.dir.path(),
-            &[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-subj",
-                &format!("/CN={}", names[0]),
-                "-keyout",
-                &format!("{file}.key"),
-                "-out",
-                &format!("{file}.csr"),
-            ],
-        );
-        openssl(
-            self.dir.path(),
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &format!("{file}.csr"),
-                "-CA",
-                &format!("{ca}.crt"),
-                "-CAkey",
-                &format!("{ca}.key"),
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-extfile",
-                &format!("{file}.ext"),
-                "-out",
-                &format!("{file}.crt"),
-            ],
-        );
-    }
-}
 
 struct Setup {
     pki: Pki,
@@ -504,21 +403,29 @@ upstream = "back"
     ))
 }
 
-/// The protocol of the last request the back gateway logged.
-fn last_proto(gw: &GatewayGuard) -> String {
+/// The protocols of the requests the back gateway has logged, in order.
+fn protos(gw: &GatewayGuard) -> Vec<String> {
     gw.log()
         .lines()
-        .rev()
-        .find_map(|l| {
-            l.split("proto=").nth(1).map(|r| {
-                r.split_whitespace()
-                    .next()
-                    .unwrap_or("")
-                    .trim_matches('"')
-                    .to_string()
-            })
+        .filter_map(|l| l.split("proto=").nth(1))
+        .map(|r| {
+            r.split_whitespace()
+                .next()
+                .unwrap_or("")
+                .trim_matches('"')
+                .to_string()
         })
-        .unwrap_or_default()
+        .collect()
+}
+
+/// The protocol of the next request the back gateway logs (its access line
+/// is written after the response, so it is polled for).
+fn next_proto(gw: &GatewayGuard, before: usize) -> String {
+    wait_for(
+        "the back gateway's access line",
+        Duration::from_secs(5),
+        || protos(gw).get(before).cloned(),
+    )
 }
 
 /// Upstreams over TLS (verified against a CA file, with SNI), over HTTP/2
@@ -536,25 +443,32 @@ fn upstreams_over_tls_h2_and_h2c() {
     let other = back.pki.path("other.crt").display().to_string();
     let tls_addr = format!("127.0.0.1:{}", back.tls_port);
     let get = |gw: &GatewayGuard| gw.client().get("/").map(|r| r.status).unwrap_or(0);
+    // The status, and the protocol the back gateway saw the request on.
+    let via = |gw: &GatewayGuard| {
+        let before = protos(&back.gw).len();
+        let status = get(gw);
+        (status, next_proto(&back.gw, before))
+    };
 
     let https = front(&format!(
         "servers = [\"{tls_addr}\"]\ntls = true\nsni = \"back.internal\"\nca_file = \"{ca}\""
     ));
-    assert_eq!(get(&https), 200, "HTTPS upstream, verified");
-    assert_eq!(last_proto(&back.gw), "http/1.1");
+    assert_eq!(
+        via(&https),
+        (200, "http/1.1".into()),
+        "HTTPS upstream, verified"
+    );
 
     let h2 = front(&format!(
         "servers = [\"{tls_addr}\"]\nprotocol = \"h2\"\ntls = true\nsni = \"back.internal\"\nca_file = \"{ca}\""
     ));
-    assert_eq!(get(&h2), 200, "HTTP/2 upstream over TLS");
-    assert_eq!(last_proto(&back.gw), "h2");
+    assert_eq!(via(&h2), (200, "h2".into()), "HTTP/2 upstream over TLS");
 
     let h2c = front(&format!(
         "servers = [\"{}\"]\nprotocol = \"h2c\"",
         back.gw.addr
     ));
-    assert_eq!(get(&h2c), 200, "h2c upstream");
-    assert_eq!(last_proto(&back.gw), "h2");
+    assert_eq!(via(&h2c), (200, "h2".into()), "h2c upstream");
 
     let wrong_ca = front(&format!(
         "servers = [\"{tls_addr}\"]\ntls = true\nsni = \"back.internal\"\nca_file = \"{other}\""

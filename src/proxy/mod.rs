@@ -402,9 +402,18 @@ impl ProxyHttp for Gateway {
                 },
                 false => plan.path.clone(),
             };
-            let uri = match upstream_request.uri.query() {
+            let path = match upstream_request.uri.query() {
                 Some(q) => format!("{path}?{q}"),
                 None => path,
+            };
+            // HTTP/2 carries the host in the URI (`:authority`), with no Host
+            // header to fall back on: keep it, or an h2 upstream has none.
+            let uri = match (
+                upstream_request.uri.scheme_str(),
+                upstream_request.uri.authority(),
+            ) {
+                (Some(scheme), Some(authority)) => format!("{scheme}://{authority}{path}"),
+                _ => path,
             };
             let uri = uri.parse::<http::Uri>().map_err(|e| {
                 Error::because(ErrorType::InternalError, "normalised path is not a URI", e)

@@ -8,6 +8,7 @@
 use bytes::Bytes;
 use http::HeaderValue;
 use pingora::http::ResponseHeader;
+use pingora::protocols::http::HttpTask;
 use pingora::proxy::Session;
 use pingora::Result;
 
@@ -244,5 +245,11 @@ async fn send_grpc(session: &mut Session, reply: Reply, request_id: &str) -> Res
     if !session.is_http2() {
         h.insert_header("content-length", "0")?;
     }
-    session.write_response_header(Box::new(h), true).await
+    // As one task that ends the stream: Pingora's `write_response_header`
+    // would send an empty DATA frame after it on HTTP/2, which gRPC clients
+    // reject (the status must come in the frame that ends the stream).
+    session
+        .write_response_tasks(vec![HttpTask::Header(Box::new(h), true)])
+        .await
+        .map(|_| ())
 }

@@ -6,6 +6,7 @@
 
 pub mod http;
 pub mod load;
+pub mod pki;
 pub mod topology;
 
 use std::fs;
