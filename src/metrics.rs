@@ -70,7 +70,7 @@ pub fn install() {
         );
         describe_counter!(
             "gateway_redis_errors_total",
-            "Failed Redis calls and probes, by reason: timeout, unavailable, protocol; auth, permission, database and config mean Redis refuses this gateway's settings"
+            "Failed Redis calls and probes, by reason: timeout, unavailable, protocol; auth, permission, database, config and tls mean Redis refuses this gateway's settings (or its certificate is not trusted)"
         );
         describe_counter!(
             "gateway_redis_late_calls_total",
@@ -119,6 +119,7 @@ pub const REDIS_ERROR_REASONS: &[&str] = &[
     "permission",
     "database",
     "config",
+    "tls",
 ];
 
 /// The Prometheus text exposition.

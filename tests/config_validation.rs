@@ -217,12 +217,11 @@ fn syntax_errors_missing_files_and_secrets() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// A URL this build cannot use is refused by `check`, naming the key and
-/// line and never echoing the URL (it may hold a password), instead of a
-/// gateway that starts and never reaches Redis.
+/// A Redis URL of another scheme is refused naming the key and line, never
+/// echoing the URL (it may hold a password); `rediss://` (TLS) is accepted.
 #[test]
-fn redis_over_tls_is_refused_until_built_in() {
-    let src = format!("{MINIMAL}\n[redis]\nurls = [\"rediss://:hunter2@redis.internal:6380\"]\n");
+fn redis_urls_are_checked_without_echoing_them() {
+    let src = format!("{MINIMAL}\n[redis]\nurls = [\"http://:hunter2@redis.internal:6380\"]\n");
     let (ok, _, err) = check(&src);
     assert!(!ok, "{err}");
     let line = src
@@ -232,11 +231,15 @@ fn redis_over_tls_is_refused_until_built_in() {
         + 1;
     assert!(
         err.contains(&format!(
-            "redis.urls[0] (line {line}): rediss:// (Redis over TLS) is not built into this gateway; use redis://"
+            "redis.urls[0] (line {line}): expected a URL starting with redis:// or rediss:// (TLS)"
         )),
         "{err}"
     );
     assert!(!err.contains("hunter2"), "{err}");
+    let tls = format!("{MINIMAL}\n[redis]\nurls = [\"rediss://:hunter2@redis.internal:6380\"]\nca_file = \"/etc/ca.pem\"\n");
+    let (ok, out, err) = check(&tls);
+    assert!(ok, "{err}");
+    assert!(!out.contains("hunter2"), "{out}");
 }
 
 /// The start-up wait is a bounded duration.

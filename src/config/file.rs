@@ -552,6 +552,7 @@ fn redis(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
             "timeout_ms",
             "probe_interval_ms",
             "key_prefix",
+            "ca_file",
         ],
     );
     let mode = opt(r, t, p, "mode", RedisMode::Standalone, |r, path, v| {
@@ -573,11 +574,8 @@ fn redis(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
         }
         for (i, (u, span)) in items.iter().enumerate() {
             // Never echo the URL: it may carry a password.
-            let problem = if u.starts_with("rediss://") {
-                // Without this the gateway would start and never reach Redis.
-                Some("rediss:// (Redis over TLS) is not built into this gateway; use redis://")
-            } else if !u.starts_with("redis://") {
-                Some("expected a URL starting with redis://")
+            let problem = if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
+                Some("expected a URL starting with redis:// or rediss:// (TLS)")
             } else {
                 None
             };
@@ -598,6 +596,14 @@ fn redis(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
         r.int(path, v, 10, 600_000)
     });
     let prefix = opt(r, t, p, "key_prefix", "rl".to_string(), name);
+    let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
+        let s = r.string(path, v)?;
+        if s.is_empty() {
+            r.error(path, Some(&v.span()), "expected a file path");
+            return None;
+        }
+        Some(Some(std::path::PathBuf::from(s)))
+    });
     let (mode, urls, sentinel_master) = (mode?, urls?, sentinel_master?);
     match mode {
         RedisMode::Standalone if urls.len() != 1 => {
@@ -636,6 +642,7 @@ fn redis(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
         timeout_ms: timeout_ms?,
         probe_interval_ms: probe?,
         key_prefix: prefix?,
+        ca_file: ca_file?,
     })
 }
 

@@ -114,6 +114,8 @@ pub struct RedisSettings {
     pub timeout_ms: u64,
     pub probe_interval_ms: u64,
     pub key_prefix: String,
+    /// For `rediss://` URLs: the CA to verify Redis with (`None`: the system roots).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

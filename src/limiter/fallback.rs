@@ -91,8 +91,8 @@ pub struct Health {
     pub replicas: u32,
     /// Why Redis is not in use, when it is not (never a secret).
     pub redis_error: Option<String>,
-    /// The error's class: `auth`, `permission`, `database` and `config` mean
-    /// Redis answers but refuses this gateway's settings.
+    /// The error's class: `auth`, `permission`, `database`, `config` and
+    /// `tls` mean Redis refuses this gateway's settings (or is not trusted).
     pub redis_error_reason: Option<&'static str>,
 }
 

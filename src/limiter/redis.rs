@@ -64,8 +64,27 @@ enum Topology {
     Sentinel {
         sentinels: Vec<redis::Client>,
         master: String,
+        /// The sentinel URLs are `rediss://`: the master is reached over TLS
+        /// too, verified with this CA (`None`: the system roots).
+        tls: Option<Option<Vec<u8>>>,
     },
     Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+/// A client for `url`: over TLS for `rediss://`, verified against `ca`
+/// (PEM) when given, else the system roots.
+fn client(url: &str, ca: Option<&Vec<u8>>) -> Result<redis::Client, LimiterError> {
+    match ca {
+        Some(pem) if url.starts_with("rediss://") => redis::Client::build_with_tls(
+            url,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            },
+        ),
+        _ => redis::Client::open(url),
+    }
+    .map_err(redis_err)
 }
 
 /// Everything a call needs, shared with the batching task.
@@ -123,14 +142,23 @@ fn redis_err(e: redis::RedisError) -> LimiterError {
         _ if text.contains("AUTH") && text.contains("without any password configured") => {
             refused("auth")
         }
+        // rustls: a certificate this gateway cannot trust (CA, name, dates).
+        _ if text.contains("invalid peer certificate") => refused("tls"),
         _ => LimiterError::Redis(text),
     }
 }
 
+/// The request path's connections retry a failed connect twice; the
+/// probe's do not (`retries = 0`): a refusal that retrying cannot fix (a
+/// certificate, a password) must reach `/readyz` as itself, not as a timeout.
 fn manager_config() -> ConnectionManagerConfig {
+    manager_config_with(2)
+}
+
+fn manager_config_with(retries: usize) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_millis(500)))
-        .set_number_of_retries(2)
+        .set_number_of_retries(retries)
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_millis(500))
 }
@@ -157,6 +185,14 @@ impl RedisBackend {
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, LimiterError> {
         let budget = Duration::from_millis(s.timeout_ms);
+        let tls = s.urls.iter().any(|u| u.starts_with("rediss://"));
+        let ca = match &s.ca_file {
+            Some(path) if tls => Some(std::fs::read(path).map_err(|e| LimiterError::Refused {
+                reason: "config",
+                detail: format!("redis.ca_file: cannot read {}: {e}", path.display()),
+            })?),
+            _ => None,
+        };
         let mut secrets: Vec<String> = Vec::new();
         for u in &s.urls {
             if let Ok(c) = redis::Client::open(u.as_str()) {
@@ -166,26 +202,30 @@ impl RedisBackend {
             }
         }
         let topology = match s.mode {
-            RedisMode::Standalone => {
-                Topology::Standalone(redis::Client::open(s.urls[0].as_str()).map_err(redis_err)?)
-            }
+            RedisMode::Standalone => Topology::Standalone(client(&s.urls[0], ca.as_ref())?),
             RedisMode::Sentinel => Topology::Sentinel {
                 sentinels: s
                     .urls
                     .iter()
-                    .map(|u| redis::Client::open(u.as_str()))
-                    .collect::<Result<_, _>>()
-                    .map_err(redis_err)?,
+                    .map(|u| client(u, ca.as_ref()))
+                    .collect::<Result<_, _>>()?,
                 master: s.sentinel_master.clone().unwrap_or_default(),
+                tls: s.urls[0].starts_with("rediss://").then(|| ca.clone()),
             },
-            RedisMode::Cluster => Topology::Cluster(Box::new(
-                redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
-                    .connection_timeout(Duration::from_millis(500))
-                    .response_timeout(budget.max(Duration::from_millis(100)))
-                    .retries(2)
-                    .build()
-                    .map_err(redis_err)?,
-            )),
+            RedisMode::Cluster => {
+                let mut builder =
+                    redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
+                        .connection_timeout(Duration::from_millis(500))
+                        .response_timeout(budget.max(Duration::from_millis(100)))
+                        .retries(2);
+                if let Some(pem) = &ca {
+                    builder = builder.certs(redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(pem.clone()),
+                    });
+                }
+                Topology::Cluster(Box::new(builder.build().map_err(redis_err)?))
+            }
         };
         Ok(Self::with(topology, budget, clock, secrets))
     }
@@ -439,7 +479,7 @@ impl Inner {
             if let Some(c) = self.probe_single.get() {
                 return Ok(Conn::Single(c.clone()));
             }
-            let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config())
+            let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config_with(0))
                 .map_err(redis_err)?;
             return Ok(Conn::Single(self.probe_single.get_or_init(|| c).clone()));
         }
@@ -454,18 +494,29 @@ impl Inner {
     /// database of the configured URL (the sentinels only say where it is).
     fn master_client(&self, addr: &str) -> Result<redis::Client, LimiterError> {
         use redis::IntoConnectionInfo;
-        let Topology::Sentinel { sentinels, .. } = &self.topology else {
+        let Topology::Sentinel { sentinels, tls, .. } = &self.topology else {
             return Err(LimiterError::NotConnected);
         };
         let settings = sentinels
             .first()
             .map(|s| s.get_connection_info().redis_settings().clone())
             .ok_or(LimiterError::NotConnected)?;
-        let info = format!("redis://{addr}")
+        let scheme = if tls.is_some() { "rediss" } else { "redis" };
+        let info = format!("{scheme}://{addr}")
             .into_connection_info()
             .map_err(redis_err)?
             .set_redis_settings(settings);
-        redis::Client::open(info).map_err(redis_err)
+        match tls {
+            Some(Some(pem)) => redis::Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                },
+            ),
+            _ => redis::Client::open(info),
+        }
+        .map_err(redis_err)
     }
 
     /// Asks the sentinels, in order, where the master is.
@@ -500,14 +551,16 @@ impl Inner {
     async fn ensure_connected(&self) -> Result<(), LimiterError> {
         match &self.topology {
             Topology::Standalone(_) => Ok(()),
-            Topology::Sentinel { sentinels, master } => {
+            Topology::Sentinel {
+                sentinels, master, ..
+            } => {
                 let addr = Self::sentinel_master(sentinels, master).await?;
                 let current = self.connected.load();
                 if current.as_ref().and_then(|c| c.master.as_deref()) == Some(addr.as_str()) {
                     return Ok(());
                 }
                 let client = self.master_client(&addr)?;
-                let conn = ConnectionManager::new_lazy_with_config(client, manager_config())
+                let conn = ConnectionManager::new_lazy_with_config(client, manager_config_with(0))
                     .map_err(redis_err)?;
                 tracing::info!(master = %addr, "limiter: sentinel master discovered");
                 self.connected.store(Some(Arc::new(Connected {
