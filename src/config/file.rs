@@ -47,7 +47,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     );
 
     let server = section(&mut r, root, "server", true).map(|t| server(&mut r, t));
-    let redis = section(&mut r, root, "redis", false).map(|t| redis(&mut r, t));
+    let redis = section(&mut r, root, "redis", false).map(|t| super::redis::read(&mut r, t));
     let limiter_t = section(&mut r, root, "limiter", false);
     let limiter = limiter(&mut r, limiter_t, redis.is_some());
     let clients_t = section(&mut r, root, "clients", false);
@@ -76,7 +76,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
         api_key(r, p, t, s, &plan_names)
     });
     let upstreams = array_of_tables(&mut r, root, "upstreams", true, |r, p, t, s| {
-        upstream(r, p, t, s)
+        super::upstreams::read(r, p, t, s)
     });
     let routes = array_of_tables(&mut r, root, "routes", true, |r, p, t, s| {
         super::routes::route(r, p, t, s, &upstream_names)
@@ -324,7 +324,11 @@ pub(super) fn socket_addr(
 }
 
 /// `host:port` where host may be a name (resolved when the gateway starts).
-fn host_port(r: &mut Reader<'_>, path: &str, (s, span): &(String, Range<usize>)) -> Option<String> {
+pub(super) fn host_port(
+    r: &mut Reader<'_>,
+    path: &str,
+    (s, span): &(String, Range<usize>),
+) -> Option<String> {
     let ok = match s.rsplit_once(':') {
         Some((host, port)) => {
             !host.is_empty()
@@ -537,112 +541,6 @@ fn limiter(
         headers: headers?,
         retry_after_jitter_ms: jitter?,
         local_max_entries: max_entries?,
-    })
-}
-
-fn redis(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
-    let p = "redis";
-    r.only_keys(
-        p,
-        t,
-        &[
-            "mode",
-            "urls",
-            "sentinel_master",
-            "timeout_ms",
-            "probe_interval_ms",
-            "key_prefix",
-            "ca_file",
-        ],
-    );
-    let mode = opt(r, t, p, "mode", RedisMode::Standalone, |r, path, v| {
-        r.choice(
-            path,
-            v,
-            &[
-                ("standalone", RedisMode::Standalone),
-                ("sentinel", RedisMode::Sentinel),
-                ("cluster", RedisMode::Cluster),
-            ],
-        )
-    });
-    let urls = req(r, t, p, None, "urls", |r, path, v| {
-        let items = r.strings(path, v)?;
-        let mut ok = !items.is_empty();
-        if items.is_empty() {
-            r.error(path, Some(&v.span()), "expected at least one Redis URL");
-        }
-        for (i, (u, span)) in items.iter().enumerate() {
-            // Never echo the URL: it may carry a password.
-            let problem = if !(u.starts_with("redis://") || u.starts_with("rediss://")) {
-                Some("expected a URL starting with redis:// or rediss:// (TLS)")
-            } else {
-                None
-            };
-            if let Some(problem) = problem {
-                ok = false;
-                r.error(&format!("{path}[{i}]"), Some(span), problem);
-            }
-        }
-        ok.then(|| items.into_iter().map(|(u, _)| u).collect::<Vec<_>>())
-    });
-    let sentinel_master = opt(r, t, p, "sentinel_master", None, |r, path, v| {
-        r.string(path, v).map(Some)
-    });
-    let timeout_ms = opt(r, t, p, "timeout_ms", 15, |r, path, v| {
-        r.int(path, v, 1, 60_000)
-    });
-    let probe = opt(r, t, p, "probe_interval_ms", 250, |r, path, v| {
-        r.int(path, v, 10, 600_000)
-    });
-    let prefix = opt(r, t, p, "key_prefix", "rl".to_string(), name);
-    let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.is_empty() {
-            r.error(path, Some(&v.span()), "expected a file path");
-            return None;
-        }
-        Some(Some(std::path::PathBuf::from(s)))
-    });
-    let (mode, urls, sentinel_master) = (mode?, urls?, sentinel_master?);
-    match mode {
-        RedisMode::Standalone if urls.len() != 1 => {
-            r.error(
-                "redis.urls",
-                None,
-                format!(
-                    "standalone mode takes exactly one URL, found {}",
-                    urls.len()
-                ),
-            );
-            return None;
-        }
-        RedisMode::Sentinel if sentinel_master.is_none() => {
-            r.error(
-                "redis.sentinel_master",
-                None,
-                "required when redis.mode = \"sentinel\"",
-            );
-            return None;
-        }
-        RedisMode::Standalone | RedisMode::Cluster if sentinel_master.is_some() => {
-            r.error(
-                "redis.sentinel_master",
-                None,
-                "only valid when redis.mode = \"sentinel\"",
-            );
-            return None;
-        }
-        _ => {}
-    }
-    Some(RedisSettings {
-        mode,
-        urls,
-        sentinel_master,
-        timeout_ms: timeout_ms?,
-        probe_interval_ms: probe?,
-        key_prefix: prefix?,
-        ca_file: ca_file?,
     })
 }
 
@@ -915,115 +813,5 @@ fn api_key(
         id: id?,
         digest: digest?,
         plan: plan?,
-    })
-}
-
-fn upstream(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> Option<Upstream> {
-    r.only_keys(
-        p,
-        t,
-        &[
-            "name",
-            "servers",
-            "health_check_path",
-            "connect_timeout_ms",
-            "read_timeout_ms",
-            "protocol",
-            "tls",
-            "sni",
-            "ca_file",
-            "verify",
-        ],
-    );
-    let uname = req(r, t, p, Some(span), "name", name);
-    let servers = req(r, t, p, Some(span), "servers", |r, path, v| {
-        non_empty(r, path, v, "server", host_port)
-    });
-    let hc = opt(r, t, p, "health_check_path", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.starts_with('/') {
-            Some(Some(s))
-        } else {
-            r.error(
-                path,
-                Some(&v.span()),
-                format!("expected a path starting with '/', found \"{s}\""),
-            );
-            None
-        }
-    });
-    let connect = opt(r, t, p, "connect_timeout_ms", 1000, |r, path, v| {
-        r.int(path, v, 1, 600_000)
-    });
-    let read = opt(r, t, p, "read_timeout_ms", 30_000, |r, path, v| {
-        r.int(path, v, 1, 3_600_000)
-    });
-    let protocol = opt(
-        r,
-        t,
-        p,
-        "protocol",
-        UpstreamProtocol::Http1,
-        |r, path, v| {
-            r.choice(
-                path,
-                v,
-                &[
-                    ("http1", UpstreamProtocol::Http1),
-                    ("h2", UpstreamProtocol::H2),
-                    ("h2c", UpstreamProtocol::H2c),
-                ],
-            )
-        },
-    );
-    let tls = opt(r, t, p, "tls", false, |r, path, v| r.boolean(path, v));
-    let sni = opt(r, t, p, "sni", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.is_empty() || s.contains(|c: char| c.is_whitespace() || c == '/') {
-            r.error(
-                path,
-                Some(&v.span()),
-                format!("expected a host name, found \"{s}\""),
-            );
-            return None;
-        }
-        Some(Some(s))
-    });
-    let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.is_empty() {
-            r.error(path, Some(&v.span()), "expected a file path");
-            return None;
-        }
-        Some(Some(std::path::PathBuf::from(s)))
-    });
-    let verify = opt(r, t, p, "verify", true, |r, path, v| r.boolean(path, v));
-    let (protocol, tls) = (protocol?, tls?);
-    // sni, ca_file and verify apply with tls = true only (the contract
-    // writes them beside tls = false, ready to switch on).
-    if !tls && protocol == UpstreamProtocol::H2 {
-        r.error(
-            &join(p, "protocol"),
-            r.spans.get(&join(p, "protocol")).cloned().as_ref(),
-            "\"h2\" needs tls = true (for HTTP/2 in plaintext use \"h2c\")",
-        );
-    } else if tls && protocol == UpstreamProtocol::H2c {
-        r.error(
-            &join(p, "protocol"),
-            r.spans.get(&join(p, "protocol")).cloned().as_ref(),
-            "\"h2c\" is HTTP/2 in plaintext; with tls = true use \"h2\"",
-        );
-    }
-    Some(Upstream {
-        name: uname?,
-        servers: servers?,
-        health_check_path: hc?,
-        connect_timeout_ms: connect?,
-        read_timeout_ms: read?,
-        protocol,
-        tls,
-        sni: sni?,
-        ca_file: ca_file?,
-        verify: verify?,
     })
 }

@@ -6,8 +6,10 @@
 mod file;
 pub mod model;
 mod reader;
+mod redis;
 mod routes;
 mod tls;
+mod upstreams;
 
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
