@@ -3,11 +3,15 @@
 //! reload, live in `proxy` (`Live`, `reload`): a reload swaps the policy, the
 //! upstream pools and the metric handles together.
 
+mod clients;
 mod file;
+mod limiter;
+mod limits;
 pub mod model;
 mod reader;
 mod redis;
 mod routes;
+mod server;
 mod tls;
 mod upstreams;
 

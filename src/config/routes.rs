@@ -6,7 +6,8 @@ use std::ops::Range;
 
 use toml::de::DeTable;
 
-use super::file::{limit, name, opt, req};
+use super::file::{name, opt, req};
+use super::limits::limit;
 use super::model::{HostPattern, Route};
 use super::reader::{join, Reader};
 use crate::path::normalize_path;

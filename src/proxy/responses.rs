@@ -253,3 +253,35 @@ async fn send_grpc(session: &mut Session, reply: Reply, request_id: &str) -> Res
         .await
         .map(|_| ())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The statuses a gRPC client is told for the gateway's own refusals.
+    #[test]
+    fn refusals_map_to_grpc_statuses() {
+        for (http, grpc) in [
+            (429, 8),
+            (401, 16),
+            (403, 7),
+            (503, 14),
+            (404, 12),
+            (405, 12),
+            (400, 3),
+            (413, 8),
+            (431, 8),
+            (502, 14),
+            (504, 4),
+            (500, 13),
+            (418, 2),
+        ] {
+            assert_eq!(grpc_status(http), grpc, "HTTP {http}");
+        }
+        assert_eq!(
+            grpc_message("retry after 5 ms: 100%"),
+            "retry after 5 ms: 100%25"
+        );
+        assert_eq!(grpc_message("caf\u{e9}"), "caf%C3%A9");
+    }
+}

@@ -1,0 +1,58 @@
+//! `[clients]`: who the client is (trusted proxies, IPv6 prefix), who is
+//! never limited or always refused, and where the API key is read from.
+
+use toml::de::DeTable;
+
+use super::file::{cidrs, opt};
+use super::model::Clients;
+use super::reader::Reader;
+
+pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Clients> {
+    let p = "clients";
+    let empty = DeTable::new();
+    let t = t.unwrap_or(&empty);
+    r.only_keys(
+        p,
+        t,
+        &[
+            "trusted_proxies",
+            "ipv6_prefix_len",
+            "allow",
+            "deny",
+            "api_key_header",
+        ],
+    );
+    let trusted = opt(r, t, p, "trusted_proxies", vec![], cidrs);
+    let v6 = opt(r, t, p, "ipv6_prefix_len", 64, |r, path, v| {
+        r.int(path, v, 1, 128).map(|n| n as u8)
+    });
+    let allow = opt(r, t, p, "allow", vec![], cidrs);
+    let deny = opt(r, t, p, "deny", vec![], cidrs);
+    let header = opt(
+        r,
+        t,
+        p,
+        "api_key_header",
+        "x-api-key".to_string(),
+        |r, path, v| {
+            let s = r.string(path, v)?;
+            if http::HeaderName::from_bytes(s.as_bytes()).is_ok() {
+                Some(s.to_ascii_lowercase())
+            } else {
+                r.error(
+                    path,
+                    Some(&v.span()),
+                    format!("expected an HTTP header name, found \"{s}\""),
+                );
+                None
+            }
+        },
+    );
+    Some(Clients {
+        trusted_proxies: trusted?,
+        ipv6_prefix_len: v6?,
+        allow: allow?,
+        deny: deny?,
+        api_key_header: header?,
+    })
+}
