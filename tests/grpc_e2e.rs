@@ -17,6 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use support::pki::Pki;
 use support::{free_port, wait_for, GatewayGuard};
 
 /// The repo's virtualenv interpreter, checked to have `grpc`: without it
@@ -328,70 +329,11 @@ fn the_rate_limit_is_resource_exhausted_to_a_grpc_client() {
     );
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("openssl (scripts/setup.sh installs it)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA (`ca.crt`) and a leaf for `name` it signs (`leaf.crt`, `leaf.key`).
-fn make_pki(dir: &Path, name: &str) {
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    let mut ca = vec!["req", "-x509"];
-    ca.extend_from_slice(&ec);
-    ca.extend_from_slice(&[
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=test-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-    ]);
-    openssl(dir, &ca);
-    fs::write(dir.join("leaf.ext"), format!("subjectAltName=DNS:{name}\n")).expect("ext");
-    let subj = format!("/CN={name}");
-    let mut req = vec!["req"];
-    req.extend_from_slice(&ec);
-    req.extend_from_slice(&[
-        "-nodes", "-subj", &subj, "-keyout", "leaf.key", "-out", "leaf.csr",
-    ]);
-    openssl(dir, &req);
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "leaf.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "leaf.ext",
-            "-out",
-            "leaf.crt",
-        ],
-    );
-}
-
 #[test]
 fn unary_call_over_a_tls_listener_with_alpn_h2() {
-    let pki = tempfile::tempdir().expect("temp dir");
-    make_pki(pki.path(), "grpc.test");
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.leaf("ca", "leaf", &["grpc.test"]);
     let server = EchoServer::start();
     let tls_port = free_port();
     let gw = gateway(
@@ -400,13 +342,13 @@ fn unary_call_over_a_tls_listener_with_alpn_h2() {
         &format!(
             "\n[server.tls]\nlisten = [\"127.0.0.1:{tls_port}\"]\n\
              certificates = [{{ cert_file = \"{}\", key_file = \"{}\" }}]\n",
-            pki.path().join("leaf.crt").display(),
-            pki.path().join("leaf.key").display()
+            pki.path("leaf.crt").display(),
+            pki.path("leaf.key").display()
         ),
     );
     // gRPC over TLS insists on ALPN h2; the client verifies the certificate
     // against our CA under the name it was made for.
-    let ca = pki.path().join("ca.crt").display().to_string();
+    let ca = pki.path("ca.crt").display().to_string();
     let said = grpc_client(
         &format!("127.0.0.1:{tls_port}"),
         &[
