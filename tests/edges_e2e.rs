@@ -315,6 +315,19 @@ fn the_live_replica_count_replaces_the_configured_one() {
 fn a_refusing_redis_is_loud() {
     let up = UpstreamGuard::start();
     let redis = RedisGuard::start_with_password(&[], "right-password");
+    // An ACL user that may log in but not run the limiter's commands.
+    assert!(redis
+        .cmd(&[
+            "ACL",
+            "SETUSER",
+            "limited",
+            "on",
+            ">user-password",
+            "~*",
+            "+ping",
+            "+get"
+        ])
+        .contains("OK"));
     let cases = [
         (
             "wrong password",
@@ -330,6 +343,11 @@ fn a_refusing_redis_is_loud() {
             "database out of range",
             format!("redis://:right-password@127.0.0.1:{}/99", redis.port),
             "database",
+        ),
+        (
+            "ACL without the limiter's commands",
+            format!("redis://limited:user-password@127.0.0.1:{}", redis.port),
+            "permission",
         ),
     ];
     for (what, url, reason) in cases {
@@ -350,7 +368,7 @@ fn a_refusing_redis_is_loud() {
                 .any(|l| l.contains("ERROR") && l.contains("refuses this gateway")),
             "{what}: an error line in the log"
         );
-        for secret in ["wrong-password", "right-password"] {
+        for secret in ["wrong-password", "right-password", "user-password"] {
             assert!(!ready.contains(secret), "{what}: /readyz shows a password");
             assert!(!log.contains(secret), "{what}: the log shows a password");
         }
