@@ -21,6 +21,16 @@
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
 #   gateway_redis         all three tiers on Redis, admitting everything
 #   gateway_redis_denied  one client already over its route limit, flooding: all 429
+#   gateway_tls           gateway_off on its [server.tls] listener: HTTP/1.1 with
+#                         keep-alive over TLS (wrk and fixedrate to https://)
+#   nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
+#
+# The TLS pair serves one ECDSA P-256 certificate signed by a CA, both made per
+# run with the openssl CLI into the run folder (tls/); ssl protocols TLS 1.2
+# and 1.3 on both, each side's default ciphers (the negotiated ones, from
+# openssl s_client, are in the summary). Reported, never pass/fail: CPU per
+# request gateway_tls / nginx_tls beside gateway_off / nginx_limit_req, and
+# what TLS adds on each side.
 #
 # Per target and round: max throughput (wrk, --connections fixed) with the CPU
 # the proxy's processes spent per request (/proc/PID/stat; nginx: master and
@@ -61,7 +71,8 @@
 # Needs target/release/gateway and target/release/mock-upstream (cargo build
 # --release) and, for pingora_bare, target/release/examples/bare_proxy (cargo
 # build --release --example bare_proxy); it never builds them. Also wrk, nginx,
-# redis-server, a C compiler (installed with apt-get when missing) and
+# redis-server, openssl, a C compiler and OpenSSL's headers (installed with
+# apt-get when missing) and
 # matplotlib in .venv (installed with pip when missing).
 set -euo pipefail
 
@@ -113,6 +124,8 @@ command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || need+=(nginx)
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
 command -v cc >/dev/null || need+=(gcc libc6-dev)
+command -v openssl >/dev/null || need+=(openssl)
+[[ -e /usr/include/openssl/ssl.h ]] || need+=(libssl-dev)
 if ((${#need[@]})); then
   echo "bench.sh: installing ${need[*]} with apt-get" >&2
   as_root apt-get update -qq
@@ -135,7 +148,7 @@ fi
 tools=$here/results/.tools
 mkdir -p "$tools"
 if [[ ! -x $tools/fixedrate || $here/bench/fixedrate.c -nt $tools/fixedrate ]]; then
-  cc -O2 -Wall -o "$tools/fixedrate.tmp" "$here/bench/fixedrate.c"
+  cc -O2 -Wall -o "$tools/fixedrate.tmp" "$here/bench/fixedrate.c" -lssl -lcrypto
   mv "$tools/fixedrate.tmp" "$tools/fixedrate"
 fi
 

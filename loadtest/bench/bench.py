@@ -18,6 +18,12 @@ Targets, side by side (see BENCHMARKS.md):
     gateway_local         all three tiers on the local backend
     gateway_redis         all three tiers on Redis, admitting everything
     gateway_redis_denied  one client over its route limit, flooding: all 429
+    gateway_tls           gateway_off on its [server.tls] listener (HTTP/1.1, keep-alive)
+    nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
+
+The TLS pair shares one ECDSA P-256 certificate signed by a CA, both made per
+run with the openssl CLI into RUN_DIR/tls/; TLS 1.2 and 1.3 on both sides,
+each with its default ciphers (the ones negotiated are recorded).
 
 Per target and round: max throughput (wrk, fixed connections) with the CPU
 the proxy's processes spent per request (/proc/PID/stat utime+stime; nginx:
@@ -39,6 +45,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -63,10 +70,14 @@ TARGETS = [
     "gateway_local",
     "gateway_redis",
     "gateway_redis_denied",
+    "gateway_tls",
+    "nginx_tls",
 ]
 GATEWAY_TARGETS = [t for t in TARGETS if t.startswith("gateway_")]
 REDIS_TARGETS = ["gateway_redis", "gateway_redis_denied"]
 LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_denied"]
+NGINX_TARGETS = ["nginx_limit_req", "nginx_tls"]
+TLS_TARGETS = ["gateway_tls", "nginx_tls"]
 API_KEY = "bench-key-0001"
 PATH = "/api/bench"
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
@@ -166,10 +177,11 @@ class Procs:
         self.items.clear()
 
 
-def http_get(url: str, headers: dict | None = None, timeout: float = 2.0) -> tuple[int, dict, bytes]:
+def http_get(url: str, headers: dict | None = None, timeout: float = 2.0,
+             context: ssl.SSLContext | None = None) -> tuple[int, dict, bytes]:
     req = urllib.request.Request(url, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
@@ -189,6 +201,45 @@ def wait_until(what: str, pred, secs: float, proc: subprocess.Popen | None = Non
         time.sleep(0.1)
     tail = log_path.read_text(errors="replace")[-2000:] if log_path else ""
     raise BenchError(f"{what}: not ready after {secs}s\n{tail}")
+
+
+# --- TLS: the certificate and what was negotiated --------------------------------------
+
+
+def openssl(argv: list[str], cwd: Path) -> None:
+    out = subprocess.run(["openssl", *argv], cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BenchError(f"openssl {' '.join(argv)}: {out.stderr.strip()}")
+
+
+def make_tls_files(d: Path) -> dict:
+    """A CA and an ECDSA P-256 leaf it signs (127.0.0.1, localhost), for the TLS pair."""
+    d.mkdir(exist_ok=True)
+    p256 = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    openssl(["req", "-x509", *p256, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+             "-subj", "/CN=loadtest bench CA"], d)
+    openssl(["req", *p256, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=localhost"], d)
+    (d / "tls.ext").write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\nbasicConstraints = CA:FALSE\n"
+                               "keyUsage = digitalSignature\nextendedKeyUsage = serverAuth\n")
+    openssl(["x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "2", "-extfile", "tls.ext", "-out", "tls.crt"], d)
+    return {"ca": d / "ca.crt", "cert": d / "tls.crt", "key": d / "tls.key"}
+
+
+def negotiated_tls(addr: str) -> dict:
+    """What `openssl s_client` (OpenSSL's client defaults, as wrk's) negotiates with addr."""
+    out = subprocess.run(["openssl", "s_client", "-connect", addr, "-servername", "localhost"],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10).stdout
+    m = re.search(r"^New, (\S+), Cipher is (\S+)", out, re.M)
+    key = re.search(r"^(?:Server Temp Key|Negotiated TLS1\.3 group): (.+)$", out, re.M)
+    return {"protocol": m.group(1) if m else None, "cipher": m.group(2) if m else None,
+            "key_exchange": key.group(1).strip() if key else None}
+
+
+def nginx_ssl_directives(tls: dict) -> str:
+    """nginx_tls's ssl_* directives (one line): its ciphers are nginx's defaults."""
+    return (f"ssl_certificate {tls['cert']}; ssl_certificate_key {tls['key']}; "
+            f"ssl_protocols TLSv1.2 TLSv1.3;")
 
 
 # --- /proc and Redis counters -----------------------------------------------------------
@@ -308,7 +359,9 @@ class Bench:
         self.tools = tools
         self.procs = Procs()
         self.warnings: list[str] = []
-        self.t: dict[str, dict] = {}  # target -> {url, pids(), admin, headers, proc}
+        self.t: dict[str, dict] = {}  # target -> {url, pids(), admin, headers, proc, ssl}
+        self.tls: dict | None = None  # the TLS pair's files: ca, cert, key
+        self.tls_client: ssl.SSLContext | None = None  # trusts that CA
         self.redis: Redis | None = None
         self.redis_proc = None
         self.mock_proc = None
@@ -339,7 +392,7 @@ class Bench:
 
     def start_servers(self, targets: list[str]) -> None:
         a, out = self.a, self.out
-        ports = iter(free_ports(2 + 2 * len(targets) + 2))
+        ports = iter(free_ports(2 + 3 * len(targets) + 2))
         logs = out / "logs"
         cfg = out / "config"
         self.redis_port = next(ports)
@@ -369,25 +422,11 @@ class Bench:
         self.t["direct"] = {"url": f"http://{upstream}{PATH}", "pids": lambda: [self.mock_proc.pid],
                             "headers": {}, "proc": self.mock_proc}
 
-        if "nginx_limit_req" in targets:
-            port = next(ports)
-            (out / "nginx-tmp").mkdir(exist_ok=True)
-            conf = self.render("nginx.conf", cfg / "nginx.conf", THREADS=a.threads, RUN_DIR=out,
-                               UPSTREAM_ADDR=upstream, LISTEN_ADDR=f"127.0.0.1:{port}")
-            nl = logs / "nginx.log"
-            chk = subprocess.run(["nginx", "-t", "-q", "-p", str(out), "-c", str(conf), "-e", str(logs / "nginx-error.log")],
-                                 capture_output=True, text=True)
-            if chk.returncode != 0:
-                raise BenchError(f"nginx -t failed:\n{chk.stderr}")
-            p = self.procs.start("nginx", ["nginx", "-p", str(out), "-c", str(conf), "-e", str(logs / "nginx-error.log")], nl)
-            url = f"http://127.0.0.1:{port}{PATH}"
-            wait_until("nginx", lambda: http_get(url)[0] == 200, 10, p, nl)
-            workers = children_of(p.pid)
-            if len(workers) != a.threads:
-                warn(f"nginx has {len(workers)} worker processes, expected {a.threads}", self.warnings)
-            self.t["nginx_limit_req"] = {"url": url, "pids": lambda p=p: [p.pid] + children_of(p.pid),
-                                         "headers": {}, "proc": p, "workers": workers}
-            self.our_pids += [p.pid] + workers
+        if any(t in TLS_TARGETS for t in targets):
+            self.tls = make_tls_files(out / "tls")
+            self.tls_client = ssl.create_default_context(cafile=str(self.tls["ca"]))
+        for t in [t for t in targets if t in NGINX_TARGETS]:
+            self.start_nginx(t, next(ports), upstream)
 
         if "pingora_bare" in targets:
             port = next(ports)
@@ -415,8 +454,12 @@ class Bench:
             subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
                         UPSTREAM_ADDR=upstream)
             dest = cfg / f"{t}.toml"
+            tls_port = next(ports) if t == "gateway_tls" else None
             if t == "gateway_off":
                 self.render("gateway.off.toml", dest, **subs)
+            elif t == "gateway_tls":
+                self.render("gateway.tls.toml", dest, **subs, TLS_LISTEN_ADDR=f"127.0.0.1:{tls_port}",
+                            CERT_FILE=self.tls["cert"], KEY_FILE=self.tls["key"])
             else:
                 backend = "local" if t == "gateway_local" else "redis"
                 denied = t == "gateway_redis_denied"
@@ -434,8 +477,10 @@ class Bench:
             env = dict(os.environ, GATEWAY_LOG="warn")
             p = self.procs.start(t, [str(self.gateway), "run", "-c", str(dest)], gl, stop_sig=signal.SIGINT, env=env)
             admin = f"127.0.0.1:{admin_port}"
-            self.t[t] = {"url": f"http://127.0.0.1:{port}{PATH}", "pids": lambda p=p: [p.pid], "admin": admin,
-                         "headers": {"x-api-key": API_KEY} if t in LIMITED_TARGETS else {}, "proc": p, "log": gl}
+            url = f"https://127.0.0.1:{tls_port}{PATH}" if tls_port else f"http://127.0.0.1:{port}{PATH}"
+            self.t[t] = {"url": url, "pids": lambda p=p: [p.pid], "admin": admin,
+                         "headers": {"x-api-key": API_KEY} if t in LIMITED_TARGETS else {}, "proc": p, "log": gl,
+                         "ssl": self.tls_client if tls_port else None}
             self.our_pids.append(p.pid)
 
         for t in [t for t in targets if t in GATEWAY_TARGETS]:
@@ -449,6 +494,38 @@ class Bench:
 
             wait_until(f"{t} (/readyz backend {want})", ready, 30, info["proc"], info["log"])
 
+    def start_nginx(self, t: str, port: int, upstream: str) -> None:
+        """One nginx (master + workers) for nginx_limit_req or nginx_tls, from nginx.conf."""
+        a, out, logs = self.a, self.out, self.out / "logs"
+        tls = t in TLS_TARGETS
+        (out / "nginx-tmp").mkdir(exist_ok=True)
+        conf = self.render("nginx.conf", out / "config" / f"{t}.conf", THREADS=a.threads, RUN_DIR=out, NAME=t,
+                           UPSTREAM_ADDR=upstream, LISTEN=f"127.0.0.1:{port}" + (" ssl" if tls else ""),
+                           SSL_DIRECTIVES=nginx_ssl_directives(self.tls) if tls else "# plaintext")
+        argv = ["nginx", "-p", str(out), "-c", str(conf), "-e", str(logs / f"{t}-error.log")]
+        chk = subprocess.run(argv[:1] + ["-t", "-q"] + argv[1:], capture_output=True, text=True)
+        if chk.returncode != 0:
+            raise BenchError(f"nginx -t ({t}) failed:\n{chk.stderr}")
+        nl = logs / f"{t}.log"
+        p = self.procs.start(t, argv, nl)
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}{PATH}"
+        ctx = self.tls_client if tls else None
+        wait_until(t, lambda: http_get(url, context=ctx)[0] == 200, 10, p, nl)
+        workers = children_of(p.pid)
+        if len(workers) != a.threads:
+            warn(f"{t}: nginx has {len(workers)} worker processes, expected {a.threads}", self.warnings)
+        self.t[t] = {"url": url, "pids": lambda p=p: [p.pid] + children_of(p.pid),
+                     "headers": {}, "proc": p, "workers": workers, "ssl": ctx}
+        self.our_pids += [p.pid] + workers
+
+    def negotiated(self, targets: list[str]) -> dict:
+        """The TLS version and cipher each TLS target negotiates (openssl s_client)."""
+        res = {}
+        for t in [t for t in targets if t in TLS_TARGETS]:
+            res[t] = negotiated_tls(self.t[t]["url"].split("/")[2])
+            log(f"{t}: {res[t]['protocol']} {res[t]['cipher']} ({res[t]['key_exchange']})")
+        return res
+
     def prime(self, targets: list[str]) -> None:
         """One request per target, its answer kept; the denied client spends its token."""
         for t in targets:
@@ -456,7 +533,7 @@ class Bench:
             hdr = info["headers"]
             statuses = []
             for _ in range(3 if t == "gateway_redis_denied" else 1):
-                st, headers, body = http_get(info["url"], hdr)
+                st, headers, body = http_get(info["url"], hdr, context=info.get("ssl"))
                 statuses.append(st)
             with open(self.out / "logs" / f"{t}-first-response.txt", "w") as f:
                 f.write(f"GET {info['url']} {hdr}\n{statuses}\n")
@@ -602,6 +679,8 @@ class Bench:
              "service_time_ms": f["service_time_ms"], "status": f["status"],
              "errors": {k: v for k, v in f["errors"].items() if v}, "reconnects": f["reconnects"],
              "unfinished": f["unfinished"], "never_sent": f["never_sent"]}
+        if target in TLS_TARGETS:
+            r["tls"] = f.get("tls")  # what fixedrate's own connections negotiated
         d = self.diff(target, b, e, f["completed_total"], e["wall"] - b["wall"], lg_ticks)
         r.update({k: v for k, v in d.items()})
         r["loadgen_cpu_cores"] = lg_ticks / CLK_TCK / (e["wall"] - b["wall"])
@@ -905,7 +984,33 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
     s.update(extra)
     s["checks"] = compute_checks(s)
     s["context"] = compute_context(s)
+    if any(t in s["targets"] for t in TLS_TARGETS):
+        s["tls"] = compute_tls(s["targets"], extra.get("tls_negotiated", {}))
     return s
+
+
+def compute_tls(T: dict, negotiated: dict) -> dict:
+    """The TLS pair's CPU per request side by side (reported, never pass/fail),
+    with the plaintext pair of the same run and what TLS adds on each side."""
+
+    def cpu(t):
+        return T.get(t, {}).get("cpu_us_per_req")
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    def added(tls, plain):
+        return cpu(tls) - cpu(plain) if cpu(tls) is not None and cpu(plain) is not None else None
+
+    return {
+        "gateway_cpu_us_per_req": cpu("gateway_tls"),
+        "nginx_cpu_us_per_req": cpu("nginx_tls"),
+        "ratio": ratio(cpu("gateway_tls"), cpu("nginx_tls")),
+        "plaintext_ratio": ratio(cpu("gateway_off"), cpu("nginx_limit_req")),
+        "gateway_tls_added_us_per_req": added("gateway_tls", "gateway_off"),
+        "nginx_tls_added_us_per_req": added("nginx_tls", "nginx_limit_req"),
+        "negotiated": negotiated,
+    }
 
 
 def compute_context(s: dict) -> list[dict]:
@@ -1019,6 +1124,7 @@ def markdown(s: dict) -> str:
         for c in ctx:
             L.append(f"- {c['label']}: {fmt(c['value'], 3)}")
         L.append("")
+    L += tls_md(s)
     L.append("| target (issue) | value | limit | result |")
     L.append("|---|--:|--:|---|")
     for c in s["checks"]:
@@ -1026,6 +1132,27 @@ def markdown(s: dict) -> str:
         L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | {res} |")
     L += memory_md(s)
     return "\n".join(L) + "\n"
+
+
+def tls_md(s: dict) -> list[str]:
+    """The TLS pair's paragraph of summary.md (reported, not a target of the issue)."""
+    tls = s.get("tls")
+    if not tls:
+        return []
+    neg = "; ".join(f"`{t}` {n['protocol']} {n['cipher']} ({n['key_exchange']})"
+                    for t, n in tls.get("negotiated", {}).items())
+    return [
+        "TLS (reported, not pass/fail; HTTP/1.1 keep-alive over TLS, one ECDSA P-256 certificate for both):",
+        "",
+        f"- CPU µs/req: `gateway_tls` {fmt(tls['gateway_cpu_us_per_req'], 1)}, `nginx_tls` "
+        f"{fmt(tls['nginx_cpu_us_per_req'], 1)}; gateway_tls / nginx_tls: **{fmt(tls['ratio'], 3)}**",
+        f"- the same run in plaintext: gateway_off / nginx_limit_req {fmt(tls['plaintext_ratio'], 3)}",
+        f"- what TLS adds per request: gateway {fmt(tls['gateway_tls_added_us_per_req'], 1)} µs "
+        f"(gateway_tls − gateway_off), nginx {fmt(tls['nginx_tls_added_us_per_req'], 1)} µs "
+        f"(nginx_tls − nginx_limit_req)",
+        f"- negotiated (openssl s_client): {neg or 'n/a'}",
+        "",
+    ]
 
 
 def memory_md(s: dict) -> list[str]:
@@ -1056,7 +1183,8 @@ def chart(s: dict, path: Path) -> None:
     T = s["targets"]
     names = list(T)
     x = range(len(names))
-    colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e"}
+    colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e",
+              "nginx_tls": "#98df8a", "gateway_tls": "#9467bd"}
     col = [colors.get(n, "#1f77b4") for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
 
@@ -1181,6 +1309,11 @@ def publish(out: Path) -> None:
 # --- main ---------------------------------------------------------------------------------
 
 
+def is_wrk_tls_connection_line(line: str) -> bool:
+    """A line the TLS listener logs per wrk connection, not per request (see run)."""
+    return "Illegal SNI extension: ignoring IP address" in line or "tls handshake eof" in line
+
+
 def run(args) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     targets = [t for t in TARGETS if t in args.targets] if args.targets else list(TARGETS)
@@ -1217,6 +1350,7 @@ def run(args) -> int:
         b.start_servers(targets)
         if not args.memory_only:
             b.prime(targets)
+            extra["tls_negotiated"] = b.negotiated(targets)
             per = args.warmup + args.duration + 0.7
             per_l = args.warmup + args.latency_duration + 0.7
             eta = len(targets) * args.rounds * (per + per_l)
@@ -1277,7 +1411,9 @@ def run(args) -> int:
     # What the gateways logged at warn level or above (bare_proxy installs no
     # logger: only a panic would show). A request abandoned by wrk at the end
     # of a window is logged as "Downstream ConnectionClosed": counted, not
-    # warned about.
+    # warned about. So are gateway_tls's per-connection lines: wrk sends the IP
+    # address as SNI (rustls: "Illegal SNI extension", ignored) and opens one
+    # connection it closes at once to check the address ("tls handshake eof").
     gateway_logs = {}
     for t in list(targets) + (["memory-gateway"] if "memory" in extra else []):
         lp = out / "logs" / f"{t}.log"
@@ -1285,9 +1421,12 @@ def run(args) -> int:
             lines = [ln for ln in lp.read_text(errors="replace").splitlines()
                      if re.search(r"\b(WARN|ERROR|panic)", ln, re.I)]
             aborts = [ln for ln in lines if "Downstream ConnectionClosed" in ln]
-            rest = [ln for ln in lines if "Downstream ConnectionClosed" not in ln]
+            tls_conn = [ln for ln in lines if is_wrk_tls_connection_line(ln)]
+            rest = [ln for ln in lines if "Downstream ConnectionClosed" not in ln and not is_wrk_tls_connection_line(ln)]
             gateway_logs[t] = {"warn_or_error_lines": len(lines), "downstream_closed": len(aborts),
                                "other_first": rest[:5]}
+            if tls_conn:
+                gateway_logs[t]["wrk_tls_connection_lines"] = len(tls_conn)
             if rest:
                 warn(f"{t} logged {len(rest)} warning/error lines (besides {len(aborts)} downstream-closed), "
                      f"first: {rest[0][:240]}", b.warnings)

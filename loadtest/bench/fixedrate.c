@@ -21,7 +21,13 @@
  *
  * Loopback only: the host must be a literal IPv4 address in 127.0.0.0/8.
  *
- * Build: cc -O2 -o fixedrate fixedrate.c   (loadtest/bench.sh does this)
+ * An https:// url is HTTP/1.1 over TLS (OpenSSL, its default protocols and
+ * ciphers, no ALPN, as wrk does): each connection's handshake is done,
+ * blocking, when it is opened, before the schedule needs it; the server's
+ * certificate is not verified (loopback, the benchmark's own). The TLS
+ * version and cipher of the first connection go into the JSON ("tls").
+ *
+ * Build: cc -O2 -o fixedrate fixedrate.c -lssl -lcrypto   (loadtest/bench.sh does this)
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -29,6 +35,8 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -49,6 +57,7 @@ enum { P_HEAD, P_BODY, P_CHUNK_SIZE, P_CHUNK_DATA, P_CHUNK_CRLF, P_TRAILER, P_UN
 
 typedef struct {
     int fd;
+    SSL *ssl;          /* https only */
     int busy;          /* a request is in flight */
     int64_t intended;  /* its intended send time (ns) */
     int64_t sent;      /* when it was actually written (ns) */
@@ -69,6 +78,7 @@ static size_t req_len;
 static conn_t *conns;
 static int nconns = 32;
 static int epfd, tfd;
+static SSL_CTX *tls_ctx; /* NULL for http:// */
 
 static long status_count[600];
 static long errors_connect, errors_io, errors_parse, reconnects, unfinished;
@@ -86,6 +96,55 @@ static void die(const char *msg) {
     exit(2);
 }
 
+static char tls_version[32], tls_cipher[64]; /* of the first connection */
+
+/* The TLS handshake on a connected (still blocking) socket; NULL on failure. */
+static SSL *tls_handshake(int fd) {
+    SSL *ssl = SSL_new(tls_ctx);
+    if (!ssl) return NULL;
+    SSL_set_fd(ssl, fd);
+    if (SSL_connect(ssl) != 1) {
+        ERR_print_errors_fp(stderr);
+        SSL_free(ssl);
+        return NULL;
+    }
+    if (!tls_version[0]) {
+        snprintf(tls_version, sizeof tls_version, "%s", SSL_get_version(ssl));
+        snprintf(tls_cipher, sizeof tls_cipher, "%s", SSL_get_cipher_name(ssl));
+    }
+    return ssl;
+}
+
+/* read(2) / write(2), or their TLS counterparts: the same return values,
+ * with errno EAGAIN while TLS waits for the socket (either way: the
+ * connection is always watched for input, and for output while a request is
+ * unwritten, so a retry comes). */
+static ssize_t tls_result(SSL *ssl, int n) {
+    if (n > 0) return n;
+    switch (SSL_get_error(ssl, n)) {
+    case SSL_ERROR_WANT_READ:
+    case SSL_ERROR_WANT_WRITE:
+        errno = EAGAIN;
+        return -1;
+    case SSL_ERROR_ZERO_RETURN:
+        return 0;
+    default:
+        ERR_clear_error();
+        errno = EIO;
+        return -1;
+    }
+}
+
+static ssize_t conn_read(conn_t *c, void *buf, size_t len) {
+    if (!c->ssl) return read(c->fd, buf, len);
+    return tls_result(c->ssl, SSL_read(c->ssl, buf, (int)len));
+}
+
+static ssize_t conn_write(conn_t *c, const void *buf, size_t len) {
+    if (!c->ssl) return write(c->fd, buf, len);
+    return tls_result(c->ssl, SSL_write(c->ssl, buf, (int)len));
+}
+
 static int open_conn(conn_t *c) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -1;
@@ -95,13 +154,20 @@ static int open_conn(conn_t *c) {
         close(fd);
         return -1;
     }
+    SSL *ssl = NULL;
+    if (tls_ctx && !(ssl = tls_handshake(fd))) {
+        close(fd);
+        return -1;
+    }
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
     if (epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        SSL_free(ssl);
         close(fd);
         return -1;
     }
     c->fd = fd;
+    c->ssl = ssl;
     c->blen = 0;
     c->state = P_HEAD;
     c->close_after = 0;
@@ -111,8 +177,10 @@ static int open_conn(conn_t *c) {
 static void close_conn(conn_t *c) {
     if (c->fd >= 0) {
         epoll_ctl(epfd, EPOLL_CTL_DEL, c->fd, NULL);
+        SSL_free(c->ssl); /* no close_notify: the connection is dropped either way */
         close(c->fd);
     }
+    c->ssl = NULL;
     c->fd = -1;
 }
 
@@ -145,7 +213,7 @@ static void set_writable_interest(conn_t *c, int want) {
 /* Writes (the rest of) the request; returns -1 on a broken connection. */
 static int flush_req(conn_t *c) {
     while (c->woff < req_len) {
-        ssize_t n = write(c->fd, req + c->woff, req_len - c->woff);
+        ssize_t n = conn_write(c, req + c->woff, req_len - c->woff);
         if (n < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
                 set_writable_interest(c, 1);
@@ -359,7 +427,7 @@ static int parse(conn_t *c) {
 static void on_readable(conn_t *c) {
     for (;;) {
         if (c->fd < 0) return;
-        ssize_t n = read(c->fd, c->buf + c->blen, RBUF - c->blen);
+        ssize_t n = conn_read(c, c->buf + c->blen, RBUF - c->blen);
         if (n < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) return;
             if (errno == EINTR) continue;
@@ -398,7 +466,7 @@ static double pct(int64_t *v, size_t n, double p) {
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: fixedrate --url http://127.0.0.1:PORT/PATH --rate RPS --duration SECS\n"
+            "usage: fixedrate --url http[s]://127.0.0.1:PORT/PATH --rate RPS --duration SECS\n"
             "                 [--warmup SECS] [--connections N] [--header 'k: v']... [--timeout SECS] [--out FILE]\n");
     exit(2);
 }
@@ -427,10 +495,17 @@ int main(int argc, char **argv) {
     }
     if (!url || rate <= 0 || duration <= 0 || nconns < 1 || nconns > MAX_CONNS) usage();
 
-    /* http://A.B.C.D:PORT/PATH */
-    if (strncmp(url, "http://", 7)) die("the url must be http://");
+    /* http[s]://A.B.C.D:PORT/PATH */
+    int https = !strncmp(url, "https://", 8);
+    if (strncmp(url, "http://", 7) && !https) die("the url must be http:// or https://");
+    if (https) {
+        tls_ctx = SSL_CTX_new(TLS_client_method());
+        if (!tls_ctx) die("SSL_CTX_new");
+        SSL_CTX_set_verify(tls_ctx, SSL_VERIFY_NONE, NULL);
+        SSL_CTX_set_mode(tls_ctx, SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+    }
     char host[64];
-    const char *hp = url + 7;
+    const char *hp = url + (https ? 8 : 7);
     const char *slash = strchr(hp, '/');
     const char *path = slash ? slash : "/";
     size_t hl = slash ? (size_t)(slash - hp) : strlen(hp);
@@ -438,7 +513,7 @@ int main(int argc, char **argv) {
     memcpy(host, hp, hl);
     host[hl] = 0;
     char *colon = strchr(host, ':');
-    int port = 80;
+    int port = https ? 443 : 80;
     if (colon) { *colon = 0; port = atoi(colon + 1); }
     memset(&addr, 0, sizeof addr);
     addr.sin_family = AF_INET;
@@ -543,12 +618,13 @@ int main(int argc, char **argv) {
                      "{\"url\":\"%s\",\"connections\":%d,\"rate_target\":%.1f,\"rate_achieved\":%.1f,"
                      "\"duration_s\":%.3f,\"warmup_s\":%.3f,\"sent\":%ld,\"completed\":%ld,\"unfinished\":%ld,"
                      "\"never_sent\":%ld,\"sent_total\":%ld,\"completed_total\":%ld,\"errors\":{\"connect\":%ld,\"io\":%ld,\"parse\":%ld},\"reconnects\":%ld,"
-                     "\"max_send_lag_ms\":%.3f,"
+                     "\"max_send_lag_ms\":%.3f,\"tls\":{\"version\":\"%s\",\"cipher\":\"%s\"},"
                      "\"latency_ms\":{\"p50\":%.4f,\"p90\":%.4f,\"p99\":%.4f,\"p999\":%.4f,\"max\":%.4f,\"mean\":%.4f},"
                      "\"service_time_ms\":{\"p50\":%.4f,\"p90\":%.4f,\"p99\":%.4f,\"p999\":%.4f,\"max\":%.4f},"
                      "\"status\":{",
                      url, nconns, rate, achieved, duration, warmup, sent_measured, completed_measured, unfinished,
                      never_sent, sent_total, completed_total, errors_connect, errors_io, errors_parse, reconnects, (double)max_send_lag / 1e6,
+                     tls_version, tls_cipher,
                      pct(lc, nc, 50), pct(lc, nc, 90), pct(lc, nc, 99), pct(lc, nc, 99.9),
                      nc ? (double)lc[nc - 1] / 1e6 : -1, mean,
                      pct(lr, nr, 50), pct(lr, nr, 90), pct(lr, nr, 99), pct(lr, nr, 99.9),
