@@ -167,6 +167,19 @@ pub struct Plan {
     pub checks: Arc<[Check]>,
 }
 
+/// The route a refused request is counted under (metrics, access log):
+/// the route it matched, or for a 405 the one its path matched; `None` when
+/// no route matches its path. Only called for refusals (the cold path).
+pub fn refused_route(policy: &Policy, req: &RequestView<'_>) -> Option<usize> {
+    let path = normalize_path(req.path).ok()?;
+    let host = req.host.map(host_of);
+    match policy.routes.find(host.as_deref(), &path, req.method) {
+        RouteMatch::Found(i) => Some(i),
+        RouteMatch::MethodNotAllowed(_) => policy.routes.find_path(host.as_deref(), &path),
+        RouteMatch::NotFound => None,
+    }
+}
+
 pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal> {
     let cfg = &policy.config;
     let client_ip = identity::client_ip(

@@ -1,5 +1,6 @@
 //! `gateway`: CLI and wiring only.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -56,10 +57,14 @@ fn main() -> ExitCode {
                         return ExitCode::from(2);
                     }
                 }
-                println!("{}: ok", config.display());
-                print!("{}", cfg.summary());
+                // Written without println!, which panics when the reader has
+                // gone (`gateway check | head -1`).
+                let mut out = std::io::stdout().lock();
+                let _ = write!(out, "{}: ok\n{}", config.display(), cfg.summary());
                 match certs {
-                    Some(Ok(c)) => println!("tls: certificates serve {:?}", c.names()),
+                    Some(Ok(c)) => {
+                        let _ = writeln!(out, "tls: certificates serve {:?}", c.names());
+                    }
                     Some(Err(e)) => eprintln!(
                         "warning: {e}; `gateway run` refuses to start until it can be read"
                     ),
@@ -93,7 +98,10 @@ fn main() -> ExitCode {
 
 fn init_tracing() {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("GATEWAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // rustls warns per connection about what clients send (an IP address
+    // as SNI, say): the client's business, not the operator's.
+    let filter = EnvFilter::try_from_env("GATEWAY_LOG")
+        .unwrap_or_else(|_| EnvFilter::new("info,rustls=error"));
     let json = std::env::var("GATEWAY_LOG_FORMAT").is_ok_and(|v| v == "json");
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()

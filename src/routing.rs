@@ -54,6 +54,22 @@ impl RouteTable {
         RouteTable { entries }
     }
 
+    /// The first route whose host and prefix match, whatever the method (the
+    /// route a 405 is counted under).
+    pub fn find_path(&self, host: Option<&str>, path: &str) -> Option<usize> {
+        self.entries
+            .iter()
+            .find(|e| {
+                let host_ok = match (&e.host, host) {
+                    (None, _) => true,
+                    (Some(p), Some(h)) => p.matches(h),
+                    (Some(_), None) => false,
+                };
+                host_ok && path.starts_with(e.prefix.as_str())
+            })
+            .map(|e| e.index)
+    }
+
     /// `host` is the request's host, lower-case and without its port. A
     /// prefix is a plain string prefix, so `/a/b;x` and `/a/bc` are still
     /// `/a/b`'s: a suffix can never escape a route's limit.

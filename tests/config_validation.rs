@@ -70,8 +70,8 @@ fn a_minimal_file_passes_and_prints_its_defaults() {
     let (ok, out, err) = check(MINIMAL);
     assert!(ok, "{err}");
     for expected in [
-        "backend=Local",
-        "on_redis_failure=Local",
+        "backend=local",
+        "on_redis_failure=local",
         "grace_period_secs=10",
         "max_request_header_bytes=65536",
         "ip: (off)",
@@ -297,4 +297,89 @@ fn upstream_protocols_are_checked() {
         "protocol = \"h2\"\ntls = true\nsni = \"api.internal\"\nverify = false",
     ));
     assert!(ok, "{err}");
+}
+
+fn check_with_env(src: &str, env: &[(&str, &str)]) -> (bool, String, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, src).expect("write");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gateway"));
+    cmd.args(["check", "--config"]).arg(&path);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run gateway check");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// `${VAR}` and `${VAR:-default}` anywhere a string goes; `check` lists
+/// every unset variable with its key and line, and never prints a secret.
+#[test]
+fn environment_variables_in_strings() {
+    let src = format!(
+        "{MINIMAL}\n[redis]\nurls = [\"redis://${{GW_TEST_REDIS_HOST}}:${{GW_TEST_REDIS_PORT:-6379}}\"]\n\
+         password = \"${{GW_TEST_REDIS_PASSWORD}}\"\nkey_prefix = \"${{GW_TEST_PREFIX}}\"\n"
+    );
+    let (ok, _, err) = check_with_env(&src, &[]);
+    assert!(!ok);
+    let urls_line = src.lines().position(|l| l.starts_with("urls")).unwrap() + 1;
+    for (key, line, var) in [
+        ("redis.urls[0]", urls_line, "GW_TEST_REDIS_HOST"),
+        ("redis.password", urls_line + 1, "GW_TEST_REDIS_PASSWORD"),
+        ("redis.key_prefix", urls_line + 2, "GW_TEST_PREFIX"),
+    ] {
+        assert!(
+            err.contains(&format!(
+                "{key} (line {line}): environment variable {var} is not set and has no default"
+            )),
+            "{var}: {err}"
+        );
+    }
+    assert!(
+        !err.contains("GW_TEST_REDIS_PORT"),
+        "it has a default: {err}"
+    );
+    let (ok, out, err) = check_with_env(
+        &src,
+        &[
+            ("GW_TEST_REDIS_HOST", "redis.internal"),
+            ("GW_TEST_REDIS_PASSWORD", "s3cret-from-env"),
+            ("GW_TEST_PREFIX", "edge"),
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("key_prefix=edge password=(set)"), "{out}");
+    assert!(!out.contains("s3cret-from-env") && !err.contains("s3cret-from-env"));
+}
+
+/// `check` writes the file's own spellings and survives a reader that goes
+/// away (`gateway check | head -1` used to panic on the broken pipe).
+#[test]
+fn check_output_uses_the_files_spellings_and_survives_a_closed_pipe() {
+    let src = format!("{MINIMAL}\n[limiter]\nbackend = \"local\"\non_redis_failure = \"deny\"\n");
+    let (ok, out, _) = check(&src);
+    assert!(ok);
+    assert!(
+        out.contains("limiter: backend=local on_redis_failure=deny instances=1 headers=both"),
+        "{out}"
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, &src).expect("write");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gateway"))
+        .args(["check", "--config"])
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    drop(child.stdout.take()); // the reader is gone before anything is written
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{err}");
 }

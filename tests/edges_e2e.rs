@@ -429,3 +429,28 @@ fn closed_label_counters_start_at_zero() {
         assert!(m.lines().any(|l| l == series), "missing: {series}\n{m}");
     }
 }
+
+/// The Redis password from a file (a mounted Kubernetes Secret, with its
+/// trailing newline): the gateway reaches a password-protected Redis with
+/// it, and never prints it.
+#[test]
+fn the_redis_password_from_a_file() {
+    let up = UpstreamGuard::start();
+    let redis = RedisGuard::start_with_password(&[], "from-a-file");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let secret = dir.path().join("redis-password");
+    std::fs::write(&secret, "from-a-file\n").expect("secret");
+    let mut s = setup(format!("redis://127.0.0.1:{}", redis.port), &up);
+    let extra = format!("password_file = \"{}\"", secret.display());
+    s.redis_extra = &extra;
+    s.route = Some(
+        r#"{ algorithm = "token_bucket", capacity = 2, refill_per_sec = 0.001, scope = "global" }"#,
+    );
+    let gw = GatewayGuard::start(&s.config());
+    let mut c = gw.client();
+    let admitted = (0..4).filter(|_| send(&mut c, &[]) == 200).count();
+    assert_eq!(admitted, 2, "decided on the password-protected Redis");
+    assert!(redis.calls("evalsha") >= 1);
+    assert!(!gw.log().contains("from-a-file"));
+    assert!(!gw.metrics().contains("from-a-file"));
+}

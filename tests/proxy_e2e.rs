@@ -137,6 +137,16 @@ fn answers_404_405_400_without_reaching_the_upstream() {
         stats["total"], 2,
         "only the admitted requests reached the upstream: {stats}"
     );
+    // Refusals are counted under the route the request matched (the 405
+    // under the route its path matched), not "(none)"; 404 has no route.
+    assert_eq!(
+        gw.metric("gateway_requests_total{route=\"ride-request\",status=\"405\"}"),
+        1.0
+    );
+    assert_eq!(
+        gw.metric("gateway_requests_total{route=\"(none)\",status=\"404\"}"),
+        1.0
+    );
 }
 
 #[test]
@@ -300,4 +310,29 @@ fn malformed_requests_are_refused_and_the_gateway_keeps_serving() {
         200
     );
     assert_eq!(up.total(), 1);
+}
+
+/// A listen address already taken is a start-up error naming the key, not a
+/// gateway retrying the bind every second.
+#[test]
+fn a_taken_port_is_a_clear_start_up_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    let cfg = config("\"127.0.0.1:9\"", "", ROUTES)
+        .replace("{listen}", &addr.to_string())
+        .replace("admin_listen = \"{admin}\"\n", "");
+    std::fs::write(&path, cfg).expect("config");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gateway"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .output()
+        .expect("gateway");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("server.listen: cannot listen on {addr}")),
+        "{err}"
+    );
 }

@@ -106,18 +106,43 @@ impl Config {
                 tls.certificates.len()
             );
         }
+        // The file's own spellings, so a value can be copied back into it.
         let l = &self.limiter;
+        let backend = match l.backend {
+            Backend::Redis => "redis",
+            Backend::Local => "local",
+        };
+        let on_failure = match l.on_redis_failure {
+            OnRedisFailure::Local => "local",
+            OnRedisFailure::Allow => "allow",
+            OnRedisFailure::Deny => "deny",
+        };
+        let headers = match l.headers {
+            HeaderStyle::XRateLimit => "x-ratelimit",
+            HeaderStyle::Ietf => "ietf",
+            HeaderStyle::Both => "both",
+            HeaderStyle::None => "none",
+        };
         let _ = writeln!(
             s,
-            "limiter: backend={:?} on_redis_failure={:?} instances={} headers={:?} retry_after_jitter_ms={} local_max_entries={}",
-            l.backend, l.on_redis_failure, l.instances, l.headers, l.retry_after_jitter_ms, l.local_max_entries
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={}",
+            l.instances, l.retry_after_jitter_ms, l.local_max_entries
         );
         match &self.redis {
             Some(r) => {
+                let mode = match r.mode {
+                    RedisMode::Standalone => "standalone",
+                    RedisMode::Sentinel => "sentinel",
+                    RedisMode::Cluster => "cluster",
+                };
+                let password = match (&r.password, &r.password_file) {
+                    (Some(_), _) => " password=(set)".to_string(),
+                    (None, Some(f)) => format!(" password_file={}", f.display()),
+                    (None, None) => String::new(),
+                };
                 let _ = writeln!(
                     s,
-                    "redis: mode={:?} urls={} timeout_ms={} probe_interval_ms={} key_prefix={}",
-                    r.mode,
+                    "redis: mode={mode} urls={} timeout_ms={} probe_interval_ms={} key_prefix={}{password}",
                     r.urls.len(),
                     r.timeout_ms,
                     r.probe_interval_ms,
@@ -189,7 +214,15 @@ impl Config {
         for r in &self.routes {
             let methods = r.methods.as_ref().map_or("*".to_string(), |m| m.join(","));
             let limit = match &r.limit {
-                Some(l) => format!("{} scope={:?}{}", l.algorithm, l.scope, shadow(l)),
+                Some(l) => format!(
+                    "{} scope={}{}",
+                    l.algorithm,
+                    match l.scope {
+                        Scope::Client => "client",
+                        Scope::Global => "global",
+                    },
+                    shadow(l)
+                ),
                 None => "no route limit".to_string(),
             };
             let host = r.host.as_ref().map_or(String::new(), |h| h.to_string());

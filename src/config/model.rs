@@ -116,6 +116,10 @@ pub struct RedisSettings {
     pub key_prefix: String,
     /// For `rediss://` URLs: the CA to verify Redis with (`None`: the system roots).
     pub ca_file: Option<std::path::PathBuf>,
+    /// Overrides the URLs' password (a secret: never printed).
+    pub password: Option<String>,
+    /// A file holding the password (a mounted secret), read at start-up.
+    pub password_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -86,9 +86,20 @@ impl<'s> Reader<'s> {
         }
     }
 
+    /// A string value, with `${VAR}` and `${VAR:-default}` taken from the
+    /// environment. A variable that is unset and has no default is a
+    /// problem of its own (every one is listed); its value is never echoed.
     pub fn string(&mut self, path: &str, v: &Value<'_>) -> Option<String> {
         match v.get_ref() {
-            DeValue::String(s) => Some(s.to_string()),
+            DeValue::String(s) => match expand(s, |name| std::env::var(name).ok()) {
+                Ok(out) => Some(out),
+                Err(problems) => {
+                    for p in problems {
+                        self.error(path, Some(&v.span()), p);
+                    }
+                    None
+                }
+            },
             other => {
                 self.mismatch(path, v, "a string", other);
                 None
@@ -172,16 +183,19 @@ impl<'s> Reader<'s> {
         let names: Vec<String> = choices.iter().map(|(n, _)| format!("\"{n}\"")).collect();
         let expected = format!("one of {}", names.join(", "));
         match v.get_ref() {
-            DeValue::String(s) => match choices.iter().find(|(n, _)| *n == s.as_ref()) {
-                Some((_, t)) => Some(*t),
-                None => {
-                    self.error(
-                        path,
-                        Some(&v.span()),
-                        format!("expected {expected}, found \"{s}\""),
-                    );
-                    None
-                }
+            DeValue::String(_) => match self.string(path, v) {
+                None => None,
+                Some(s) => match choices.iter().find(|(n, _)| *n == s.as_str()) {
+                    Some((_, t)) => Some(*t),
+                    None => {
+                        self.error(
+                            path,
+                            Some(&v.span()),
+                            format!("expected {expected}, found \"{s}\""),
+                        );
+                        None
+                    }
+                },
             },
             other => {
                 self.mismatch(path, v, &expected, other);
@@ -215,6 +229,52 @@ impl<'s> Reader<'s> {
 }
 
 /// `a.b` + `c` = `a.b.c`; the root path is empty.
+/// Expands `${NAME}` and `${NAME:-default}` (NAME: `[A-Za-z_][A-Za-z0-9_]*`)
+/// with `lookup`; every unset variable without a default, and every
+/// malformed reference, is a problem.
+pub fn expand(raw: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, Vec<String>> {
+    let mut out = String::with_capacity(raw.len());
+    let mut problems = Vec::new();
+    let mut rest = raw;
+    while let Some(at) = rest.find("${") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 2..];
+        let Some(end) = after.find('}') else {
+            problems.push("a \"${\" without its closing \"}\"".to_string());
+            rest = "";
+            break;
+        };
+        let inner = &after[..end];
+        let (name, default) = match inner.split_once(":-") {
+            Some((n, d)) => (n, Some(d)),
+            None => (inner, None),
+        };
+        let valid = name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            problems.push(format!("\"${{{inner}}}\" is not a variable reference (expected ${{NAME}} or ${{NAME:-default}})"));
+        } else {
+            match (lookup(name), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => problems.push(format!(
+                    "environment variable {name} is not set and has no default (write ${{{name}:-default}} for one)"
+                )),
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(problems)
+    }
+}
+
 pub fn join(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_string()
@@ -239,5 +299,41 @@ fn describe(v: &DeValue<'_>) -> String {
         DeValue::Datetime(d) => format!("a datetime ({d})"),
         DeValue::Array(_) => "an array".to_string(),
         DeValue::Table(_) => "a table".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod expand_tests {
+    use super::expand;
+
+    #[test]
+    fn variables_defaults_and_problems() {
+        let env = |n: &str| match n {
+            "HOST" => Some("redis.internal".to_string()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        };
+        assert_eq!(
+            expand("redis://${HOST}:6379", env).unwrap(),
+            "redis://redis.internal:6379"
+        );
+        assert_eq!(expand("${PORT:-6379}", env).unwrap(), "6379");
+        assert_eq!(
+            expand("${EMPTY:-x}", env).unwrap(),
+            "",
+            "set (even empty) wins"
+        );
+        assert_eq!(
+            expand("no vars $HOST {x}", env).unwrap(),
+            "no vars $HOST {x}"
+        );
+        let e = expand("${A}${B}", env).unwrap_err();
+        assert_eq!(e.len(), 2, "every unset variable: {e:?}");
+        assert!(
+            e[0].starts_with("environment variable A is not set"),
+            "{e:?}"
+        );
+        assert!(expand("${1X}", env).unwrap_err()[0].contains("not a variable reference"));
+        assert!(expand("${HOST", env).unwrap_err()[0].contains("without its closing"));
     }
 }

@@ -20,6 +20,8 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
             "probe_interval_ms",
             "key_prefix",
             "ca_file",
+            "password",
+            "password_file",
         ],
     );
     let mode = opt(r, t, p, "mode", RedisMode::Standalone, |r, path, v| {
@@ -63,6 +65,27 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
         r.int(path, v, 10, 600_000)
     });
     let prefix = opt(r, t, p, "key_prefix", "rl".to_string(), name);
+    // A secret: never echoed, never in `check`'s summary.
+    let password = opt(r, t, p, "password", None, |r, path, v| {
+        r.string(path, v).map(Some)
+    });
+    let password_file = opt(r, t, p, "password_file", None, |r, path, v| {
+        let s = r.string(path, v)?;
+        if s.is_empty() {
+            r.error(path, Some(&v.span()), "expected a file path");
+            return None;
+        }
+        Some(Some(std::path::PathBuf::from(s)))
+    });
+    if t.get("password").is_some() && t.get("password_file").is_some() {
+        let at = "redis.password_file";
+        let span = r.spans.get(at).cloned();
+        r.error(
+            at,
+            span.as_ref(),
+            "set either redis.password or redis.password_file, not both",
+        );
+    }
     let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
         let s = r.string(path, v)?;
         if s.is_empty() {
@@ -110,5 +133,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
         probe_interval_ms: probe?,
         key_prefix: prefix?,
         ca_file: ca_file?,
+        password: password?,
+        password_file: password_file?,
     })
 }

@@ -72,17 +72,28 @@ enum Topology {
 }
 
 /// A client for `url`: over TLS for `rediss://`, verified against `ca`
-/// (PEM) when given, else the system roots.
-fn client(url: &str, ca: Option<&Vec<u8>>) -> Result<redis::Client, LimiterError> {
+/// (PEM) when given, else the system roots; `password` (from
+/// `redis.password` or its file) replaces the URL's.
+fn client(
+    url: &str,
+    ca: Option<&Vec<u8>>,
+    password: Option<&str>,
+) -> Result<redis::Client, LimiterError> {
+    use redis::IntoConnectionInfo;
+    let mut info = url.into_connection_info().map_err(redis_err)?;
+    if let Some(pw) = password {
+        let settings = info.redis_settings().clone().set_password(pw);
+        info = info.set_redis_settings(settings);
+    }
     match ca {
         Some(pem) if url.starts_with("rediss://") => redis::Client::build_with_tls(
-            url,
+            info,
             redis::TlsCertificates {
                 client_tls: None,
                 root_cert: Some(pem.clone()),
             },
         ),
-        _ => redis::Client::open(url),
+        _ => redis::Client::open(info),
     }
     .map_err(redis_err)
 }
@@ -193,7 +204,23 @@ impl RedisBackend {
             })?),
             _ => None,
         };
-        let mut secrets: Vec<String> = Vec::new();
+        let password = match (&s.password, &s.password_file) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| LimiterError::Refused {
+                        reason: "config",
+                        detail: format!("redis.password_file: cannot read {}: {e}", path.display()),
+                    })?
+                    // A mounted secret often ends with a newline.
+                    .trim_end_matches(['\n', '\r'])
+                    .to_string(),
+            ),
+            (None, None) => None,
+        }
+        // `${REDIS_PASSWORD:-}` with the variable unset: no password at all.
+        .filter(|p| !p.is_empty());
+        let mut secrets: Vec<String> = password.iter().cloned().collect();
         for u in &s.urls {
             if let Ok(c) = redis::Client::open(u.as_str()) {
                 if let Some(p) = c.get_connection_info().redis_settings().password() {
@@ -202,12 +229,14 @@ impl RedisBackend {
             }
         }
         let topology = match s.mode {
-            RedisMode::Standalone => Topology::Standalone(client(&s.urls[0], ca.as_ref())?),
+            RedisMode::Standalone => {
+                Topology::Standalone(client(&s.urls[0], ca.as_ref(), password.as_deref())?)
+            }
             RedisMode::Sentinel => Topology::Sentinel {
                 sentinels: s
                     .urls
                     .iter()
-                    .map(|u| client(u, ca.as_ref()))
+                    .map(|u| client(u, ca.as_ref(), password.as_deref()))
                     .collect::<Result<_, _>>()?,
                 master: s.sentinel_master.clone().unwrap_or_default(),
                 tls: s.urls[0].starts_with("rediss://").then(|| ca.clone()),
@@ -218,6 +247,9 @@ impl RedisBackend {
                         .connection_timeout(Duration::from_millis(500))
                         .response_timeout(budget.max(Duration::from_millis(100)))
                         .retries(2);
+                if let Some(pw) = &password {
+                    builder = builder.password(pw.clone());
+                }
                 if let Some(pem) = &ca {
                     builder = builder.certs(redis::TlsCertificates {
                         client_tls: None,

@@ -83,6 +83,8 @@ pub struct Ctx {
     /// access log count, also when a gRPC client was told it as a
     /// `grpc-status` on an HTTP 200.
     replied: Option<u16>,
+    /// The route a refused request is counted under (no plan was made).
+    refused_route: Option<usize>,
     /// Servers that failed this request (a retry goes elsewhere).
     failed: Vec<std::net::SocketAddr>,
     /// Retries spent: the connect retry, and the route's `retries`.
@@ -99,17 +101,22 @@ impl Gateway {
         Ok(true)
     }
 
+    /// The request's route: its plan's, or the one a refusal was counted under.
+    fn route_index(ctx: &Ctx) -> Option<usize> {
+        ctx.plan.as_ref().map(|p| p.route).or(ctx.refused_route)
+    }
+
     fn route_metrics(ctx: &Ctx) -> Option<&RouteMetrics> {
         let live = ctx.live.as_ref()?;
-        Some(match &ctx.plan {
-            Some(plan) => &live.route_metrics[plan.route],
+        Some(match Self::route_index(ctx) {
+            Some(i) => &live.route_metrics[i],
             None => &live.unrouted,
         })
     }
 
     fn route_name(ctx: &Ctx) -> &str {
-        match (&ctx.live, &ctx.plan) {
-            (Some(l), Some(plan)) => &l.policy.config.routes[plan.route].name,
+        match (&ctx.live, Self::route_index(ctx)) {
+            (Some(l), Some(i)) => &l.policy.config.routes[i].name,
             _ => "(none)",
         }
     }
@@ -158,6 +165,7 @@ impl ProxyHttp for Gateway {
             backend: "none",
             upstream_sent: None,
             replied: None,
+            refused_route: None,
             failed: Vec::new(),
             connect_retried: false,
             retries_used: 0,
@@ -229,7 +237,10 @@ impl ProxyHttp for Gateway {
         };
         let plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,
-            Err(refusal) => return self.reply(session, ctx, responses::refusal(&refusal)).await,
+            Err(refusal) => {
+                ctx.refused_route = admission::refused_route(policy, &view);
+                return self.reply(session, ctx, responses::refusal(&refusal)).await;
+            }
         };
         if plan.checks.is_empty() {
             ctx.plan = Some(plan);

@@ -120,6 +120,19 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     }
     let config = Arc::new(config);
     let srv = &config.server;
+    // Pingora retries a taken port every second, forever: say so and stop.
+    let tls_listen = srv.tls.iter().flat_map(|t| t.listen.iter());
+    for (key, addr) in srv
+        .listen
+        .iter()
+        .map(|a| ("server.listen", a))
+        .chain(srv.admin_listen.iter().map(|a| ("server.admin_listen", a)))
+        .chain(tls_listen.map(|a| ("server.tls.listen", a)))
+    {
+        if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
+            return Err(format!("{key}: cannot listen on {addr}: {e}"));
+        }
+    }
 
     let mut conf = ServerConf {
         threads: srv.threads,
