@@ -335,11 +335,6 @@ fn a_refusing_redis_is_loud() {
             "auth",
         ),
         (
-            "unexpanded variable",
-            format!("redis://:${{REDIS_PASSWORD}}@127.0.0.1:{}", redis.port),
-            "auth",
-        ),
-        (
             "database out of range",
             format!("redis://:right-password@127.0.0.1:{}/99", redis.port),
             "database",
@@ -373,6 +368,43 @@ fn a_refusing_redis_is_loud() {
             assert!(!log.contains(secret), "{what}: the log shows a password");
         }
     }
+}
+
+/// A variable the URL names but the environment lacks (`${REDIS_PASSWORD}`
+/// in a Deployment that forgot the Secret) stops `run` with the key, its
+/// line and the variable, instead of running on local buckets forever.
+#[test]
+fn an_unset_variable_in_the_redis_url_stops_the_start() {
+    let up = UpstreamGuard::start();
+    let cfg = setup(
+        "redis://:${GW_EDGE_UNSET_PASSWORD}@127.0.0.1:6399".into(),
+        &up,
+    )
+    .config()
+    .replace("{listen}", "127.0.0.1:0")
+    .replace("{admin}", "127.0.0.1:0");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(&path, &cfg).expect("config");
+    let line = cfg
+        .lines()
+        .position(|l| l.starts_with("urls"))
+        .expect("urls")
+        + 1;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gateway"))
+        .args(["run", "--config"])
+        .arg(&path)
+        .env_remove("GW_EDGE_UNSET_PASSWORD")
+        .output()
+        .expect("gateway");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(&format!(
+            "redis.urls[0] (line {line}): environment variable GW_EDGE_UNSET_PASSWORD is not set"
+        )),
+        "{err}"
+    );
 }
 
 /// Sentinel in front of a password-protected master: the URL's password
