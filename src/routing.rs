@@ -26,6 +26,18 @@ struct Entry {
     index: usize,
 }
 
+impl Entry {
+    /// Whether this route takes requests for `host` and `path` (any method).
+    fn serves(&self, host: Option<&str>, path: &str) -> bool {
+        let host_ok = match (&self.host, host) {
+            (None, _) => true,
+            (Some(p), Some(h)) => p.matches(h),
+            (Some(_), None) => false,
+        };
+        host_ok && path.starts_with(self.prefix.as_str())
+    }
+}
+
 /// Routes ordered for matching: most specific first.
 pub struct RouteTable {
     entries: Vec<Entry>,
@@ -59,14 +71,7 @@ impl RouteTable {
     pub fn find_path(&self, host: Option<&str>, path: &str) -> Option<usize> {
         self.entries
             .iter()
-            .find(|e| {
-                let host_ok = match (&e.host, host) {
-                    (None, _) => true,
-                    (Some(p), Some(h)) => p.matches(h),
-                    (Some(_), None) => false,
-                };
-                host_ok && path.starts_with(e.prefix.as_str())
-            })
+            .find(|e| e.serves(host, path))
             .map(|e| e.index)
     }
 
@@ -75,15 +80,7 @@ impl RouteTable {
     /// `/a/b`'s: a suffix can never escape a route's limit.
     pub fn find(&self, host: Option<&str>, path: &str, method: &str) -> RouteMatch {
         let mut allowed: Vec<String> = Vec::new();
-        for e in &self.entries {
-            let host_ok = match (&e.host, host) {
-                (None, _) => true,
-                (Some(p), Some(h)) => p.matches(h),
-                (Some(_), None) => false,
-            };
-            if !host_ok || !path.starts_with(e.prefix.as_str()) {
-                continue;
-            }
+        for e in self.entries.iter().filter(|e| e.serves(host, path)) {
             match &e.methods {
                 None => return RouteMatch::Found(e.index),
                 // HEAD is GET without a body.

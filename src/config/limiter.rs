@@ -4,7 +4,7 @@
 use toml::de::DeTable;
 
 use super::file::opt;
-use super::model::{Backend, HeaderStyle, LimiterSettings, OnRedisFailure};
+use super::model::{Backend, HeaderStyle, LimiterSettings, OnRedisFailure, Spelled};
 use super::reader::Reader;
 
 pub(super) fn read(
@@ -34,11 +34,7 @@ pub(super) fn read(
         Backend::Local
     };
     let backend = opt(r, t, p, "backend", default_backend, |r, path, v| {
-        r.choice(
-            path,
-            v,
-            &[("redis", Backend::Redis), ("local", Backend::Local)],
-        )
+        r.choice(path, v, Backend::SPELLINGS)
     });
     let on_failure = opt(
         r,
@@ -46,32 +42,13 @@ pub(super) fn read(
         p,
         "on_redis_failure",
         OnRedisFailure::Local,
-        |r, path, v| {
-            r.choice(
-                path,
-                v,
-                &[
-                    ("local", OnRedisFailure::Local),
-                    ("allow", OnRedisFailure::Allow),
-                    ("deny", OnRedisFailure::Deny),
-                ],
-            )
-        },
+        |r, path, v| r.choice(path, v, OnRedisFailure::SPELLINGS),
     );
     let instances = opt(r, t, p, "instances", 1, |r, path, v| {
         r.int(path, v, 1, 10_000).map(|n| n as u32)
     });
     let headers = opt(r, t, p, "headers", HeaderStyle::Both, |r, path, v| {
-        r.choice(
-            path,
-            v,
-            &[
-                ("x-ratelimit", HeaderStyle::XRateLimit),
-                ("ietf", HeaderStyle::Ietf),
-                ("both", HeaderStyle::Both),
-                ("none", HeaderStyle::None),
-            ],
-        )
+        r.choice(path, v, HeaderStyle::SPELLINGS)
     });
     let jitter = opt(r, t, p, "retry_after_jitter_ms", 0, |r, path, v| {
         r.int(path, v, 0, 60_000)

@@ -99,11 +99,7 @@ pub(super) fn limit(
     }
     let scope = if with_scope {
         opt(r, t, p, "scope", Scope::Client, |r, path, v| {
-            r.choice(
-                path,
-                v,
-                &[("client", Scope::Client), ("global", Scope::Global)],
-            )
+            r.choice(path, v, Scope::SPELLINGS)
         })?
     } else {
         Scope::Client

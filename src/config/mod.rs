@@ -108,21 +108,11 @@ impl Config {
         }
         // The file's own spellings, so a value can be copied back into it.
         let l = &self.limiter;
-        let backend = match l.backend {
-            Backend::Redis => "redis",
-            Backend::Local => "local",
-        };
-        let on_failure = match l.on_redis_failure {
-            OnRedisFailure::Local => "local",
-            OnRedisFailure::Allow => "allow",
-            OnRedisFailure::Deny => "deny",
-        };
-        let headers = match l.headers {
-            HeaderStyle::XRateLimit => "x-ratelimit",
-            HeaderStyle::Ietf => "ietf",
-            HeaderStyle::Both => "both",
-            HeaderStyle::None => "none",
-        };
+        let (backend, on_failure, headers) = (
+            l.backend.spelling(),
+            l.on_redis_failure.spelling(),
+            l.headers.spelling(),
+        );
         let _ = writeln!(
             s,
             "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={}",
@@ -130,11 +120,7 @@ impl Config {
         );
         match &self.redis {
             Some(r) => {
-                let mode = match r.mode {
-                    RedisMode::Standalone => "standalone",
-                    RedisMode::Sentinel => "sentinel",
-                    RedisMode::Cluster => "cluster",
-                };
+                let mode = r.mode.spelling();
                 let password = match (&r.password, &r.password_file) {
                     (Some(_), _) => " password=(set)".to_string(),
                     (None, Some(f)) => format!(" password_file={}", f.display()),
@@ -183,11 +169,7 @@ impl Config {
         let _ = writeln!(s, "api keys: {}", self.api_keys.len());
         let _ = writeln!(s, "upstreams:");
         for u in &self.upstreams {
-            let protocol = match u.protocol {
-                UpstreamProtocol::Http1 => "http1",
-                UpstreamProtocol::H2 => "h2",
-                UpstreamProtocol::H2c => "h2c",
-            };
+            let protocol = u.protocol.spelling();
             let tls = if u.tls {
                 format!(
                     "tls sni={} ca={} verify={}",
@@ -214,15 +196,7 @@ impl Config {
         for r in &self.routes {
             let methods = r.methods.as_ref().map_or("*".to_string(), |m| m.join(","));
             let limit = match &r.limit {
-                Some(l) => format!(
-                    "{} scope={}{}",
-                    l.algorithm,
-                    match l.scope {
-                        Scope::Client => "client",
-                        Scope::Global => "global",
-                    },
-                    shadow(l)
-                ),
+                Some(l) => format!("{} scope={}{}", l.algorithm, l.scope.spelling(), shadow(l)),
                 None => "no route limit".to_string(),
             };
             let host = r.host.as_ref().map_or(String::new(), |h| h.to_string());

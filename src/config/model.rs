@@ -8,6 +8,51 @@ use std::fmt;
 
 use ipnet::IpNet;
 
+/// The file's spelling of each value of an enum-valued key: what the reader
+/// accepts and what `check` prints, from one table.
+pub trait Spelled: Copy + PartialEq + 'static {
+    const SPELLINGS: &'static [(&'static str, Self)];
+
+    fn spelling(self) -> &'static str {
+        Self::SPELLINGS
+            .iter()
+            .find(|(_, v)| *v == self)
+            .map_or("?", |(n, _)| n)
+    }
+}
+
+macro_rules! spelled {
+    ($t:ty: $($name:literal => $v:expr),+ $(,)?) => {
+        impl Spelled for $t {
+            const SPELLINGS: &'static [(&'static str, Self)] = &[$(($name, $v)),+];
+        }
+    };
+}
+
+spelled!(Backend: "redis" => Backend::Redis, "local" => Backend::Local);
+spelled!(OnRedisFailure:
+    "local" => OnRedisFailure::Local,
+    "allow" => OnRedisFailure::Allow,
+    "deny" => OnRedisFailure::Deny,
+);
+spelled!(HeaderStyle:
+    "x-ratelimit" => HeaderStyle::XRateLimit,
+    "ietf" => HeaderStyle::Ietf,
+    "both" => HeaderStyle::Both,
+    "none" => HeaderStyle::None,
+);
+spelled!(RedisMode:
+    "standalone" => RedisMode::Standalone,
+    "sentinel" => RedisMode::Sentinel,
+    "cluster" => RedisMode::Cluster,
+);
+spelled!(UpstreamProtocol:
+    "http1" => UpstreamProtocol::Http1,
+    "h2" => UpstreamProtocol::H2,
+    "h2c" => UpstreamProtocol::H2c,
+);
+spelled!(Scope: "client" => Scope::Client, "global" => Scope::Global);
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: Server,

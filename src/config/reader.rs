@@ -107,6 +107,17 @@ impl<'s> Reader<'s> {
         }
     }
 
+    /// A file path: a non-empty string (the file itself is read later, on
+    /// the machine that runs the gateway).
+    pub fn file_path(&mut self, path: &str, v: &Value<'_>) -> Option<std::path::PathBuf> {
+        let s = self.string(path, v)?;
+        if s.is_empty() {
+            self.error(path, Some(&v.span()), "expected a file path");
+            return None;
+        }
+        Some(std::path::PathBuf::from(s))
+    }
+
     pub fn boolean(&mut self, path: &str, v: &Value<'_>) -> Option<bool> {
         match v.get_ref() {
             DeValue::Boolean(b) => Some(*b),

@@ -4,7 +4,7 @@
 use toml::de::DeTable;
 
 use super::file::{name, opt, req};
-use super::model::{RedisMode, RedisSettings};
+use super::model::{RedisMode, RedisSettings, Spelled};
 use super::reader::Reader;
 
 pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
@@ -25,15 +25,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
         ],
     );
     let mode = opt(r, t, p, "mode", RedisMode::Standalone, |r, path, v| {
-        r.choice(
-            path,
-            v,
-            &[
-                ("standalone", RedisMode::Standalone),
-                ("sentinel", RedisMode::Sentinel),
-                ("cluster", RedisMode::Cluster),
-            ],
-        )
+        r.choice(path, v, RedisMode::SPELLINGS)
     });
     let urls = req(r, t, p, None, "urls", |r, path, v| {
         let items = r.strings(path, v)?;
@@ -70,12 +62,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
         r.string(path, v).map(Some)
     });
     let password_file = opt(r, t, p, "password_file", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.is_empty() {
-            r.error(path, Some(&v.span()), "expected a file path");
-            return None;
-        }
-        Some(Some(std::path::PathBuf::from(s)))
+        r.file_path(path, v).map(Some)
     });
     if t.get("password").is_some() && t.get("password_file").is_some() {
         let at = "redis.password_file";
@@ -87,12 +74,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
         );
     }
     let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.is_empty() {
-            r.error(path, Some(&v.span()), "expected a file path");
-            return None;
-        }
-        Some(Some(std::path::PathBuf::from(s)))
+        r.file_path(path, v).map(Some)
     });
     let (mode, urls, sentinel_master) = (mode?, urls?, sentinel_master?);
     match mode {

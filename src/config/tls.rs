@@ -6,7 +6,6 @@
 //! on the machine it runs on is not a problem of the file's text.
 
 use std::ops::Range;
-use std::path::PathBuf;
 
 use toml::de::DeTable;
 
@@ -40,12 +39,7 @@ pub fn read(r: &mut Reader<'_>, t: &DeTable<'_>, span: &Range<usize>) -> Option<
                 r.only_keys(&at, ct, &["cert_file", "key_file"]);
                 let file = |r: &mut Reader<'_>, key: &str| {
                     req(r, ct, &at, Some(&item.span()), key, |r, path, v| {
-                        let s = r.string(path, v)?;
-                        if s.is_empty() {
-                            r.error(path, Some(&v.span()), "expected a file path");
-                            return None;
-                        }
-                        Some(PathBuf::from(s))
+                        r.file_path(path, v)
                     })
                 };
                 let (cert_file, key_file) = (file(r, "cert_file"), file(r, "key_file"));

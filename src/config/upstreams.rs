@@ -6,7 +6,7 @@ use std::ops::Range;
 use toml::de::DeTable;
 
 use super::file::{host_port, name, non_empty, opt, req};
-use super::model::{Upstream, UpstreamProtocol};
+use super::model::{Spelled, Upstream, UpstreamProtocol};
 use super::reader::{join, Reader};
 
 pub(super) fn read(
@@ -60,17 +60,7 @@ pub(super) fn read(
         p,
         "protocol",
         UpstreamProtocol::Http1,
-        |r, path, v| {
-            r.choice(
-                path,
-                v,
-                &[
-                    ("http1", UpstreamProtocol::Http1),
-                    ("h2", UpstreamProtocol::H2),
-                    ("h2c", UpstreamProtocol::H2c),
-                ],
-            )
-        },
+        |r, path, v| r.choice(path, v, UpstreamProtocol::SPELLINGS),
     );
     let tls = opt(r, t, p, "tls", false, |r, path, v| r.boolean(path, v));
     let sni = opt(r, t, p, "sni", None, |r, path, v| {
@@ -86,12 +76,7 @@ pub(super) fn read(
         Some(Some(s))
     });
     let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
-        let s = r.string(path, v)?;
-        if s.is_empty() {
-            r.error(path, Some(&v.span()), "expected a file path");
-            return None;
-        }
-        Some(Some(std::path::PathBuf::from(s)))
+        r.file_path(path, v).map(Some)
     });
     let verify = opt(r, t, p, "verify", true, |r, path, v| r.boolean(path, v));
     let (protocol, tls) = (protocol?, tls?);

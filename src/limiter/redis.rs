@@ -85,15 +85,21 @@ fn client(
         let settings = info.redis_settings().clone().set_password(pw);
         info = info.set_redis_settings(settings);
     }
+    open(info, ca.filter(|_| url.starts_with("rediss://")))
+}
+
+/// A client for `info`, verifying a TLS server against `ca` (PEM) when
+/// given; without it, a `rediss://` address uses the system roots.
+fn open(info: redis::ConnectionInfo, ca: Option<&Vec<u8>>) -> Result<redis::Client, LimiterError> {
     match ca {
-        Some(pem) if url.starts_with("rediss://") => redis::Client::build_with_tls(
+        Some(pem) => redis::Client::build_with_tls(
             info,
             redis::TlsCertificates {
                 client_tls: None,
                 root_cert: Some(pem.clone()),
             },
         ),
-        _ => redis::Client::open(info),
+        None => redis::Client::open(info),
     }
     .map_err(redis_err)
 }
@@ -388,8 +394,9 @@ impl RedisBackend {
             }
             .map_err(redis_err)
         };
-        let limit = self.inner.budget.max(Duration::from_millis(500));
-        self.inner.by(Instant::now() + limit, work).await
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
     }
 
     /// Adds what was admitted locally during an outage to the shared buckets
@@ -441,10 +448,9 @@ impl RedisBackend {
                 }
                 .map_err(redis_err)
             };
-            let limit = self.inner.budget.max(Duration::from_millis(500));
             written += self
                 .inner
-                .by(Instant::now() + limit, call)
+                .by(Instant::now() + self.inner.upkeep_budget(), call)
                 .await
                 .map_err(|e| (i * per_call, e))?;
         }
@@ -464,6 +470,13 @@ impl RedisBackend {
 }
 
 impl Inner {
+    /// The budget of the probe's own calls (probe, heartbeat, charge): off
+    /// the request path, so at least half a second however small the
+    /// request budget.
+    fn upkeep_budget(&self) -> Duration {
+        self.budget.max(Duration::from_millis(500))
+    }
+
     /// The connection requests use, made in the caller's runtime (the
     /// proxy's), so a Redis call costs no hop to another thread. Sentinel:
     /// to the master the probe last found. Cluster: the probe's connection.
@@ -538,17 +551,7 @@ impl Inner {
             .into_connection_info()
             .map_err(redis_err)?
             .set_redis_settings(settings);
-        match tls {
-            Some(Some(pem)) => redis::Client::build_with_tls(
-                info,
-                redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.clone()),
-                },
-            ),
-            _ => redis::Client::open(info),
-        }
-        .map_err(redis_err)
+        open(info, tls.as_ref().and_then(Option::as_ref))
     }
 
     /// Asks the sentinels, in order, where the master is.
@@ -642,7 +645,7 @@ impl Inner {
                 }
             }
         };
-        match tokio::time::timeout(self.budget.max(Duration::from_millis(500)), work).await {
+        match tokio::time::timeout(self.upkeep_budget(), work).await {
             Ok(r) => r,
             Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
         }
