@@ -49,7 +49,7 @@ fn decide_once(c: &mut Criterion) {
             b.iter(|| {
                 // 1 ms apart: a busy client hovering around its limit.
                 now += 1_000;
-                let e = check(black_box(&alg), state.as_ref(), now);
+                let e = check(black_box(&alg), state.as_ref(), now, 1);
                 if e.decision.allowed {
                     commit(&mut state, &e.update);
                 }
@@ -79,18 +79,21 @@ fn local_three_tiers(c: &mut Criterion) {
                     key: bucket_key("rl", "ip", "ip", &tb(400, 100.0), &who),
                     algorithm: tb(400, 100.0),
                     shadow: false,
+                    cost: 1,
                 },
                 Check {
                     tier: Tier::Key,
                     key: bucket_key("rl", "key", "free", &tb(20, 10.0), "k:demo"),
                     algorithm: tb(20, 10.0),
                     shadow: false,
+                    cost: 1,
                 },
                 Check {
                     tier: Tier::Route,
                     key: bucket_key("rl", "route", "r", &tb(20, 10.0), &who),
                     algorithm: tb(20, 10.0),
                     shadow: false,
+                    cost: 1,
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))
@@ -209,6 +212,7 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
     )
     .expect("bench config");
     let policy = Policy::new(Arc::new(config));
+    let headers = http::HeaderMap::new();
     let view = RequestView {
         method: "GET",
         path: "/api/rides/42",
@@ -218,6 +222,8 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
         authorization: Vec::new(),
         host: Some("api.example.com"),
         content_length: None,
+        query: None,
+        headers: &headers,
     };
     let mut group = c.benchmark_group("request path");
     group.bench_function("classify", |b| {

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use http::HeaderValue;
 
-use crate::config::{Algorithm, Config, HeaderStyle, Scope};
+use crate::attributes::{self, AttributeError};
+use crate::config::{Algorithm, Attribute, Config, HeaderStyle, LimitKey, Missing, Scope};
 use crate::identity::{self, ClientAddr, KeyError, KeyTable};
 use crate::limiter::algorithms::quota;
 use crate::limiter::keys::{bucket_name, rule_prefix};
@@ -32,7 +33,15 @@ pub struct Policy {
     /// (by name) and each route's limit (indexed like the config's routes).
     ip_rule: Option<Rule>,
     plan_rules: BTreeMap<String, Rule>,
-    route_rules: Vec<Option<(Rule, Scope)>>,
+    route_rules: Vec<Option<RouteRule>>,
+}
+
+/// A route's limit: its rule, and what names a request's bucket under it.
+struct RouteRule {
+    rule: Rule,
+    scope: Scope,
+    key: LimitKey,
+    missing: Missing,
 }
 
 /// One rule of one tier, with the constant head of its buckets' names
@@ -41,6 +50,7 @@ struct Rule {
     tier: Tier,
     algorithm: Algorithm,
     shadow: bool,
+    cost: u64,
     prefix: String,
 }
 
@@ -51,6 +61,7 @@ impl Rule {
             tier,
             algorithm,
             shadow,
+            cost: 1,
         }
     }
 
@@ -61,6 +72,7 @@ impl Rule {
             key: bucket_name(&self.prefix, identity),
             algorithm: self.algorithm,
             shadow: self.shadow,
+            cost: self.cost,
         }
     }
 }
@@ -93,9 +105,14 @@ impl Policy {
             .routes
             .iter()
             .map(|r| {
-                r.limit.as_ref().map(|l| {
-                    let rule = Rule::new(p, Tier::Route, &r.name, l.algorithm, l.shadow);
-                    (rule, l.scope)
+                r.limit.as_ref().map(|l| RouteRule {
+                    rule: Rule {
+                        cost: l.cost,
+                        ..Rule::new(p, Tier::Route, &r.name, l.algorithm, l.shadow)
+                    },
+                    scope: l.scope,
+                    key: l.key.clone(),
+                    missing: l.missing,
                 })
             })
             .collect();
@@ -126,6 +143,10 @@ pub struct RequestView<'a> {
     pub host: Option<&'a str>,
     /// `Content-Length`, when the request declares one.
     pub content_length: Option<u64>,
+    /// The query string, for limits keyed on a query parameter.
+    pub query: Option<&'a str>,
+    /// Every header, for limits keyed on a header.
+    pub headers: &'a http::HeaderMap,
 }
 
 /// A host as routes match it: lower-case, without its port.
@@ -152,6 +173,9 @@ pub enum Refusal {
     ConflictingKeys,
     /// The declared body is larger than the route takes (the limit).
     PayloadTooLarge(u64),
+    /// The route's limit keys on this attribute, and the request's cannot
+    /// name a bucket (`missing = "reject"`, or sent twice, unreadable, too long).
+    BadAttribute(Attribute, AttributeError),
 }
 
 /// A request that may proceed once its checks admit it.
@@ -215,10 +239,17 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         None => None,
     };
     let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
+    let ip_identity = format!("ip:{client}");
+    let key_identity = key.map(|k| format!("k:{}", k.id));
+    let client_identity = key_identity.as_deref().unwrap_or(&ip_identity);
+    // Read even for allow-listed clients: a route that needs the attribute
+    // refuses a request without it whoever sends it.
+    let route_identity = match &policy.route_rules[route] {
+        Some(rr) => Some(route_identity(rr, client_identity, req)?),
+        None => None,
+    };
     let mut checks = Vec::with_capacity(3);
     if !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
-        let ip_identity = format!("ip:{client}");
-        let key_identity = key.map(|k| format!("k:{}", k.id));
         if let Some(rule) = &policy.ip_rule {
             checks.push(rule.check(&ip_identity));
         }
@@ -227,13 +258,8 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
                 checks.push(rule.check(identity));
             }
         }
-        if let Some((rule, scope)) = &policy.route_rules[route] {
-            let identity = match (scope, &key_identity) {
-                (Scope::Global, _) => "global",
-                (Scope::Client, Some(k)) => k.as_str(),
-                (Scope::Client, None) => ip_identity.as_str(),
-            };
-            checks.push(rule.check(identity));
+        if let (Some(rr), Some(identity)) = (&policy.route_rules[route], &route_identity) {
+            checks.push(rr.rule.check(identity));
         }
     }
     Ok(Plan {
@@ -243,6 +269,34 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         client,
         key_id: key.map(|k| k.id.clone()),
         checks: checks.into(),
+    })
+}
+
+/// The identity of a request's bucket under its route's limit: everyone's
+/// (`global`), the client's (`k:ID` or `ip:ADDR`), the attribute's
+/// (`h:VALUE`, `q:VALUE`) or the client's and the attribute's together.
+fn route_identity(
+    rr: &RouteRule,
+    client: &str,
+    req: &RequestView<'_>,
+) -> Result<String, Refusal> {
+    let attribute = match (&rr.scope, &rr.key) {
+        (Scope::Global, _) => return Ok("global".into()),
+        (Scope::Client, LimitKey::Client) => return Ok(client.into()),
+        (Scope::Client, LimitKey::Attribute(a) | LimitKey::ClientAnd(a)) => a,
+    };
+    let value = match attributes::value(attribute, req.headers, req.query) {
+        Ok(v) => v,
+        Err(AttributeError::Missing) if rr.missing == Missing::Client => return Ok(client.into()),
+        Err(e) => return Err(Refusal::BadAttribute(attribute.clone(), e)),
+    };
+    let tag = match attribute {
+        Attribute::Header(_) => "h",
+        Attribute::Query(_) => "q",
+    };
+    Ok(match rr.key {
+        LimitKey::ClientAnd(_) => format!("{client}/{tag}:{value}"),
+        _ => format!("{tag}:{value}"),
     })
 }
 

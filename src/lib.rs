@@ -1,9 +1,10 @@
 //! A rate-limiting API gateway on Pingora.
 //!
 //! Data flows one way: `proxy` → `admission` → {`identity`, `routing`,
-//! `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
+//! `attributes`, `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
 
 pub mod admission;
+pub mod attributes;
 pub mod certs;
 pub mod clock;
 pub mod config;

@@ -69,7 +69,13 @@ fn check(tier: Tier, rule: &str, alg: Algorithm, who: &str) -> Check {
         key: bucket_key("ct", tier.as_str(), rule, &alg, who),
         algorithm: alg,
         shadow: false,
+        cost: 1,
     }
+}
+
+/// A random cost a request under `alg` can take: 1 to the quota, at most 4.
+fn random_cost(rng: &mut fastrand::Rng, alg: &Algorithm) -> u64 {
+    rng.u64(1..=alg.quota().min(4))
 }
 
 fn tb(capacity: u64, refill_per_sec: f64) -> Algorithm {
@@ -283,12 +289,14 @@ async fn random_sequences_agree() {
     for round in 0..40 {
         let which = rng.u8(0..5);
         let alg = random_algorithm(&mut rng, which, 30, 5);
-        let c = [
+        let mut c = [
             check(Tier::Ip, "ip", tb(50, 20.0), &format!("ip:{round}")),
             check(Tier::Route, &format!("r{round}"), alg, "global"),
         ];
         for _ in 0..60 {
             p.clock.advance(rng.i64(0..200_000));
+            // Each request its own cost: one bucket sees a mix.
+            c[1].cost = random_cost(&mut rng, &alg);
             p.decide(&c).await;
             decisions += 1;
         }
@@ -325,6 +333,8 @@ async fn batches_decide_as_one_by_one() {
                 if c == 3 {
                     v[0].shadow = true;
                 }
+                // Clients differ in cost on the one route bucket.
+                v[2].cost = 1 + c as u64 % route.quota().min(3);
                 v
             })
             .collect();
@@ -485,7 +495,7 @@ async fn charged_debts_agree() {
         let mut debt = None;
         for _ in 0..rng.usize(1..20) {
             p.clock.advance(rng.i64(0..150_000));
-            outage::record(&alg, &mut debt, p.now());
+            outage::record(&alg, &mut debt, p.now(), random_cost(&mut rng, &alg));
         }
         p.clock.advance(rng.i64(0..400_000));
         let debts = vec![(c[0].clone(), debt.expect("recorded"))];
@@ -517,7 +527,7 @@ async fn a_log_charge_sent_twice_counts_once() {
     let c = [check(Tier::Route, "login", alg, "ip:10.0.0.1")];
     let mut debt = None;
     for _ in 0..3 {
-        outage::record(&alg, &mut debt, p.now());
+        outage::record(&alg, &mut debt, p.now(), 1);
     }
     let debts = vec![(c[0].clone(), debt.expect("recorded"))];
     p.redis.charge(&debts, "r1").await.expect("first");
@@ -542,7 +552,7 @@ async fn a_charged_debt_leaves_what_a_replay_would() {
     assert_eq!(run(&p, &c, 4).await, [true; 4]);
     let mut debt = None;
     for _ in 0..4 {
-        outage::record(&alg, &mut debt, p.now());
+        outage::record(&alg, &mut debt, p.now(), 1);
     }
     let debts = vec![(c[0].clone(), debt.expect("recorded"))];
     assert_eq!(p.local.charge_at(&debts, p.now()), 1);
@@ -566,7 +576,7 @@ fn malformed_calls_change_nothing() {
     let good = [
         "2", "1", // requests, shapes
         "1", "10", "5", "5", "10", "60", // the buckets
-        "2", "1", "2", // the shape
+        "2", "1", "1", "2", "3", // the shape: two tiers, bucket 1 costing 1 and 2 costing 3
         "1", "1", // the requests
     ];
     let eval = |args: &[&str]| {
@@ -583,7 +593,9 @@ fn malformed_calls_change_nothing() {
         ("capacity NaN", 3, "nan"),
         ("negative shape length", 8, "-1"),
         ("shape names bucket 3 of 2", 9, "3"),
-        ("request names shape 2 of 1", 12, "2"),
+        ("cost 0", 10, "0"),
+        ("cost 2.5", 12, "2.5"),
+        ("request names shape 2 of 1", 14, "2"),
         ("requests counted as 1.5", 0, "1.5"),
     ];
     for (what, at, value) in broken {

@@ -42,7 +42,7 @@ pub(super) fn limit(
     })?;
     let mut keys = vec!["algorithm", "shadow"];
     if with_scope {
-        keys.push("scope");
+        keys.extend_from_slice(&["scope", "key", "missing", "cost"]);
     }
     keys.extend_from_slice(match kind {
         Kind::Token => &["capacity", "refill_per_sec"][..],
@@ -105,10 +105,86 @@ pub(super) fn limit(
         Scope::Client
     };
     let shadow = opt(r, t, p, "shadow", false, |r, path, v| r.boolean(path, v))?;
+    let key = opt(r, t, p, "key", LimitKey::Client, limit_key)?;
+    let missing = opt(r, t, p, "missing", Missing::Reject, |r, path, v| {
+        r.choice(path, v, Missing::SPELLINGS)
+    })?;
+    let most = algorithm.quota();
+    let cost = opt(r, t, p, "cost", 1, |r, path, v| {
+        let n = r.int(path, v, 1, 1 << 40)?;
+        if n > most {
+            // Such a request could never be admitted: say so now, not as 429s.
+            r.error(
+                path,
+                Some(&v.span()),
+                format!("a request costing {n} could never be admitted: the rule holds at most {most}"),
+            );
+            return None;
+        }
+        Some(n)
+    })?;
+    if scope == Scope::Global && key != LimitKey::Client {
+        r.error(
+            &join(p, "key"),
+            Some(span),
+            "a global limit has one bucket for everyone: `key` needs scope = \"client\"",
+        );
+        return None;
+    }
+    if key == LimitKey::Client && t.get("missing").is_some() {
+        r.error(
+            &join(p, "missing"),
+            Some(span),
+            "`missing` applies to a key on a header or query parameter; this limit keys on the client",
+        );
+        return None;
+    }
     Some(Limit {
         algorithm,
         scope,
         shadow,
+        key,
+        missing,
+        cost,
+    })
+}
+
+/// A route limit's `key`: `client`, `header:NAME`, `query:NAME`, or
+/// `client+` either of those.
+fn limit_key(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<LimitKey> {
+    const EXPECTED: &str = "expected \"client\", \"header:NAME\", \"query:NAME\", \"client+header:NAME\" or \"client+query:NAME\"";
+    let s = r.string(path, v)?;
+    if s == "client" {
+        return Some(LimitKey::Client);
+    }
+    let (with_client, rest) = match s.strip_prefix("client+") {
+        Some(rest) => (true, rest),
+        None => (false, s.as_str()),
+    };
+    let attribute = match rest.split_once(':') {
+        Some(("header", name)) if http::HeaderName::from_bytes(name.as_bytes()).is_ok() => {
+            Attribute::Header(name.to_ascii_lowercase())
+        }
+        Some(("header", name)) => {
+            r.error(path, Some(&v.span()), format!("\"{name}\" is not a valid header name"));
+            return None;
+        }
+        Some(("query", name)) if !name.is_empty() && !name.contains(['&', '=', '#']) => {
+            Attribute::Query(name.to_string())
+        }
+        Some(("query", name)) => {
+            r.error(path, Some(&v.span()), format!("\"{name}\" is not a query parameter name"));
+            return None;
+        }
+        _ => {
+            r.error(path, Some(&v.span()), format!("{EXPECTED}, found \"{s}\""));
+            return None;
+        }
+    };
+    Some(if with_client {
+        LimitKey::ClientAnd(attribute)
+    } else {
+        LimitKey::Attribute(attribute)
     })
 }
 

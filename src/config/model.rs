@@ -52,6 +52,7 @@ spelled!(UpstreamProtocol:
     "h2c" => UpstreamProtocol::H2c,
 );
 spelled!(Scope: "client" => Scope::Client, "global" => Scope::Global);
+spelled!(Missing: "reject" => Missing::Reject, "client" => Missing::Client);
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -204,6 +205,29 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// The quota a client is shown for a rule: capacity, limit, or for a leaky
+    /// bucket the most requests that can be queued at once (one now, one per
+    /// emission interval of delay). One formula for both backends, the
+    /// headers and the check that a route's `cost` can ever be admitted.
+    pub fn quota(&self) -> u64 {
+        match *self {
+            Algorithm::TokenBucket { capacity, .. } => capacity,
+            Algorithm::LeakyBucket {
+                rate_per_sec,
+                max_delay_ms,
+            } => Self::leaky_burst(1e6 / rate_per_sec, max_delay_ms as f64 * 1000.0),
+            Algorithm::FixedWindow { limit, .. }
+            | Algorithm::SlidingWindow { limit, .. }
+            | Algorithm::SlidingLog { limit, .. } => limit,
+        }
+    }
+
+    /// A leaky bucket's burst from its emission interval `t` and tolerance
+    /// `tau` (both in microseconds).
+    pub fn leaky_burst(t: f64, tau: f64) -> u64 {
+        (tau / t).floor() as u64 + 1
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Algorithm::TokenBucket { .. } => "token_bucket",
@@ -253,12 +277,70 @@ pub enum Scope {
     Global,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Limit {
     pub algorithm: Algorithm,
     pub scope: Scope,
     /// Decide and report, never reject.
     pub shadow: bool,
+    /// What names a client's bucket (routes only; `Client` elsewhere).
+    pub key: LimitKey,
+    /// A request without the key's attribute (routes only).
+    pub missing: Missing,
+    /// Tokens each request takes, 1 to the rule's quota.
+    pub cost: u64,
+}
+
+/// A route limit's `key`: the client (API key id, else IP), a request
+/// attribute, or both together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LimitKey {
+    Client,
+    Attribute(Attribute),
+    ClientAnd(Attribute),
+}
+
+/// A request attribute a limit can key on. Header names are lower-case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attribute {
+    Header(String),
+    Query(String),
+}
+
+impl Attribute {
+    /// As the file spells it: `header:NAME` or `query:NAME`.
+    pub fn spelling(&self) -> String {
+        match self {
+            Attribute::Header(n) => format!("header:{n}"),
+            Attribute::Query(n) => format!("query:{n}"),
+        }
+    }
+}
+
+impl LimitKey {
+    pub fn spelling(&self) -> String {
+        match self {
+            LimitKey::Client => "client".into(),
+            LimitKey::Attribute(a) => a.spelling(),
+            LimitKey::ClientAnd(a) => format!("client+{}", a.spelling()),
+        }
+    }
+
+    pub fn attribute(&self) -> Option<&Attribute> {
+        match self {
+            LimitKey::Client => None,
+            LimitKey::Attribute(a) | LimitKey::ClientAnd(a) => Some(a),
+        }
+    }
+}
+
+/// A route limit's `missing`: what a request without the key's attribute gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Missing {
+    /// 400, naming the attribute.
+    Reject,
+    /// The client's own bucket, as with `key = "client"`.
+    Client,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -52,14 +52,14 @@ impl Ledger {
             }
             let mut shard = self.shard(&c.key).lock();
             if let Some((_, debt)) = shard.get_mut(&c.key) {
-                outage::record(&c.algorithm, debt, now);
+                outage::record(&c.algorithm, debt, now, c.cost);
                 continue;
             }
             if shard.len() >= self.per_shard {
                 evict(&mut shard, now);
             }
             let mut debt = None;
-            outage::record(&c.algorithm, &mut debt, now);
+            outage::record(&c.algorithm, &mut debt, now, c.cost);
             shard.insert(c.key.clone(), (c.clone(), debt));
         }
     }
@@ -138,6 +138,7 @@ mod tests {
             key: "rl:key:p:tb-100-1:k:a".into(),
             algorithm: alg,
             shadow: false,
+            cost: 1,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;

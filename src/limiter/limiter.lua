@@ -19,9 +19,10 @@ then per bucket (KEYS[k], in order) three values:
                  4 sliding_window p1 = limit     p2 = window seconds
                  5 sliding_log    p1 = limit     p2 = window seconds
          p1, p2  as above (rates may be fractional)
-then per shape: n, its number of tiers, and per tier the index k of its bucket
-         in KEYS, negated for a shadow tier (decided and reported, never
-         blocking the others)
+then per shape: n, its number of tiers, and per tier two values: the index
+         k of its bucket in KEYS, negated for a shadow tier (decided and
+         reported, never blocking the others), and the request's cost there
+         (tokens taken, 1 to the bucket's quota)
 then per request: the index of its shape (requests of one client on one
          route share a shape, so a request costs one argument)
 
@@ -40,7 +41,7 @@ admits are the admitting tiers charged. A rejected request charges no tier.
 Worked example: one request, a token bucket of 20 at 10/s for its key and a
 fixed window of 10/min for the route, at now = 1700000000000000:
   EVALSHA <sha> 2 rl:key:free:tb-20-10:k:demo rl:route:zone-stats:fw-10-60:global
-          1700000000000000 1 1  1 20 10  3 10 60  2 1 2  1
+          1700000000000000 1 1  1 20 10  3 10 60  2 1 1 2 1  1
   -> 19 100000   9 40000000   1700000000000000
 (the bucket is full after 100 ms; the window ends 40 s later).
 
@@ -66,16 +67,17 @@ end
 
 -- GCRA: token bucket (tau = (capacity-1)*T) and leaky bucket (tau = max delay).
 -- The state is the theoretical arrival time of the next request. `limit` is
--- the bucket's size: remaining stays below it even when T is so small (rates
--- near a million a second) that doubles holding epoch microseconds round.
-local function gcra(tat, t, tau, limit, shaping, now)
+-- the bucket's size: remaining stays at most limit - n even when T is so
+-- small (rates near a million a second) that doubles holding epoch
+-- microseconds round. A request costing n is n requests at one instant.
+local function gcra(tat, t, tau, limit, shaping, now, n)
   if tat == nil then tat = now end
-  local allow_at = tat - tau
+  local allow_at = tat + (n - 1) * t - tau
   if now >= allow_at then
     local slot = max(tat, now)
-    local new_tat = slot + t
+    local new_tat = slot + n * t
     local remaining = floor((now + tau - new_tat) / t) + 1
-    if remaining > limit - 1 then remaining = limit - 1 end
+    if remaining > limit - n then remaining = limit - n end
     if remaining < 0 then remaining = 0 end
     local reset = ceil_us(new_tat - now)
     local delay = 0
@@ -93,20 +95,20 @@ local function window_index(now, w, stored)
 end
 
 -- State {window index, count}.
-local function fixed_window(s, limit, w, now)
+local function fixed_window(s, limit, w, now, cost)
   local win, count = nil, 0
   if s then win, count = s[1], s[2] end
   local n = window_index(now, w, win)
   if win ~= n then count = 0 end
   local until_end = max(0, (n + 1) * w - now)
-  if count < limit then
-    return true, limit - count - 1, until_end, 0, {n, count + 1}, until_end
+  if count + cost <= limit then
+    return true, limit - count - cost, until_end, 0, {n, count + cost}, until_end
   end
   return false, 0, until_end, 0
 end
 
 -- State {window index, previous window's count, current window's count}.
-local function sliding_window(s, limit, w, now)
+local function sliding_window(s, limit, w, now, cost)
   local win, sprev, scur = nil, 0, 0
   if s then win, sprev, scur = s[1], s[2], s[3] end
   local n = window_index(now, w, win)
@@ -115,15 +117,15 @@ local function sliding_window(s, limit, w, now)
   elseif win == n - 1 then prev, cur = scur, 0 end
   local ws = n * w
   local allow_at
-  local need = limit - 1 - cur
+  local need = limit - cost - cur
   if need >= 0 then
     if prev <= need then allow_at = ws else allow_at = ws + w * (prev - need) / prev end
   else
-    local ws2, need2, prev2 = ws + w, limit - 1, cur
+    local ws2, need2, prev2 = ws + w, limit - cost, cur
     if prev2 <= need2 then allow_at = ws2 else allow_at = ws2 + w * (prev2 - need2) / prev2 end
   end
   if now >= allow_at then
-    local cur1 = cur + 1
+    local cur1 = cur + cost
     local remaining = floor(limit - cur1 - prev * (ws + w - now) / w)
     if remaining < 0 then remaining = 0 end
     local until_end = ceil_us(ws + w - now)
@@ -135,17 +137,18 @@ local function sliding_window(s, limit, w, now)
 end
 
 -- The log is a sorted set read in place; its "state" is the count of live
--- entries, which the commit needs to name the new member.
-local function sliding_log(key, limit, w, now)
+-- entries, which the commit needs to name the new members (one per token).
+local function sliding_log(key, limit, w, now, cost)
   local live = '(' .. format('%d', now - w)
   local count = call('ZCOUNT', key, live, '+inf')
-  if count < limit then
+  if count + cost <= limit then
     local oldest = now
     local first = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     if first[2] then oldest = tonum(first[2]) end
-    return true, limit - count - 1, max(0, oldest + w - now), 0, count, w
+    return true, limit - count - cost, max(0, oldest + w - now), 0, count, w
   end
-  local entry = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', count - limit, 1)
+  -- Enough entries must expire to leave limit - cost: the (count + cost - limit)th.
+  local entry = call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', count + cost - limit - 1, 1)
   local retry = max(1, tonum(entry[2]) + w - now)
   return false, 0, retry, 0
 end
@@ -223,23 +226,24 @@ for k = 1, nk do
   end
 end
 -- Shapes, parsed once: shape q's tiers are refs[start[q] + 1 .. start[q] + len[q]],
--- each a bucket index, negative for a shadow tier.
-local refs, start, len, shape = {}, {}, {}, {}
+-- each a bucket index, negative for a shadow tier, with its cost in costs[].
+local refs, costs, start, len, shape = {}, {}, {}, {}, {}
 do
   local a, nrefs = 3 * nk + 4, 0
   for q = 1, ns do
     local n = tonum(ARGV[a])
-    if not whole(n, 0, na - a) then return bad('arguments end inside shape ' .. q) end
+    if not whole(n, 0, (na - a) / 2) then return bad('arguments end inside shape ' .. q) end
     start[q], len[q] = nrefs, n
-    for i = a + 1, a + n do
-      local k = tonum(ARGV[i])
+    for i = a + 1, a + 2 * n, 2 do
+      local k, c = tonum(ARGV[i]), tonum(ARGV[i + 1])
       if not whole(k, -nk, nk) or k == 0 then
         return bad('shape ' .. q .. ' names no bucket')
       end
+      if not whole(c, 1, 2 ^ 40) then return bad('shape ' .. q .. ' has no valid cost') end
       nrefs = nrefs + 1
-      refs[nrefs] = k
+      refs[nrefs], costs[nrefs] = k, c
     end
-    a = a + 1 + n
+    a = a + 1 + 2 * n
   end
   if a + m ~= na + 1 then return bad('expected one shape per request') end
   for r = 1, m do
@@ -259,7 +263,7 @@ end
 local dirty, ttl_of, ndirty = {}, {}, 0
 
 -- Per tier of the request being decided (reused across requests).
-local t_key, t_ok, t_new, t_ttl = {}, {}, {}, {}
+local t_key, t_ok, t_new, t_ttl, t_cost = {}, {}, {}, {}, {}
 
 local out, no = {}, 0
 for r = 1, m do
@@ -267,22 +271,22 @@ for r = 1, m do
   local n, j = len[q], start[q]
   local admit = true
   for i = 1, n do
-    local k = refs[j + i]
+    local k, c = refs[j + i], costs[j + i]
     local shadow = k < 0
     if shadow then k = -k end
     local kind, s = kinds[k], state[k]
     local ok, remaining, reset, delay, new, ttl
     if kind <= 2 then
-      ok, remaining, reset, delay, new, ttl = gcra(s, ts[k], taus[k], lims[k], kind == 2, now)
+      ok, remaining, reset, delay, new, ttl = gcra(s, ts[k], taus[k], lims[k], kind == 2, now, c)
     elseif kind == 3 then
-      ok, remaining, reset, delay, new, ttl = fixed_window(s, p1s[k], ws[k], now)
+      ok, remaining, reset, delay, new, ttl = fixed_window(s, p1s[k], ws[k], now, c)
     elseif kind == 4 then
-      ok, remaining, reset, delay, new, ttl = sliding_window(s, p1s[k], ws[k], now)
+      ok, remaining, reset, delay, new, ttl = sliding_window(s, p1s[k], ws[k], now, c)
     else
-      ok, remaining, reset, delay, new, ttl = sliding_log(KEYS[k], p1s[k], ws[k], now)
+      ok, remaining, reset, delay, new, ttl = sliding_log(KEYS[k], p1s[k], ws[k], now, c)
     end
     if not ok and not shadow then admit = false end
-    t_key[i], t_ok[i], t_new[i], t_ttl[i] = k, ok, new, ttl
+    t_key[i], t_ok[i], t_new[i], t_ttl[i], t_cost[i] = k, ok, new, ttl, c
     if not ok then remaining = -1 end
     out[no + 1], out[no + 2] = remaining, reset
     no = no + 2
@@ -299,7 +303,10 @@ for r = 1, m do
           -- A log is written at once: the next request of the batch counts it.
           local key, w, count = KEYS[k], t_ttl[i], t_new[i]
           call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - w))
-          call('ZADD', key, format('%d', now), format('%d:%d', now, count))
+          local at = format('%d', now)
+          for e = 0, t_cost[i] - 1 do
+            call('ZADD', key, at, format('%d:%d', now, count + e))
+          end
           call('PEXPIRE', key, max(1, ceil(w / 1000)))
         else
           state[k] = t_new[i]

@@ -88,7 +88,7 @@ impl LocalBackend {
                     .get(&c.key)
                     .filter(|e| e.expires_at > now)
                     .and_then(|e| e.state.as_ref());
-                algorithms::check(&c.algorithm, state, now)
+                algorithms::check(&c.algorithm, state, now, c.cost)
             })
             .collect();
         let verdict = Verdict {

@@ -57,6 +57,8 @@ pub struct Check {
     pub algorithm: Algorithm,
     /// Decide and report, but never reject on this tier's account.
     pub shadow: bool,
+    /// Tokens this request takes (a route's `cost`; 1 elsewhere).
+    pub cost: u64,
 }
 
 /// What the backend said about a whole request.

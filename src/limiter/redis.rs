@@ -742,9 +742,11 @@ impl Inner {
                         let refund = self.refund.clone();
                         let (kind, p1, p2) = script_args(&c.algorithm);
                         let (key, now, remaining) = (c.key.clone(), r.now_us, d.remaining);
+                        let cost = c.cost;
                         tokio::spawn(async move {
                             let mut inv = refund.prepare_invoke();
                             inv.key(key).arg(kind).arg(p1).arg(p2).arg(now).arg(remaining);
+                            inv.arg(cost);
                             let r: Result<i64, _> = match &mut conn {
                                 Conn::Single(c) => inv.invoke_async(c).await,
                                 Conn::Cluster(c) => inv.invoke_async(c).await,
@@ -794,7 +796,9 @@ async fn run_script(
     let tiers: usize = requests.iter().map(|r| r.len()).sum();
     let mut buckets: Vec<&Check> = Vec::with_capacity(tiers);
     let mut index: HashMap<&str, i64> = HashMap::with_capacity(tiers);
-    let refs: Vec<i64> = requests
+    // Per tier two numbers: the bucket's index (negated for a shadow tier)
+    // and the request's cost there.
+    let refs: Vec<[i64; 2]> = requests
         .iter()
         .flat_map(|r| r.iter())
         .map(|c| {
@@ -802,15 +806,11 @@ async fn run_script(
                 buckets.push(c);
                 buckets.len() as i64
             });
-            if c.shadow {
-                -k
-            } else {
-                k
-            }
+            [if c.shadow { -k } else { k }, c.cost as i64]
         })
         .collect();
-    let mut shapes: Vec<&[i64]> = Vec::new();
-    let mut shape_of: HashMap<&[i64], usize> = HashMap::new();
+    let mut shapes: Vec<&[[i64; 2]]> = Vec::new();
+    let mut shape_of: HashMap<&[[i64; 2]], usize> = HashMap::new();
     let mut rest = refs.as_slice();
     let request_shapes: Vec<usize> = requests
         .iter()
@@ -839,8 +839,8 @@ async fn run_script(
     }
     for shape in &shapes {
         cmd.arg(shape.len());
-        for k in shape.iter() {
-            cmd.arg(*k);
+        for [k, cost] in shape.iter() {
+            cmd.arg(*k).arg(*cost);
         }
     }
     for q in request_shapes {

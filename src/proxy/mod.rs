@@ -234,6 +234,8 @@ impl ProxyHttp for Gateway {
                 .headers
                 .get(http::header::CONTENT_LENGTH)
                 .and_then(|v| v.to_str().ok()?.trim().parse().ok()),
+            query: req.uri.query(),
+            headers: &req.headers,
         };
         let plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,

@@ -96,6 +96,17 @@ pub fn refusal(r: &Refusal) -> Reply {
             json(400, "bad_request", "more than one API key in the request")
         }
         Refusal::PayloadTooLarge(max) => payload_too_large(*max),
+        Refusal::BadAttribute(a, e) => {
+            let what = match a {
+                crate::config::Attribute::Header(n) => format!("header {n}"),
+                crate::config::Attribute::Query(n) => format!("query parameter {n}"),
+            };
+            json(
+                400,
+                "bad_request",
+                &format!("this route limits by the {what}, which {e}"),
+            )
+        }
     }
 }
 

@@ -1,10 +1,16 @@
 //! Fixed window: at most `limit` admissions per aligned window of
 //! `window_secs` (windows start at multiples of the window since the epoch, so
-//! every replica agrees where one ends).
+//! every replica agrees where one ends). A request costing n counts n.
 
 use super::{Decision, Evaluation, Micros, Update};
 
-pub fn check(limit: u64, window_secs: u64, state: Option<(i64, u64)>, now: Micros) -> Evaluation {
+pub fn check(
+    limit: u64,
+    window_secs: u64,
+    state: Option<(i64, u64)>,
+    now: Micros,
+    cost: u64,
+) -> Evaluation {
     let w = window_secs as i64 * 1_000_000;
     let mut n = now.div_euclid(w);
     // Time never moves a bucket backwards: a stale clock stays in the newer window.
@@ -16,19 +22,19 @@ pub fn check(limit: u64, window_secs: u64, state: Option<(i64, u64)>, now: Micro
         _ => 0,
     };
     let until_end = ((n + 1) * w - now).max(0) as u64;
-    if count < limit {
+    if count + cost <= limit {
         Evaluation {
             decision: Decision {
                 allowed: true,
                 limit,
-                remaining: limit - count - 1,
+                remaining: limit - count - cost,
                 retry_after_us: 0,
                 reset_after_us: until_end,
                 delay_us: 0,
             },
             update: Update::Window {
                 window: n,
-                count: count + 1,
+                count: count + cost,
             },
             ttl_us: until_end,
         }

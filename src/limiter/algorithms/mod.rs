@@ -65,7 +65,8 @@ pub enum Update {
     Gcra { tat: f64 },
     Window { window: i64, count: u64 },
     Sliding { window: i64, prev: u64, cur: u64 },
-    LogPush { at: Micros, window_us: Micros },
+    /// `n` entries at `at` (the request's cost).
+    LogPush { at: Micros, window_us: Micros, n: u64 },
     None,
 }
 
@@ -95,46 +96,36 @@ impl Evaluation {
     }
 }
 
-/// The quota a client is shown for a rule: capacity, limit, or for a leaky
-/// bucket the most requests that can be queued at once (one now, one per
-/// emission interval of delay). One formula for both backends and the headers.
+/// The quota a client is shown for a rule (`Algorithm::quota`).
 pub fn quota(alg: &Algorithm) -> u64 {
-    match *alg {
-        Algorithm::TokenBucket { capacity, .. } => capacity,
-        Algorithm::LeakyBucket {
-            rate_per_sec,
-            max_delay_ms,
-        } => gcra::leaky_burst(1e6 / rate_per_sec, max_delay_ms as f64 * 1000.0),
-        Algorithm::FixedWindow { limit, .. }
-        | Algorithm::SlidingWindow { limit, .. }
-        | Algorithm::SlidingLog { limit, .. } => limit,
-    }
+    alg.quota()
 }
 
-/// Decides one request against one bucket without changing it.
-pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros) -> Evaluation {
+/// Decides one request costing `cost` tokens (at least 1, at most the rule's
+/// `quota`) against one bucket without changing it.
+pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros, cost: u64) -> Evaluation {
     match *alg {
         Algorithm::TokenBucket {
             capacity,
             refill_per_sec,
-        } => gcra::token_bucket(capacity, refill_per_sec, gcra_tat(state), now),
+        } => gcra::token_bucket(capacity, refill_per_sec, gcra_tat(state), now, cost),
         Algorithm::LeakyBucket {
             rate_per_sec,
             max_delay_ms,
-        } => gcra::leaky_bucket(rate_per_sec, max_delay_ms, gcra_tat(state), now),
+        } => gcra::leaky_bucket(rate_per_sec, max_delay_ms, gcra_tat(state), now, cost),
         Algorithm::FixedWindow { limit, window_secs } => {
             let s = match state {
                 Some(State::Window { window, count }) => Some((*window, *count)),
                 _ => None,
             };
-            fixed_window::check(limit, window_secs, s, now)
+            fixed_window::check(limit, window_secs, s, now, cost)
         }
         Algorithm::SlidingWindow { limit, window_secs } => {
             let s = match state {
                 Some(State::Sliding { window, prev, cur }) => Some((*window, *prev, *cur)),
                 _ => None,
             };
-            sliding_window::check(limit, window_secs, s, now)
+            sliding_window::check(limit, window_secs, s, now, cost)
         }
         Algorithm::SlidingLog { limit, window_secs } => {
             let empty = VecDeque::new();
@@ -142,7 +133,7 @@ pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros) -> Evaluation 
                 Some(State::Log(l)) => l,
                 _ => &empty,
             };
-            sliding_log::check(limit, window_secs, log, now)
+            sliding_log::check(limit, window_secs, log, now, cost)
         }
     }
 }
@@ -171,12 +162,14 @@ pub fn commit(state: &mut Option<State>, update: &Update) {
                 cur: *cur,
             })
         }
-        Update::LogPush { at, window_us } => {
+        Update::LogPush { at, window_us, n } => {
             if !matches!(state, Some(State::Log(_))) {
                 *state = Some(State::Log(VecDeque::new()));
             }
             if let Some(State::Log(log)) = state {
-                sliding_log::push(log, *at, *window_us);
+                for _ in 0..*n {
+                    sliding_log::push(log, *at, *window_us);
+                }
             }
         }
         Update::None => {}

@@ -140,8 +140,9 @@ pub enum Debt {
     Log(VecDeque<Micros>),
 }
 
-/// Records one local admission at `now` against the shared rule `shared`.
-pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
+/// Records one local admission costing `cost` at `now` against the shared
+/// rule `shared`: as `cost` admissions at that instant would be.
+pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros, cost: u64) {
     match *shared {
         Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. } => {
             let t = gcra_interval(shared).unwrap_or(0.0);
@@ -150,8 +151,8 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
                 _ => (0, f64::MIN),
             };
             *debt = Some(Debt::Gcra {
-                count: count + 1,
-                tat: tat.max(now as f64) + t,
+                count: count + cost,
+                tat: tat.max(now as f64) + cost as f64 * t,
             });
         }
         Algorithm::FixedWindow { window_secs, .. } => {
@@ -162,7 +163,7 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
             };
             *debt = Some(Debt::Window {
                 window: n,
-                count: count + 1,
+                count: count + cost,
             });
         }
         Algorithm::SlidingWindow { window_secs, .. } => {
@@ -174,7 +175,7 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
             *debt = Some(Debt::Sliding {
                 window: n,
                 prev,
-                cur: cur + 1,
+                cur: cur + cost,
             });
         }
         Algorithm::SlidingLog { window_secs, .. } => {
@@ -182,7 +183,9 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros) {
                 *debt = Some(Debt::Log(VecDeque::new()));
             }
             if let Some(Debt::Log(log)) = debt {
-                super::sliding_log::push(log, now, window_secs as i64 * 1_000_000);
+                for _ in 0..cost {
+                    super::sliding_log::push(log, now, window_secs as i64 * 1_000_000);
+                }
             }
         }
     }
@@ -372,7 +375,7 @@ mod tests {
             let mut debt = None;
             let mut replay = start.unwrap_or(f64::MIN);
             for &at in &times {
-                record(&alg, &mut debt, at);
+                record(&alg, &mut debt, at, 1);
                 replay = replay.max(at as f64) + t;
             }
             let now = T0 + 2_000_002;
@@ -402,7 +405,7 @@ mod tests {
         let mut s = None;
         let mut last = None;
         for i in 0..27 {
-            let e = check(&shared, s.as_ref(), T0 + i);
+            let e = check(&shared, s.as_ref(), T0 + i, 1);
             commit(&mut s, &e.update);
             last = Some(e.decision);
         }
@@ -410,7 +413,7 @@ mod tests {
         let mut local_state = Some(seeded);
         let mut admitted = 0;
         for i in 0..10 {
-            let e = check(&local, local_state.as_ref(), T0 + 28 + i);
+            let e = check(&local, local_state.as_ref(), T0 + 28 + i, 1);
             if e.decision.allowed {
                 admitted += 1;
                 commit(&mut local_state, &e.update);
@@ -457,7 +460,7 @@ mod tests {
             let mut s = None;
             let mut last = None;
             for i in 0..27 {
-                let e = check(&shared, s.as_ref(), T0 + i);
+                let e = check(&shared, s.as_ref(), T0 + i, 1);
                 commit(&mut s, &e.update);
                 last = Some(e.decision);
             }
@@ -465,7 +468,7 @@ mod tests {
             let mut local_state = Some(seeded);
             let admitted = (0..10)
                 .filter(|i| {
-                    let e = check(&local, local_state.as_ref(), T0 + 28 + i);
+                    let e = check(&local, local_state.as_ref(), T0 + 28 + i, 1);
                     if e.decision.allowed {
                         commit(&mut local_state, &e.update);
                     }
@@ -503,8 +506,8 @@ mod tests {
             for split in 1..times.len() {
                 let (mut whole, mut a, mut b) = (None, None, None);
                 for (i, &t) in times.iter().enumerate() {
-                    record(&alg, &mut whole, t);
-                    record(&alg, if i < split { &mut a } else { &mut b }, t);
+                    record(&alg, &mut whole, t, 1);
+                    record(&alg, if i < split { &mut a } else { &mut b }, t, 1);
                 }
                 let merged = merge(&alg, a.unwrap(), b.unwrap());
                 let now = times[times.len() - 1] + 1;
@@ -525,8 +528,8 @@ mod tests {
             window_secs: 1,
         };
         let mut debt = None;
-        record(&alg, &mut debt, T0 + 100);
-        record(&alg, &mut debt, T0 + 200);
+        record(&alg, &mut debt, T0 + 100, 1);
+        record(&alg, &mut debt, T0 + 200, 1);
         let d = debt.unwrap();
         let state = State::Window {
             window: T0 / 1_000_000,

@@ -1,24 +1,31 @@
 //! Sliding log: exact. One timestamp per admitted request; a request is
 //! admitted iff fewer than `limit` admissions happened in the last window.
-//! An entry admitted at `t` stops counting at `t + W`.
+//! An entry admitted at `t` stops counting at `t + W`. A request costing n
+//! is n entries at one instant.
 
 use std::collections::VecDeque;
 
 use super::{Decision, Evaluation, Micros, Update};
 
-pub fn check(limit: u64, window_secs: u64, log: &VecDeque<Micros>, now: Micros) -> Evaluation {
+pub fn check(
+    limit: u64,
+    window_secs: u64,
+    log: &VecDeque<Micros>,
+    now: Micros,
+    cost: u64,
+) -> Evaluation {
     let w = window_secs as i64 * 1_000_000;
     let lower = now - w;
     // Entries at or before `lower` have expired.
     let first_live = log.partition_point(|&t| t <= lower);
     let count = (log.len() - first_live) as u64;
-    if count < limit {
+    if count + cost <= limit {
         let oldest = log.get(first_live).copied().unwrap_or(now);
         Evaluation {
             decision: Decision {
                 allowed: true,
                 limit,
-                remaining: limit - count - 1,
+                remaining: limit - count - cost,
                 retry_after_us: 0,
                 reset_after_us: (oldest + w - now).max(0) as u64,
                 delay_us: 0,
@@ -26,12 +33,14 @@ pub fn check(limit: u64, window_secs: u64, log: &VecDeque<Micros>, now: Micros) 
             update: Update::LogPush {
                 at: now,
                 window_us: w,
+                n: cost,
             },
             ttl_us: w as u64,
         }
     } else {
-        // Enough entries must expire to leave limit - 1: the (count - limit)th live one.
-        let idx = first_live + (count - limit) as usize;
+        // Enough entries must expire to leave limit - cost: the
+        // (count + cost - limit)th live one (1-based).
+        let idx = first_live + (count + cost - limit - 1) as usize;
         let retry = (log[idx] + w - now).max(1) as u64;
         Evaluation::rejected(limit, retry, w as u64)
     }

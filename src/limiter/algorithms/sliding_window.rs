@@ -1,7 +1,7 @@
 //! Sliding window counter: the current window's count plus the previous
 //! window's, weighted by how much of it still overlaps the sliding window.
 //!
-//! Admit iff `prev * (1 - elapsed/W) + cur + 1 <= limit`. Solved for time, that
+//! Admit iff `prev * (1 - elapsed/W) + cur + n <= limit` (n: the request's cost). Solved for time, that
 //! is a threshold `allow_at`; the decision compares `now` against it and the
 //! retry time is read from it, so the two can never disagree.
 
@@ -12,6 +12,7 @@ pub fn check(
     window_secs: u64,
     state: Option<(i64, u64, u64)>,
     now: Micros,
+    cost: u64,
 ) -> Evaluation {
     let w = window_secs as i64 * 1_000_000;
     let mut n = now.div_euclid(w);
@@ -24,11 +25,11 @@ pub fn check(
         _ => (0, 0),
     };
     let ws = n * w;
-    let allow_at = allow_at(limit, w, ws, prev, cur);
+    let allow_at = allow_at(limit, w, ws, prev, cur, cost);
     let now_f = now as f64;
     let (wf, wsf) = (w as f64, ws as f64);
     if now_f >= allow_at {
-        let cur1 = cur + 1;
+        let cur1 = cur + cost;
         let remaining =
             (limit as f64 - cur1 as f64 - prev as f64 * (wsf + wf - now_f) / wf).floor();
         let until_end = ceil_us(wsf + wf - now_f);
@@ -55,9 +56,9 @@ pub fn check(
 }
 
 /// The first moment a request is admitted, given the window starting at `ws`.
-fn allow_at(limit: u64, w: i64, ws: i64, prev: u64, cur: u64) -> f64 {
+fn allow_at(limit: u64, w: i64, ws: i64, prev: u64, cur: u64, cost: u64) -> f64 {
     let (wf, wsf) = (w as f64, ws as f64);
-    let need = limit as f64 - 1.0 - cur as f64;
+    let need = limit as f64 - cost as f64 - cur as f64;
     if need >= 0.0 {
         let prev = prev as f64;
         if prev <= need {
@@ -67,7 +68,7 @@ fn allow_at(limit: u64, w: i64, ws: i64, prev: u64, cur: u64) -> f64 {
         }
     } else {
         // Not in this window: in the next one `cur` becomes the previous count.
-        let (ws2, need2, prev2) = (wsf + wf, limit as f64 - 1.0, cur as f64);
+        let (ws2, need2, prev2) = (wsf + wf, limit as f64 - cost as f64, cur as f64);
         if prev2 <= need2 {
             ws2
         } else {
