@@ -71,6 +71,26 @@ upstream = "up"
 limit = { algorithm = "sliding_log", limit = 1000, window_secs = 3600, scope = "global" }
 "#;
 
+/// A plan of 3 and a route whose requests cost 100 of a log of 1000: the
+/// route tier is reserved first in its own slot and refunded whole (100
+/// entries) when the plan rejects.
+const COSTLY: &str = r#"
+[plans.tiny]
+capacity = 3
+refill_per_sec = 0.001
+
+[[api_keys]]
+id = "alice"
+key = "alice-secret"
+plan = "tiny"
+
+[[routes]]
+name = "c"
+path_prefix = "/c"
+upstream = "up"
+limit = { algorithm = "sliding_log", limit = 1000, window_secs = 3600, scope = "global", cost = 100 }
+"#;
+
 const OPEN: &str = r#"
 [tiers.ip]
 algorithm = "token_bucket"
@@ -111,6 +131,26 @@ fn cluster_tiers_in_different_slots_are_all_or_nothing() {
         r.headers
     );
     assert_eq!(up.count("/r"), 4);
+}
+
+#[test]
+fn cluster_refunds_a_costly_tier_whole() {
+    let cluster = ClusterGuard::start();
+    let up = UpstreamGuard::start();
+    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let gw = GatewayGuard::start(&config(&redis, &up, COSTLY));
+    let mut c = gw.client();
+    let with_key = [("x-api-key", "alice-secret")];
+    let got: Vec<u16> = (0..5)
+        .map(|_| c.request("GET", "/c", &with_key, b"").expect("request").status)
+        .collect();
+    assert_eq!(got, [200, 200, 200, 429, 429]);
+    // 3 admitted took 300 of 1000; the 2 rejected gave their 100 back, so
+    // a request without a key (route tier only) leaves 1000 - 400.
+    let r = c.get("/c").expect("request");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("ratelimit"), Some("\"route\";r=600;t=3600"), "headers: {:?}", r.headers);
+    assert_eq!(up.count("/c"), 4);
 }
 
 #[test]
