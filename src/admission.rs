@@ -275,11 +275,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
 /// The identity of a request's bucket under its route's limit: everyone's
 /// (`global`), the client's (`k:ID` or `ip:ADDR`), the attribute's
 /// (`h:VALUE`, `q:VALUE`) or the client's and the attribute's together.
-fn route_identity(
-    rr: &RouteRule,
-    client: &str,
-    req: &RequestView<'_>,
-) -> Result<String, Refusal> {
+fn route_identity(rr: &RouteRule, client: &str, req: &RequestView<'_>) -> Result<String, Refusal> {
     let attribute = match (&rr.scope, &rr.key) {
         (Scope::Global, _) => return Ok("global".into()),
         (Scope::Client, LimitKey::Client) => return Ok(client.into()),
@@ -290,14 +286,107 @@ fn route_identity(
         Err(AttributeError::Missing) if rr.missing == Missing::Client => return Ok(client.into()),
         Err(e) => return Err(Refusal::BadAttribute(attribute.clone(), e)),
     };
-    let tag = match attribute {
-        Attribute::Header(_) => "h",
-        Attribute::Query(_) => "q",
-    };
+    let tag = tag(attribute);
     Ok(match rr.key {
         LimitKey::ClientAnd(_) => format!("{client}/{tag}:{value}"),
         _ => format!("{tag}:{value}"),
     })
+}
+
+/// Whose buckets an operator asks about (`/limits`, `gateway limits`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Subject {
+    /// An API key, by its id (never its secret).
+    Key(String),
+    /// A client address (IPv6 grouped by `clients.ipv6_prefix_len`).
+    Ip(IpAddr),
+    /// No client: only with a route keyed on an attribute, and its value.
+    Nobody,
+}
+
+/// One bucket an operator can see or reset, and the route it limits.
+#[derive(Debug, Clone)]
+pub struct Bucket {
+    pub check: Check,
+    pub route: Option<String>,
+}
+
+/// The buckets a subject's requests are charged to: its own tier bucket
+/// (ip or key), then, for each route (or only `route`), the route's bucket
+/// it would use: its client bucket, the route's global bucket, or with
+/// `value` the bucket of that header or query value. Attribute-keyed
+/// buckets are named only with `value` (their values cannot be listed).
+pub fn buckets(
+    policy: &Policy,
+    subject: &Subject,
+    route: Option<&str>,
+    value: Option<&str>,
+) -> Result<Vec<Bucket>, String> {
+    let cfg = &policy.config;
+    let client = match subject {
+        Subject::Key(id) => {
+            let key = cfg
+                .api_keys
+                .iter()
+                .find(|k| &k.id == id)
+                .ok_or_else(|| format!("no API key has id \"{id}\""))?;
+            Some((format!("k:{id}"), policy.plan_rules.get(&key.plan)))
+        }
+        Subject::Ip(ip) => {
+            let addr = ClientAddr::new(*ip, cfg.clients.ipv6_prefix_len);
+            Some((format!("ip:{addr}"), policy.ip_rule.as_ref()))
+        }
+        Subject::Nobody if route.is_some() && value.is_some() => None,
+        Subject::Nobody => {
+            return Err("name a client: key=ID or ip=ADDRESS (or route=NAME with value=V)".into())
+        }
+    };
+    let routes: Vec<usize> = match route {
+        Some(name) => vec![cfg
+            .routes
+            .iter()
+            .position(|r| r.name == name)
+            .ok_or_else(|| format!("no route is named \"{name}\""))?],
+        None => (0..cfg.routes.len()).collect(),
+    };
+    let mut out = Vec::new();
+    if let (Some((identity, Some(rule))), None) = (&client, route) {
+        out.push(Bucket {
+            check: rule.check(identity),
+            route: None,
+        });
+    }
+    for i in routes {
+        let Some(rr) = &policy.route_rules[i] else {
+            continue;
+        };
+        let own = client.as_ref().map(|(identity, _)| identity.as_str());
+        let identity = match (rr.scope, &rr.key, value, own) {
+            (Scope::Global, _, _, _) => Some("global".to_string()),
+            (_, LimitKey::Client, _, own) => own.map(str::to_string),
+            (_, LimitKey::Attribute(a), Some(v), _) => Some(format!("{}:{v}", tag(a))),
+            (_, LimitKey::ClientAnd(a), Some(v), Some(own)) => {
+                Some(format!("{own}/{}:{v}", tag(a)))
+            }
+            // Without a value: the bucket requests lacking the attribute use.
+            (_, _, None, own) if rr.missing == Missing::Client => own.map(str::to_string),
+            _ => None,
+        };
+        if let Some(identity) = identity {
+            out.push(Bucket {
+                check: rr.rule.check(&identity),
+                route: Some(cfg.routes[i].name.clone()),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn tag(a: &Attribute) -> &'static str {
+    match a {
+        Attribute::Header(_) => "h",
+        Attribute::Query(_) => "q",
+    }
 }
 
 /// The fate of a planned request.

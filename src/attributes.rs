@@ -81,7 +81,7 @@ fn query_param(query: &str, name: &str) -> Result<String, AttributeError> {
 }
 
 /// Form decoding, as most upstreams read a query: `+` is a space, `%XX` a byte.
-fn decode(s: &str) -> Result<String, AttributeError> {
+pub fn decode(s: &str) -> Result<String, AttributeError> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -120,15 +120,24 @@ mod tests {
     fn header_values() {
         let a = Attribute::Header("x-tenant-id".into());
         let v = |h: &HeaderMap| value(&a, h, None);
-        assert_eq!(v(&headers(&[("X-Tenant-Id", b" acme ")])), Ok("acme".into()));
+        assert_eq!(
+            v(&headers(&[("X-Tenant-Id", b" acme ")])),
+            Ok("acme".into())
+        );
         assert_eq!(v(&headers(&[])), Err(AttributeError::Missing));
-        assert_eq!(v(&headers(&[("x-tenant-id", b"")])), Err(AttributeError::Missing));
+        assert_eq!(
+            v(&headers(&[("x-tenant-id", b"")])),
+            Err(AttributeError::Missing)
+        );
         let twice = headers(&[("x-tenant-id", b"a"), ("x-tenant-id", b"a")]);
         assert_eq!(v(&twice), Err(AttributeError::Repeated));
         let bytes = headers(&[("x-tenant-id", b"caf\xc3\xa9")]);
         assert_eq!(v(&bytes), Err(AttributeError::Unreadable));
         let long = vec![b'a'; MAX_VALUE_BYTES + 1];
-        assert_eq!(v(&headers(&[("x-tenant-id", &long)])), Err(AttributeError::TooLong));
+        assert_eq!(
+            v(&headers(&[("x-tenant-id", &long)])),
+            Err(AttributeError::TooLong)
+        );
         let exact = vec![b'a'; MAX_VALUE_BYTES];
         assert!(v(&headers(&[("x-tenant-id", &exact)])).is_ok());
     }
@@ -146,6 +155,9 @@ mod tests {
         assert_eq!(v("tenant=%zz"), Err(AttributeError::Unreadable));
         assert_eq!(v("tenant=%ff"), Err(AttributeError::Unreadable));
         assert_eq!(v("tenant=%6"), Err(AttributeError::Unreadable));
-        assert_eq!(value(&a, &HeaderMap::new(), None), Err(AttributeError::Missing));
+        assert_eq!(
+            value(&a, &HeaderMap::new(), None),
+            Err(AttributeError::Missing)
+        );
     }
 }

@@ -11,6 +11,7 @@ pub mod config;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
+pub mod operator;
 pub mod path;
 pub mod proxy;
 pub mod routing;

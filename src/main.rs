@@ -10,7 +10,8 @@ use clap::{Parser, Subcommand};
 // thread-local free lists make that cheaper than glibc's malloc.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use ratelimit_gateway::{certs, config, metrics, proxy};
+use ratelimit_gateway::admission::Subject;
+use ratelimit_gateway::{certs, config, metrics, operator, proxy};
 
 #[derive(Parser)]
 #[command(
@@ -35,6 +36,42 @@ enum Command {
         #[arg(short, long, default_value = "gateway.toml")]
         config: PathBuf,
     },
+    /// See or reset a client's buckets (Redis directly, or the gateway's
+    /// admin port for the local backend).
+    Limits {
+        #[command(subcommand)]
+        action: LimitsAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum LimitsAction {
+    /// Print the buckets: limit, remaining, time until whole.
+    Show(LimitsArgs),
+    /// Make the buckets whole again.
+    Reset(LimitsArgs),
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("who").args(["key", "ip"])))]
+struct LimitsArgs {
+    #[arg(short, long, default_value = "gateway.toml")]
+    config: PathBuf,
+    /// An API key, by its id (never its secret).
+    #[arg(long)]
+    key: Option<String>,
+    /// A client address.
+    #[arg(long)]
+    ip: Option<std::net::IpAddr>,
+    /// Only this route's bucket.
+    #[arg(long)]
+    route: Option<String>,
+    /// For a route keyed on a header or query parameter: the value's bucket.
+    #[arg(long)]
+    value: Option<String>,
+    /// Print the JSON `/limits` answers instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> ExitCode {
@@ -77,6 +114,45 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Command::Limits { action } => {
+            let (args, reset) = match action {
+                LimitsAction::Show(a) => (a, false),
+                LimitsAction::Reset(a) => (a, true),
+            };
+            let cfg = match config::load(&args.config) {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let subject = match (args.key, args.ip) {
+                (Some(k), _) => Subject::Key(k),
+                (None, Some(ip)) => Subject::Ip(ip),
+                (None, None) => Subject::Nobody,
+            };
+            let ask = operator::Ask {
+                subject,
+                route: args.route,
+                value: args.value,
+                reset,
+            };
+            match operator::run(cfg, &ask) {
+                Ok(answer) => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = if args.json {
+                        writeln!(out, "{answer}")
+                    } else {
+                        write!(out, "{}", operator::table(&answer))
+                    };
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gateway limits: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Run { config } => {
             init_tracing();
             let cfg = match config::load(&config) {

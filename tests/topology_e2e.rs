@@ -142,14 +142,23 @@ fn cluster_refunds_a_costly_tier_whole() {
     let mut c = gw.client();
     let with_key = [("x-api-key", "alice-secret")];
     let got: Vec<u16> = (0..5)
-        .map(|_| c.request("GET", "/c", &with_key, b"").expect("request").status)
+        .map(|_| {
+            c.request("GET", "/c", &with_key, b"")
+                .expect("request")
+                .status
+        })
         .collect();
     assert_eq!(got, [200, 200, 200, 429, 429]);
     // 3 admitted took 300 of 1000; the 2 rejected gave their 100 back, so
     // a request without a key (route tier only) leaves 1000 - 400.
     let r = c.get("/c").expect("request");
     assert_eq!(r.status, 200);
-    assert_eq!(r.header("ratelimit"), Some("\"route\";r=600;t=3600"), "headers: {:?}", r.headers);
+    assert_eq!(
+        r.header("ratelimit"),
+        Some("\"route\";r=600;t=3600"),
+        "headers: {:?}",
+        r.headers
+    );
     assert_eq!(up.count("/c"), 4);
 }
 

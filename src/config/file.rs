@@ -37,6 +37,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
         root,
         &[
             "server",
+            "admin",
             "limiter",
             "redis",
             "clients",
@@ -49,6 +50,8 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     );
 
     let server = section(&mut r, root, "server", true).map(|t| super::server::read(&mut r, t));
+    let admin_t = section(&mut r, root, "admin", false);
+    let admin = super::admin::read(&mut r, admin_t);
     let redis = section(&mut r, root, "redis", false).map(|t| super::redis::read(&mut r, t));
     let limiter_t = section(&mut r, root, "limiter", false);
     let limiter = super::limiter::read(&mut r, limiter_t, redis.is_some());
@@ -132,6 +135,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     // Every piece is Some when no error was recorded.
     Ok(Config {
         server: server.flatten().expect("server read without error"),
+        admin: admin.expect("admin read without error"),
         limiter: limiter.expect("limiter read without error"),
         redis: redis.flatten(),
         clients: clients.expect("clients read without error"),

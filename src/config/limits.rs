@@ -117,7 +117,9 @@ pub(super) fn limit(
             r.error(
                 path,
                 Some(&v.span()),
-                format!("a request costing {n} could never be admitted: the rule holds at most {most}"),
+                format!(
+                    "a request costing {n} could never be admitted: the rule holds at most {most}"
+                ),
             );
             return None;
         }
@@ -166,14 +168,22 @@ fn limit_key(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<LimitKey> 
             Attribute::Header(name.to_ascii_lowercase())
         }
         Some(("header", name)) => {
-            r.error(path, Some(&v.span()), format!("\"{name}\" is not a valid header name"));
+            r.error(
+                path,
+                Some(&v.span()),
+                format!("\"{name}\" is not a valid header name"),
+            );
             return None;
         }
         Some(("query", name)) if !name.is_empty() && !name.contains(['&', '=', '#']) => {
             Attribute::Query(name.to_string())
         }
         Some(("query", name)) => {
-            r.error(path, Some(&v.span()), format!("\"{name}\" is not a query parameter name"));
+            r.error(
+                path,
+                Some(&v.span()),
+                format!("\"{name}\" is not a query parameter name"),
+            );
             return None;
         }
         _ => {

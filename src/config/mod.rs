@@ -3,6 +3,7 @@
 //! reload, live in `proxy` (`Live`, `reload`): a reload swaps the policy, the
 //! upstream pools and the metric handles together.
 
+mod admin;
 mod clients;
 mod file;
 mod limiter;
@@ -122,7 +123,11 @@ impl Config {
             Some(r) => {
                 let mode = r.mode.spelling();
                 let password = match (&r.password, &r.password_file) {
-                    (Some(_), _) => " password=(set)".to_string(),
+                    (Some(_), Some(f)) => format!(
+                        " password_file={} (used; redis.password is also set and not used)",
+                        f.display()
+                    ),
+                    (Some(_), None) => " password=(set)".to_string(),
                     (None, Some(f)) => format!(" password_file={}", f.display()),
                     (None, None) => String::new(),
                 };

@@ -57,6 +57,7 @@ spelled!(Missing: "reject" => Missing::Reject, "client" => Missing::Client);
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: Server,
+    pub admin: AdminSettings,
     pub limiter: LimiterSettings,
     pub redis: Option<RedisSettings>,
     pub clients: Clients,
@@ -85,6 +86,30 @@ pub struct Server {
     pub h2c: bool,
     /// `[server.tls]`: TLS listeners, HTTP/1.1 and HTTP/2 by ALPN.
     pub tls: Option<TlsListeners>,
+}
+
+/// A secret from the file (or its environment): printed as `(secret)` by
+/// `Debug`, so no log or panic message of a config can show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("(secret)")
+    }
+}
+
+/// `[admin]`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AdminSettings {
+    /// Required by the admin endpoints that change state.
+    pub token: Option<Secret>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -162,9 +187,10 @@ pub struct RedisSettings {
     pub key_prefix: String,
     /// For `rediss://` URLs: the CA to verify Redis with (`None`: the system roots).
     pub ca_file: Option<std::path::PathBuf>,
-    /// Overrides the URLs' password (a secret: never printed).
-    pub password: Option<String>,
-    /// A file holding the password (a mounted secret), read at start-up.
+    /// Overrides the URLs' password.
+    pub password: Option<Secret>,
+    /// A file holding the password (a mounted secret): read at start-up and
+    /// again when it changes. Wins over `password` when both are set.
     pub password_file: Option<std::path::PathBuf>,
 }
 

@@ -4,7 +4,7 @@
 use toml::de::DeTable;
 
 use super::file::{name, opt, req};
-use super::model::{RedisMode, RedisSettings, Spelled};
+use super::model::{RedisMode, RedisSettings, Secret, Spelled};
 use super::reader::Reader;
 
 pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
@@ -59,20 +59,14 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings>
     let prefix = opt(r, t, p, "key_prefix", "rl".to_string(), name);
     // A secret: never echoed, never in `check`'s summary.
     let password = opt(r, t, p, "password", None, |r, path, v| {
-        r.string(path, v).map(Some)
+        r.string(path, v).map(|p| Some(Secret(p)))
     });
     let password_file = opt(r, t, p, "password_file", None, |r, path, v| {
         r.file_path(path, v).map(Some)
     });
-    if t.get("password").is_some() && t.get("password_file").is_some() {
-        let at = "redis.password_file";
-        let span = r.spans.get(at).cloned();
-        r.error(
-            at,
-            span.as_ref(),
-            "set either redis.password or redis.password_file, not both",
-        );
-    }
+    // Both set: the file wins (a mounted secret is the deployment's truth;
+    // the inline one is often a `${VAR}` left from local runs), and `check`
+    // prints which one is used.
     let ca_file = opt(r, t, p, "ca_file", None, |r, path, v| {
         r.file_path(path, v).map(Some)
     });

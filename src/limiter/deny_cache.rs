@@ -47,6 +47,11 @@ impl DenyCache {
         })
     }
 
+    /// Forgets a bucket's denial (it was reset).
+    pub fn forget(&self, key: &str) {
+        self.shard(key).lock().remove(key);
+    }
+
     pub fn remember(&self, key: &str, until: Instant) {
         let mut shard = self.shard(key).lock();
         if shard.len() >= self.per_shard && !shard.contains_key(key) {

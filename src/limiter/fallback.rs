@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use super::algorithms::outage;
+use super::algorithms::{outage, Snapshot};
 use super::deny_cache::DenyCache;
 use super::ledger::Ledger;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Verdict};
@@ -80,6 +80,16 @@ pub enum Outcome {
     FailClosed,
 }
 
+/// What a reset did.
+#[derive(Debug, Clone, Copy)]
+pub struct Reset {
+    pub backend: FallbackState,
+    /// Shared buckets deleted that held state (`None`: Redis does not decide now).
+    pub redis_buckets: Option<usize>,
+    /// This replica's buckets dropped that held state.
+    pub local_buckets: usize,
+}
+
 /// What `/readyz` says about Redis.
 #[derive(Debug, Clone)]
 pub struct Health {
@@ -110,6 +120,9 @@ pub struct Fallback {
     probe_key: String,
     /// The replica set (`heartbeat.lua`) and this replica's random id in it.
     replicas_key: String,
+    /// The stream of reset buckets, and the last entry this replica applied.
+    resets_key: String,
+    resets_seen: Mutex<Option<String>>,
     replica_id: String,
     /// Buckets Redis said no for, until when: answered without a call.
     denied: DenyCache,
@@ -149,6 +162,8 @@ impl Fallback {
             good_probes: AtomicU32::new(0),
             probe_key: format!("{key_prefix}:probe"),
             replicas_key: format!("{key_prefix}:replicas"),
+            resets_key: format!("{key_prefix}:resets"),
+            resets_seen: Mutex::new(None),
             replica_id: format!("{:016x}", fastrand::u64(..)),
             denied: DenyCache::new(100_000),
             ledger: Ledger::new(ledger_cap),
@@ -195,6 +210,14 @@ impl Fallback {
 
     pub fn has_redis(&self) -> bool {
         self.redis.is_some()
+    }
+
+    /// Re-reads `redis.password_file` (`RedisBackend::reload_password`).
+    pub fn reload_redis_password(&self) -> Result<bool, LimiterError> {
+        match &self.redis {
+            Some(r) => r.reload_password(),
+            None => Ok(false),
+        }
     }
 
     /// The number of replicas sharing every limit.
@@ -373,7 +396,7 @@ impl Fallback {
         *self.last_error.lock() = Some(e);
     }
 
-    fn redact(&self, text: &str) -> String {
+    pub fn redact(&self, text: &str) -> String {
         match &self.redis {
             Some(r) => r.redact(text),
             None => text.to_string(),
@@ -462,8 +485,89 @@ impl Fallback {
                 }
                 metrics::replicas(n);
             }
-            Err(e) => self.trip(e),
+            Err(e) => return self.trip(e),
         }
+        self.apply_resets(redis).await;
+    }
+
+    /// Forgets what this replica remembers of buckets another replica (or
+    /// `gateway limits reset`) reset: denials, fallback shares, debts.
+    async fn apply_resets(&self, redis: &RedisBackend) {
+        let after = self.resets_seen.lock().clone();
+        match redis.resets_since(&self.resets_key, after.as_deref()).await {
+            Ok((keys, last)) => {
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                self.forget(&refs);
+                *self.resets_seen.lock() = last;
+            }
+            // Read again next second; a missed reset only keeps a denial
+            // this replica would otherwise have dropped.
+            Err(e) => {
+                tracing::debug!(error = %self.redact(&e.to_string()), "limiter: cannot read resets")
+            }
+        }
+    }
+
+    /// This replica's memory of the buckets, dropped; how many local
+    /// buckets held state.
+    fn forget(&self, keys: &[&str]) -> usize {
+        for k in keys {
+            self.denied.forget(k);
+            self.ledger.forget(k);
+        }
+        self.local.remove(keys)
+    }
+
+    /// What each check's bucket holds, spending nothing, from the backend
+    /// that decides now: Redis, or (on the fallback, or with
+    /// `backend = "local"`) this replica's own buckets, whose limits are
+    /// then its share.
+    pub async fn inspect(
+        &self,
+        checks: &[Check],
+    ) -> Result<(FallbackState, Vec<Snapshot>), LimiterError> {
+        if let (Some(redis), FallbackState::Redis) = (&self.redis, self.state()) {
+            let (snapshots, _) = redis.peek(checks).await?;
+            return Ok((FallbackState::Redis, snapshots));
+        }
+        Ok((
+            FallbackState::Local,
+            self.local.peek(&self.local_view(checks)),
+        ))
+    }
+
+    /// The checks as the local backend enforces them now.
+    fn local_view(&self, checks: &[Check]) -> Vec<Check> {
+        let n = if self.redis.is_some() {
+            self.replicas()
+        } else {
+            1
+        };
+        checks
+            .iter()
+            .map(|c| Check {
+                algorithm: share(&c.algorithm, n),
+                ..c.clone()
+            })
+            .collect()
+    }
+
+    /// Makes the buckets whole again: in Redis when it decides (every
+    /// replica hears of it within a second), and in this replica's memory.
+    pub async fn reset(&self, checks: &[Check]) -> Result<Reset, LimiterError> {
+        let keys: Vec<&str> = checks.iter().map(|c| c.key.as_str()).collect();
+        let redis = match (&self.redis, self.state()) {
+            (Some(redis), FallbackState::Redis) => {
+                Some(redis.reset(&keys, &self.resets_key).await?)
+            }
+            _ => None,
+        };
+        let local = self.forget(&keys);
+        Ok(Reset {
+            backend: self.state(),
+            redis_buckets: redis,
+            local_buckets: local,
+        })
     }
 
     /// One probe round; closes the breaker after enough good probes, once

@@ -64,6 +64,11 @@ impl Ledger {
         }
     }
 
+    /// Drops a bucket's debt (it was reset: nothing is owed to it).
+    pub fn forget(&self, key: &str) {
+        self.shard(key).lock().swap_remove(key);
+    }
+
     /// Every debt, leaving the ledger empty.
     pub fn take(&self) -> Vec<(Check, Debt)> {
         let mut out = Vec::new();

@@ -13,7 +13,7 @@ use indexmap::IndexMap;
 use parking_lot::Mutex;
 
 use super::algorithms::outage::{self, Debt};
-use super::algorithms::{self, State};
+use super::algorithms::{self, Snapshot, State};
 use super::{Backend, Check, LimiterError, Verdict};
 use crate::clock::Clock;
 
@@ -143,6 +143,37 @@ impl LocalBackend {
                 expires_at,
             },
         );
+    }
+
+    /// What each check's bucket holds at `now`, spending nothing.
+    pub fn peek_at(&self, checks: &[Check], now: i64) -> Vec<Snapshot> {
+        checks
+            .iter()
+            .map(|c| {
+                let shard = self.shards[self.shard_of(&c.key)].lock();
+                let state = shard
+                    .get(&c.key)
+                    .filter(|e| e.expires_at > now)
+                    .and_then(|e| e.state.as_ref());
+                algorithms::inspect(&c.algorithm, state, now)
+            })
+            .collect()
+    }
+
+    pub fn peek(&self, checks: &[Check]) -> Vec<Snapshot> {
+        self.peek_at(checks, self.clock.now_us())
+    }
+
+    /// Forgets these buckets (they are whole again); returns how many held state.
+    pub fn remove(&self, keys: &[&str]) -> usize {
+        keys.iter()
+            .filter(|k| {
+                self.shards[self.shard_of(k)]
+                    .lock()
+                    .swap_remove(**k)
+                    .is_some()
+            })
+            .count()
     }
 
     /// Whether a sliding log's state was written less than `within_us` ago

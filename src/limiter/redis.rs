@@ -24,10 +24,10 @@
 //! have run.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -46,6 +46,8 @@ static HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
 
 /// Buckets per `charge.lua` call: keeps one call's run short.
 const CHARGE_BATCH: usize = 200;
+
+mod admin;
 
 #[derive(Clone)]
 enum Conn {
@@ -104,15 +106,99 @@ fn open(info: redis::ConnectionInfo, ca: Option<&Vec<u8>>) -> Result<redis::Clie
     .map_err(redis_err)
 }
 
+/// The password `redis.password_file` (when set) or `redis.password` gives;
+/// empty counts as none (`${REDIS_PASSWORD:-}` with the variable unset).
+/// The file wins when both are set (`check` says so).
+fn read_password(s: &RedisSettings) -> Result<Option<String>, LimiterError> {
+    let password = match (&s.password_file, &s.password) {
+        (Some(path), _) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| LimiterError::Refused {
+                    reason: "config",
+                    detail: format!("redis.password_file: cannot read {}: {e}", path.display()),
+                })?
+                // A mounted secret often ends with a newline.
+                .trim_end_matches(['\n', '\r'])
+                .to_string(),
+        ),
+        (None, Some(p)) => Some(p.expose().to_string()),
+        (None, None) => None,
+    };
+    Ok(password.filter(|p| !p.is_empty()))
+}
+
+/// The clients a `[redis]` section describes, with `password` replacing
+/// the URLs' own; and every password involved, to redact from errors.
+fn topology_of(
+    s: &RedisSettings,
+    password: Option<&str>,
+) -> Result<(Topology, Vec<String>), LimiterError> {
+    let budget = Duration::from_millis(s.timeout_ms);
+    let tls = s.urls.iter().any(|u| u.starts_with("rediss://"));
+    let ca = match &s.ca_file {
+        Some(path) if tls => Some(std::fs::read(path).map_err(|e| LimiterError::Refused {
+            reason: "config",
+            detail: format!("redis.ca_file: cannot read {}: {e}", path.display()),
+        })?),
+        _ => None,
+    };
+    let mut secrets: Vec<String> = password.iter().map(|p| p.to_string()).collect();
+    for u in &s.urls {
+        if let Ok(c) = redis::Client::open(u.as_str()) {
+            if let Some(p) = c.get_connection_info().redis_settings().password() {
+                secrets.push(p.to_string());
+            }
+        }
+    }
+    let topology = match s.mode {
+        RedisMode::Standalone => Topology::Standalone(client(&s.urls[0], ca.as_ref(), password)?),
+        RedisMode::Sentinel => Topology::Sentinel {
+            sentinels: s
+                .urls
+                .iter()
+                .map(|u| client(u, ca.as_ref(), password))
+                .collect::<Result<_, _>>()?,
+            master: s.sentinel_master.clone().unwrap_or_default(),
+            tls: s.urls[0].starts_with("rediss://").then(|| ca.clone()),
+        },
+        RedisMode::Cluster => {
+            let mut builder =
+                redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
+                    .connection_timeout(Duration::from_millis(500))
+                    .response_timeout(budget.max(Duration::from_millis(100)))
+                    .retries(2);
+            if let Some(pw) = password {
+                builder = builder.password(pw.to_string());
+            }
+            if let Some(pem) = &ca {
+                builder = builder.certs(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                });
+            }
+            Topology::Cluster(Box::new(builder.build().map_err(redis_err)?))
+        }
+    };
+    Ok((topology, secrets))
+}
+
+/// What `reload_password` needs: the section (naming the file) and the
+/// password in use.
+struct Rotation {
+    settings: RedisSettings,
+    password: Option<String>,
+}
+
 /// Everything a call needs, shared with the batching task.
 struct Inner {
-    topology: Topology,
+    /// Swapped whole when the password file changes (`reload_password`).
+    topology: ArcSwap<Topology>,
     connected: ArcSwapOption<Connected>,
     /// Standalone: the request path's connection, created on first use and
     /// renewed at each failback (`renew_request_connection`).
     single: ArcSwapOption<ConnectionManager>,
     /// Standalone: the probe's connection.
-    probe_single: OnceLock<ConnectionManager>,
+    probe_single: ArcSwapOption<ConnectionManager>,
     /// Sentinel: the request path's connection to the current master.
     request_conn: ArcSwapOption<Connected>,
     script: redis::Script,
@@ -130,7 +216,9 @@ struct Inner {
     /// `None`: Redis's own TIME. Tests inject a clock to compare backends.
     clock: Option<Arc<dyn Clock>>,
     /// Passwords of the configured URLs, removed from any error text.
-    secrets: Vec<String>,
+    secrets: ArcSwap<Vec<String>>,
+    /// Set when the password comes from a file that may be rotated.
+    rotation: parking_lot::Mutex<Option<Rotation>>,
 }
 
 pub struct RedisBackend {
@@ -202,70 +290,44 @@ impl RedisBackend {
         clock: Option<Arc<dyn Clock>>,
     ) -> Result<Self, LimiterError> {
         let budget = Duration::from_millis(s.timeout_ms);
-        let tls = s.urls.iter().any(|u| u.starts_with("rediss://"));
-        let ca = match &s.ca_file {
-            Some(path) if tls => Some(std::fs::read(path).map_err(|e| LimiterError::Refused {
-                reason: "config",
-                detail: format!("redis.ca_file: cannot read {}: {e}", path.display()),
-            })?),
-            _ => None,
-        };
-        let password = match (&s.password, &s.password_file) {
-            (Some(p), _) => Some(p.clone()),
-            (None, Some(path)) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|e| LimiterError::Refused {
-                        reason: "config",
-                        detail: format!("redis.password_file: cannot read {}: {e}", path.display()),
-                    })?
-                    // A mounted secret often ends with a newline.
-                    .trim_end_matches(['\n', '\r'])
-                    .to_string(),
-            ),
-            (None, None) => None,
+        let password = read_password(s)?;
+        let (topology, secrets) = topology_of(s, password.as_deref())?;
+        let backend = Self::with(topology, budget, clock, secrets);
+        if s.password_file.is_some() {
+            *backend.inner.rotation.lock() = Some(Rotation {
+                settings: s.clone(),
+                password,
+            });
         }
-        // `${REDIS_PASSWORD:-}` with the variable unset: no password at all.
-        .filter(|p| !p.is_empty());
-        let mut secrets: Vec<String> = password.iter().cloned().collect();
-        for u in &s.urls {
-            if let Ok(c) = redis::Client::open(u.as_str()) {
-                if let Some(p) = c.get_connection_info().redis_settings().password() {
-                    secrets.push(p.to_string());
-                }
-            }
-        }
-        let topology = match s.mode {
-            RedisMode::Standalone => {
-                Topology::Standalone(client(&s.urls[0], ca.as_ref(), password.as_deref())?)
-            }
-            RedisMode::Sentinel => Topology::Sentinel {
-                sentinels: s
-                    .urls
-                    .iter()
-                    .map(|u| client(u, ca.as_ref(), password.as_deref()))
-                    .collect::<Result<_, _>>()?,
-                master: s.sentinel_master.clone().unwrap_or_default(),
-                tls: s.urls[0].starts_with("rediss://").then(|| ca.clone()),
-            },
-            RedisMode::Cluster => {
-                let mut builder =
-                    redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
-                        .connection_timeout(Duration::from_millis(500))
-                        .response_timeout(budget.max(Duration::from_millis(100)))
-                        .retries(2);
-                if let Some(pw) = &password {
-                    builder = builder.password(pw.clone());
-                }
-                if let Some(pem) = &ca {
-                    builder = builder.certs(redis::TlsCertificates {
-                        client_tls: None,
-                        root_cert: Some(pem.clone()),
-                    });
-                }
-                Topology::Cluster(Box::new(builder.build().map_err(redis_err)?))
-            }
+        Ok(backend)
+    }
+
+    /// Re-reads `redis.password_file`; when the password in it changed,
+    /// the next calls connect with it (the connections made with the old
+    /// one are dropped). Returns whether it changed.
+    pub fn reload_password(&self) -> Result<bool, LimiterError> {
+        let mut rotation = self.inner.rotation.lock();
+        let Some(r) = rotation.as_mut() else {
+            return Ok(false);
         };
-        Ok(Self::with(topology, budget, clock, secrets))
+        let password = read_password(&r.settings)?;
+        if password == r.password {
+            return Ok(false);
+        }
+        let (topology, secrets) = topology_of(&r.settings, password.as_deref())?;
+        self.inner.topology.store(Arc::new(topology));
+        // Old passwords stay redacted: a late error may still quote one.
+        self.inner.secrets.rcu(|old| {
+            let mut all = (**old).clone();
+            all.extend(secrets.iter().cloned());
+            all
+        });
+        self.inner.single.store(None);
+        self.inner.probe_single.store(None);
+        self.inner.connected.store(None);
+        self.inner.request_conn.store(None);
+        r.password = password;
+        Ok(true)
     }
 
     fn with(
@@ -275,10 +337,10 @@ impl RedisBackend {
         secrets: Vec<String>,
     ) -> Self {
         let inner = Inner {
-            topology,
+            topology: ArcSwap::from_pointee(topology),
             connected: ArcSwapOption::empty(),
             single: ArcSwapOption::empty(),
-            probe_single: OnceLock::new(),
+            probe_single: ArcSwapOption::empty(),
             request_conn: ArcSwapOption::empty(),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
@@ -289,7 +351,8 @@ impl RedisBackend {
             late: tokio::sync::Notify::new(),
             abandon: tokio::sync::watch::channel(0).0,
             clock,
-            secrets,
+            secrets: ArcSwap::from_pointee(secrets),
+            rotation: parking_lot::Mutex::new(None),
         };
         RedisBackend {
             inner: Arc::new(inner),
@@ -326,7 +389,7 @@ impl RedisBackend {
         checks: Arc<[Check]>,
         epoch: u64,
     ) -> Result<Verdict, LimiterError> {
-        if matches!(self.inner.topology, Topology::Cluster(_)) {
+        if matches!(**self.inner.topology.load(), Topology::Cluster(_)) {
             let conn = self.inner.connection()?;
             return self.inner.decide_clustered(conn, &checks, epoch).await;
         }
@@ -460,7 +523,7 @@ impl RedisBackend {
     /// `text` with every configured password taken out.
     pub fn redact(&self, text: &str) -> String {
         let mut out = text.to_string();
-        for s in &self.inner.secrets {
+        for s in self.inner.secrets.load().iter() {
             if !s.is_empty() {
                 out = out.replace(s.as_str(), "***");
             }
@@ -481,7 +544,7 @@ impl Inner {
     /// proxy's), so a Redis call costs no hop to another thread. Sentinel:
     /// to the master the probe last found. Cluster: the probe's connection.
     fn connection(&self) -> Result<Conn, LimiterError> {
-        match &self.topology {
+        match &**self.topology.load() {
             Topology::Standalone(client) => {
                 if let Some(c) = self.single.load().as_ref() {
                     return Ok(Conn::Single(ConnectionManager::clone(c)));
@@ -520,13 +583,15 @@ impl Inner {
 
     /// The probe's own connection (made in the probe's runtime).
     fn probe_connection(&self) -> Result<Conn, LimiterError> {
-        if let Topology::Standalone(client) = &self.topology {
-            if let Some(c) = self.probe_single.get() {
-                return Ok(Conn::Single(c.clone()));
+        if let Topology::Standalone(client) = &**self.topology.load() {
+            if let Some(c) = self.probe_single.load().as_ref() {
+                return Ok(Conn::Single(ConnectionManager::clone(c)));
             }
+            // Made only on the probe's thread, so never raced.
             let c = ConnectionManager::new_lazy_with_config(client.clone(), manager_config_with(0))
                 .map_err(redis_err)?;
-            return Ok(Conn::Single(self.probe_single.get_or_init(|| c).clone()));
+            self.probe_single.store(Some(Arc::new(c.clone())));
+            return Ok(Conn::Single(c));
         }
         self.connected
             .load()
@@ -539,7 +604,8 @@ impl Inner {
     /// database of the configured URL (the sentinels only say where it is).
     fn master_client(&self, addr: &str) -> Result<redis::Client, LimiterError> {
         use redis::IntoConnectionInfo;
-        let Topology::Sentinel { sentinels, tls, .. } = &self.topology else {
+        let topology = self.topology.load();
+        let Topology::Sentinel { sentinels, tls, .. } = &**topology else {
             return Err(LimiterError::NotConnected);
         };
         let settings = sentinels
@@ -584,7 +650,9 @@ impl Inner {
 
     /// (Re)connects where the topology says Redis is now.
     async fn ensure_connected(&self) -> Result<(), LimiterError> {
-        match &self.topology {
+        // A snapshot: no guard is held across the awaits below.
+        let topology = self.topology.load_full();
+        match &*topology {
             Topology::Standalone(_) => Ok(()),
             Topology::Sentinel {
                 sentinels, master, ..

@@ -1,5 +1,5 @@
 //! The admin listener: `/healthz` (alive), `/readyz`, `/metrics` (Prometheus
-//! text).
+//! text), and `/limits` (a client's buckets: see `limits`).
 //!
 //! `/readyz` answers 503 until the start-up attempt to reach Redis has ended,
 //! then 200, in fallback too: a replica on its local share still enforces
@@ -8,16 +8,19 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use http::Response;
 use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 
+use super::{limits, Live};
 use crate::limiter::Fallback;
 use crate::metrics;
 
 pub struct Admin {
     pub limiter: Arc<Fallback>,
+    pub live: Arc<ArcSwap<Live>>,
 }
 
 #[async_trait]
@@ -43,6 +46,22 @@ impl ServeHttp for Admin {
                     body["waiting_for"] = "redis (server.startup_redis_wait_ms)".into();
                 }
                 let status = if h.started { 200 } else { 503 };
+                (status, "application/json", body.to_string().into_bytes())
+            }
+            "/limits" => {
+                // One snapshot for the whole request (never held across an await
+                // of the config: it is an Arc of its own).
+                let live = self.live.load_full();
+                let req = session.req_header();
+                let (status, body) = limits::serve(
+                    &self.limiter,
+                    &live.policy.config,
+                    &live.policy,
+                    &req.method,
+                    req.uri.query(),
+                    req.headers.get("authorization").map(|v| v.as_bytes()),
+                )
+                .await;
                 (status, "application/json", body.to_string().into_bytes())
             }
             "/metrics" => (

@@ -12,6 +12,7 @@
 
 pub mod admin;
 mod deadline;
+mod limits;
 mod reload;
 mod responses;
 pub mod server;

@@ -5,6 +5,9 @@
 //! error is logged with its key paths and counted. Requests in flight keep the
 //! snapshot they started with. Keys that only take effect at start-up are
 //! named in a warning when they change.
+//!
+//! `redis.password_file` is watched the same way (and re-read on SIGHUP): a
+//! rotated secret reaches the next Redis connections without a restart.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,6 +24,7 @@ use super::upstreams::Pools;
 use super::Live;
 use crate::admission::Policy;
 use crate::config::{self, Config};
+use crate::limiter::Fallback;
 use crate::metrics;
 
 const POLL: Duration = Duration::from_millis(500);
@@ -30,6 +34,7 @@ pub struct Reloader {
     pub live: Arc<ArcSwap<Live>>,
     /// The config the process started with: what restart-only keys are compared to.
     pub started_with: Arc<Config>,
+    pub limiter: Arc<Fallback>,
 }
 
 fn digest(path: &PathBuf) -> Option<[u8; 32]> {
@@ -37,6 +42,25 @@ fn digest(path: &PathBuf) -> Option<[u8; 32]> {
 }
 
 impl Reloader {
+    /// The password file the running Redis backend reads, if any.
+    fn password_file(&self) -> Option<&PathBuf> {
+        self.started_with.redis.as_ref()?.password_file.as_ref()
+    }
+
+    fn reload_password(&self, why: &str) {
+        match self.limiter.reload_redis_password() {
+            Ok(true) => tracing::info!(
+                trigger = why,
+                "redis.password_file changed: new Redis connections use the new password"
+            ),
+            Ok(false) => {}
+            // The error names the file, never its content.
+            Err(e) => {
+                tracing::error!(trigger = why, error = %e, "redis.password_file reload failed; the old password stays in use")
+            }
+        }
+    }
+
     fn reload(&self, why: &str) {
         match config::load(&self.path) {
             Ok(new) => {
@@ -117,6 +141,54 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     .collect()
 }
 
+/// One watched file: its content's digest as last acted on, and a change
+/// seen once and waiting to be stable.
+struct Watch {
+    path: Option<PathBuf>,
+    seen: Option<[u8; 32]>,
+    pending: Option<[u8; 32]>,
+}
+
+impl Watch {
+    fn new(path: Option<&PathBuf>) -> Self {
+        let path = path.cloned();
+        let seen = path.as_ref().and_then(digest);
+        Watch {
+            path,
+            seen,
+            pending: None,
+        }
+    }
+
+    fn seen_now(&mut self) {
+        self.seen = self.path.as_ref().and_then(digest);
+        self.pending = None;
+    }
+
+    /// Polled: true once new content has stayed the same for one poll
+    /// (debounce: an editor or a symlink swap may write in steps).
+    fn changed(&mut self) -> bool {
+        let Some(path) = &self.path else {
+            return false;
+        };
+        match (digest(path), self.pending) {
+            (Some(d), Some(p)) if d == p && Some(d) != self.seen => {
+                self.seen = Some(d);
+                self.pending = None;
+                true
+            }
+            (Some(d), _) if Some(d) != self.seen => {
+                self.pending = Some(d);
+                false
+            }
+            _ => {
+                self.pending = None;
+                false
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl BackgroundService for Reloader {
     async fn start(&self, mut shutdown: ShutdownWatch) {
@@ -127,27 +199,23 @@ impl BackgroundService for Reloader {
                 None
             }
         };
-        let mut seen = digest(&self.path);
-        let mut pending: Option<[u8; 32]> = None;
+        let mut config = Watch::new(Some(&self.path));
+        let mut password = Watch::new(self.password_file());
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     self.reload("SIGHUP");
-                    seen = digest(&self.path);
-                    pending = None;
+                    self.reload_password("SIGHUP");
+                    config.seen_now();
+                    password.seen_now();
                 }
                 _ = tokio::time::sleep(POLL) => {
-                    // Debounce: act once the new content is stable for one poll.
-                    let now = digest(&self.path);
-                    match (now, pending) {
-                        (Some(d), Some(p)) if d == p && Some(d) != seen => {
-                            self.reload("file change");
-                            seen = Some(d);
-                            pending = None;
-                        }
-                        (Some(d), _) if Some(d) != seen => pending = Some(d),
-                        _ => pending = None,
+                    if config.changed() {
+                        self.reload("file change");
+                    }
+                    if password.changed() {
+                        self.reload_password("file change");
                     }
                 }
             }

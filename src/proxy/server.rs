@@ -203,6 +203,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
             "admin".to_string(),
             Admin {
                 limiter: limiter.clone(),
+                live: live.clone(),
             },
         );
         admin.add_tcp(admin_addr);
@@ -221,6 +222,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
             path: path.to_path_buf(),
             live,
             started_with: config.clone(),
+            limiter: limiter.clone(),
         },
     ));
     if let Some(redis) = &config.redis {

@@ -11,6 +11,7 @@
 
 mod fixed_window;
 mod gcra;
+mod inspect;
 pub mod outage;
 mod sliding_log;
 mod sliding_window;
@@ -20,6 +21,8 @@ mod tests;
 use std::collections::VecDeque;
 
 use crate::config::Algorithm;
+
+pub use inspect::{inspect, Snapshot};
 
 /// Microseconds since the Unix epoch.
 pub type Micros = i64;
@@ -62,11 +65,24 @@ pub struct Decision {
 /// The state change a `check` prepared, applied by `commit` if all tiers admit.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Update {
-    Gcra { tat: f64 },
-    Window { window: i64, count: u64 },
-    Sliding { window: i64, prev: u64, cur: u64 },
+    Gcra {
+        tat: f64,
+    },
+    Window {
+        window: i64,
+        count: u64,
+    },
+    Sliding {
+        window: i64,
+        prev: u64,
+        cur: u64,
+    },
     /// `n` entries at `at` (the request's cost).
-    LogPush { at: Micros, window_us: Micros, n: u64 },
+    LogPush {
+        at: Micros,
+        window_us: Micros,
+        n: u64,
+    },
     None,
 }
 

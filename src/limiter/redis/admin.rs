@@ -1,0 +1,233 @@
+//! Operators' calls on the shared buckets: read them without spending
+//! (`peek`) and reset them (`reset`), for `/limits` and `gateway limits`.
+//!
+//! A reset deletes the buckets and appends their names to a stream
+//! (`{prefix}:resets`) that every replica reads with its heartbeat, so each
+//! forgets what it remembered of them (denials, fallback shares) within a
+//! second. Names only: a bucket's name never holds a secret.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::{query, redis_err, Conn, RedisBackend};
+use crate::config::Algorithm;
+use crate::limiter::algorithms::{self, Micros, Snapshot, State};
+use crate::limiter::{Check, LimiterError};
+
+/// Stream entries kept: far more than a second of resets.
+const RESETS_KEPT: usize = 10_000;
+
+impl RedisBackend {
+    /// What each check's bucket holds now (Redis's clock), spending nothing.
+    pub async fn peek(&self, checks: &[Check]) -> Result<(Vec<Snapshot>, Micros), LimiterError> {
+        let work = async {
+            let mut conn = self.admin_connection().await?;
+            let now = match &self.inner.clock {
+                Some(clock) => clock.now_us(),
+                None => {
+                    let (s, us): (i64, i64) = query(&mut conn, &redis::cmd("TIME"))
+                        .await
+                        .map_err(redis_err)?;
+                    s * 1_000_000 + us
+                }
+            };
+            let mut out = Vec::with_capacity(checks.len());
+            for c in checks {
+                let state = read_state(&mut conn, c, now).await?;
+                out.push(algorithms::inspect(&c.algorithm, state.as_ref(), now));
+            }
+            Ok((out, now))
+        };
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
+    }
+
+    /// Deletes the buckets and announces it on `stream`; returns how many
+    /// held state.
+    pub async fn reset(&self, keys: &[&str], stream: &str) -> Result<usize, LimiterError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let work = async {
+            let mut conn = self.admin_connection().await?;
+            let mut deleted = 0;
+            // One key per DEL: in a cluster the buckets live in many slots.
+            for k in keys {
+                deleted += query::<usize>(&mut conn, redis::cmd("DEL").arg(*k))
+                    .await
+                    .map_err(redis_err)?;
+            }
+            let mut xadd = redis::cmd("XADD");
+            xadd.arg(stream)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(RESETS_KEPT)
+                .arg("*");
+            for k in keys {
+                xadd.arg("bucket").arg(*k);
+            }
+            query::<String>(&mut conn, &xadd).await.map_err(redis_err)?;
+            Ok(deleted)
+        };
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
+    }
+
+    /// The buckets reset since stream entry `after` (`None`: from now on),
+    /// and the id to ask from next time.
+    pub async fn resets_since(
+        &self,
+        stream: &str,
+        after: Option<&str>,
+    ) -> Result<(Vec<String>, Option<String>), LimiterError> {
+        let mut conn = self.inner.probe_connection()?;
+        let work = async {
+            let Some(after) = after else {
+                // The newest entry (or "0-0" for none) is where reading starts.
+                let newest: Vec<(String, Vec<(String, String)>)> = query(
+                    &mut conn,
+                    redis::cmd("XREVRANGE")
+                        .arg(stream)
+                        .arg("+")
+                        .arg("-")
+                        .arg("COUNT")
+                        .arg(1),
+                )
+                .await
+                .map_err(redis_err)?;
+                let id = newest
+                    .first()
+                    .map_or("0-0".to_string(), |(id, _)| id.clone());
+                return Ok((Vec::new(), Some(id)));
+            };
+            let entries: Vec<(String, Vec<(String, String)>)> = query(
+                &mut conn,
+                redis::cmd("XRANGE")
+                    .arg(stream)
+                    .arg(format!("({after}"))
+                    .arg("+")
+                    .arg("COUNT")
+                    .arg(RESETS_KEPT),
+            )
+            .await
+            .map_err(redis_err)?;
+            let last = entries
+                .last()
+                .map(|(id, _)| id.clone())
+                .unwrap_or(after.to_string());
+            let keys = entries
+                .into_iter()
+                .flat_map(|(_, fields)| fields.into_iter().map(|(_, k)| k))
+                .collect();
+            Ok((keys, Some(last)))
+        };
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
+    }
+
+    /// The probe's connection, made first if this process has no probe
+    /// (`gateway limits` talks to Redis straight).
+    async fn admin_connection(&self) -> Result<Conn, LimiterError> {
+        self.inner.ensure_connected().await?;
+        self.inner.probe_connection()
+    }
+}
+
+/// A bucket's state as `limiter.lua` stores it: GCRA as its TAT, windows as
+/// "window count" or "window prev cur", a log as a sorted set of times.
+async fn read_state(
+    conn: &mut Conn,
+    c: &Check,
+    now: Micros,
+) -> Result<Option<State>, LimiterError> {
+    if let Algorithm::SlidingLog { window_secs, .. } = c.algorithm {
+        let lower = now - window_secs as i64 * 1_000_000;
+        let entries: Vec<(String, f64)> = query(
+            conn,
+            redis::cmd("ZRANGEBYSCORE")
+                .arg(&c.key)
+                .arg(format!("({lower}"))
+                .arg("+inf")
+                .arg("WITHSCORES"),
+        )
+        .await
+        .map_err(redis_err)?;
+        let log: VecDeque<Micros> = entries.into_iter().map(|(_, t)| t as Micros).collect();
+        return Ok((!log.is_empty()).then_some(State::Log(log)));
+    }
+    let raw: Option<String> = query(conn, redis::cmd("GET").arg(&c.key))
+        .await
+        .map_err(redis_err)?;
+    Ok(raw.and_then(|r| parse_state(&c.algorithm, &r)))
+}
+
+fn parse_state(alg: &Algorithm, raw: &str) -> Option<State> {
+    let nums: Vec<&str> = raw.split(' ').collect();
+    match (alg, nums.as_slice()) {
+        (Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. }, [tat]) => {
+            Some(State::Gcra {
+                tat: tat.parse().ok()?,
+            })
+        }
+        (Algorithm::FixedWindow { .. }, [w, n]) => Some(State::Window {
+            window: w.parse().ok()?,
+            count: n.parse().ok()?,
+        }),
+        (Algorithm::SlidingWindow { .. }, [w, p, c]) => Some(State::Sliding {
+            window: w.parse().ok()?,
+            prev: p.parse().ok()?,
+            cur: c.parse().ok()?,
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_read_as_limiter_lua_writes_them() {
+        let tb = Algorithm::TokenBucket {
+            capacity: 5,
+            refill_per_sec: 3.0,
+        };
+        assert_eq!(
+            parse_state(&tb, "1700000000333333.2"),
+            Some(State::Gcra {
+                tat: 1700000000333333.2
+            })
+        );
+        assert_eq!(
+            parse_state(&tb, "1700000000000000"),
+            Some(State::Gcra { tat: 1.7e15 })
+        );
+        let fw = Algorithm::FixedWindow {
+            limit: 5,
+            window_secs: 60,
+        };
+        assert_eq!(
+            parse_state(&fw, "28333333 4"),
+            Some(State::Window {
+                window: 28333333,
+                count: 4
+            })
+        );
+        assert_eq!(parse_state(&fw, "28333333"), None);
+        let sw = Algorithm::SlidingWindow {
+            limit: 5,
+            window_secs: 60,
+        };
+        assert_eq!(
+            parse_state(&sw, "28333333 2 1"),
+            Some(State::Sliding {
+                window: 28333333,
+                prev: 2,
+                cur: 1
+            })
+        );
+    }
+}

@@ -1,0 +1,203 @@
+//! `gateway limits show|reset`: the admin `/limits` endpoint for operators
+//! at a shell. With `limiter.backend = "redis"` it reads and resets the
+//! shared buckets in Redis itself (every replica hears of a reset within a
+//! second); with the local backend the buckets live in a gateway's memory,
+//! so it asks that gateway's admin listener.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::admission::{self, Policy, Subject};
+use crate::config::{Backend, Config};
+use crate::limiter::RedisBackend;
+
+/// What to show or reset.
+pub struct Ask {
+    pub subject: Subject,
+    pub route: Option<String>,
+    pub value: Option<String>,
+    pub reset: bool,
+}
+
+/// Runs the command; the answer is the same JSON `/limits` gives.
+pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
+    match (config.limiter.backend, &config.redis) {
+        (Backend::Redis, Some(settings)) => {
+            let policy = Policy::new(std::sync::Arc::new(config.clone()));
+            let buckets = admission::buckets(
+                &policy,
+                &ask.subject,
+                ask.route.as_deref(),
+                ask.value.as_deref(),
+            )?;
+            let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            let unreachable = |e: String| {
+                format!(
+                    "cannot reach Redis ({e}); while it is down the gateways decide on their local fallback: ask one's admin port, GET /limits{}",
+                    query(ask)
+                )
+            };
+            let redis = RedisBackend::from_settings(settings, None)
+                .map_err(|e| unreachable(e.to_string()))?;
+            let redact = |e: String| redis.redact(&e);
+            let describe = |i: usize| {
+                let b = &buckets[i];
+                json!({"tier": b.check.tier.as_str(), "route": b.route, "algorithm": b.check.algorithm.name()})
+            };
+            rt.block_on(async {
+                if ask.reset {
+                    let keys: Vec<&str> = checks.iter().map(|c| c.key.as_str()).collect();
+                    let stream = format!("{}:resets", settings.key_prefix);
+                    let n = redis
+                        .reset(&keys, &stream)
+                        .await
+                        .map_err(|e| unreachable(redact(e.to_string())))?;
+                    Ok(json!({
+                        "reset": (0..buckets.len()).map(describe).collect::<Vec<_>>(),
+                        "backend": "redis",
+                        "redis_buckets_deleted": n,
+                    }))
+                } else {
+                    let (snapshots, _) = redis
+                        .peek(&checks)
+                        .await
+                        .map_err(|e| unreachable(redact(e.to_string())))?;
+                    let list: Vec<Value> = snapshots
+                        .iter()
+                        .enumerate()
+                        .map(|(i, s)| {
+                            let mut b = describe(i);
+                            b["limit"] = s.limit.into();
+                            b["remaining"] = s.remaining.into();
+                            b["reset_ms"] = s.reset_after_us.div_ceil(1000).into();
+                            b["backend"] = "redis".into();
+                            b
+                        })
+                        .collect();
+                    Ok(json!({ "buckets": list }))
+                }
+            })
+        }
+        _ => ask_admin(&config, ask),
+    }
+}
+
+/// `/limits`'s query for `ask`, percent-encoded.
+fn query(ask: &Ask) -> String {
+    let enc = |s: &str| {
+        s.bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect::<String>()
+    };
+    let mut q = match &ask.subject {
+        Subject::Key(id) => format!("?key={}", enc(id)),
+        Subject::Ip(ip) => format!("?ip={}", enc(&ip.to_string())),
+        Subject::Nobody => "?".to_string(),
+    };
+    for (name, v) in [("route", &ask.route), ("value", &ask.value)] {
+        if let Some(v) = v {
+            if !q.ends_with('?') {
+                q.push('&');
+            }
+            q.push_str(&format!("{name}={}", enc(v)));
+        }
+    }
+    q
+}
+
+/// One request to the gateway's admin listener (HTTP/1.1, closed after).
+fn ask_admin(config: &Config, ask: &Ask) -> Result<Value, String> {
+    let listen = config
+        .server
+        .admin_listen
+        .as_deref()
+        .ok_or("the local backend's buckets live in the gateway: set server.admin_listen")?;
+    let mut addr: SocketAddr = listen
+        .parse()
+        .map_err(|_| format!("server.admin_listen \"{listen}\" is not an address"))?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let method = if ask.reset { "DELETE" } else { "GET" };
+    let mut req = format!(
+        "{method} /limits{} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n",
+        query(ask)
+    );
+    if let Some(t) = &config.admin.token {
+        req.push_str(&format!("Authorization: Bearer {}\r\n", t.expose()));
+    }
+    req.push_str("\r\n");
+    let fail =
+        |e: std::io::Error| format!("cannot ask the gateway at {addr} (server.admin_listen): {e}");
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(fail)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(fail)?;
+    s.write_all(req.as_bytes()).map_err(fail)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).map_err(fail)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or("the gateway's answer has no body")?;
+    let status = head.split(' ').nth(1).unwrap_or("?");
+    let json: Value = serde_json::from_str(body.trim())
+        .map_err(|_| format!("the gateway answered {status}: {body}"))?;
+    if status != "200" {
+        return Err(format!(
+            "the gateway answered {status}: {}",
+            json["error"].as_str().unwrap_or(body)
+        ));
+    }
+    Ok(json)
+}
+
+/// The answer as a table, for people.
+pub fn table(answer: &Value) -> String {
+    let mut out = String::new();
+    if let Some(list) = answer["buckets"].as_array() {
+        out.push_str(&format!(
+            "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {}\n",
+            "tier", "route", "algorithm", "limit", "remaining", "reset_ms", "backend"
+        ));
+        for b in list {
+            out.push_str(&format!(
+                "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {}\n",
+                b["tier"].as_str().unwrap_or("?"),
+                b["route"].as_str().unwrap_or("-"),
+                b["algorithm"].as_str().unwrap_or("?"),
+                b["limit"],
+                b["remaining"],
+                b["reset_ms"],
+                b["backend"].as_str().unwrap_or("?"),
+            ));
+        }
+        if list.is_empty() {
+            out.push_str("(no buckets: this client is not limited by any tier or route)\n");
+        }
+    } else if let Some(list) = answer["reset"].as_array() {
+        for b in list {
+            out.push_str(&format!(
+                "reset {} {}\n",
+                b["tier"].as_str().unwrap_or("?"),
+                b["route"].as_str().unwrap_or("")
+            ));
+        }
+        out.push_str(&format!(
+            "backend: {}\n",
+            answer["backend"].as_str().unwrap_or("?")
+        ));
+    }
+    out
+}

@@ -1,0 +1,226 @@
+//! `/limits` on the admin listener: an operator's view of a client's
+//! buckets (`GET`) and their reset (`DELETE`), on whichever backend decides.
+//!
+//! `GET /limits?key=ID` or `?ip=ADDRESS`, optionally `&route=NAME` (only
+//! that route's bucket) and `&value=V` (a route keyed on a header or query
+//! parameter: the bucket of that value). `DELETE` with the same query resets
+//! exactly the buckets `GET` shows.
+//!
+//! With `[admin] token` set, both need `Authorization: Bearer TOKEN`.
+//! Without one, `DELETE` is served only when the admin listener is
+//! loopback-only: anyone who can reach a wider one could reset limits.
+
+use std::net::{IpAddr, SocketAddr};
+
+use http::Method;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::admission::{self, Subject};
+use crate::attributes;
+use crate::config::Config;
+use crate::limiter::Fallback;
+
+/// Status and JSON body.
+pub type Answer = (u16, Value);
+
+/// What a `/limits` request asks.
+#[derive(Debug, PartialEq)]
+struct Ask {
+    subject: Subject,
+    route: Option<String>,
+    value: Option<String>,
+}
+
+fn error(status: u16, message: impl Into<String>) -> Answer {
+    (status, json!({ "error": message.into() }))
+}
+
+pub async fn serve(
+    limiter: &Fallback,
+    config: &Config,
+    policy: &admission::Policy,
+    method: &Method,
+    query: Option<&str>,
+    authorization: Option<&[u8]>,
+) -> Answer {
+    let deleting = match *method {
+        Method::GET => false,
+        Method::DELETE => true,
+        _ => return error(405, "use GET to see buckets, DELETE to reset them"),
+    };
+    if let Err(refused) = authorize(config, deleting, authorization) {
+        return refused;
+    }
+    let ask = match parse(query.unwrap_or("")) {
+        Ok(a) => a,
+        Err(e) => return error(400, e),
+    };
+    let buckets = match admission::buckets(
+        policy,
+        &ask.subject,
+        ask.route.as_deref(),
+        ask.value.as_deref(),
+    ) {
+        Ok(b) => b,
+        Err(e) => return error(404, e),
+    };
+    let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
+    let describe = |i: usize| {
+        let b = &buckets[i];
+        json!({
+            "tier": b.check.tier.as_str(),
+            "route": b.route,
+            "algorithm": b.check.algorithm.name(),
+        })
+    };
+    if deleting {
+        return match limiter.reset(&checks).await {
+            Ok(done) => {
+                tracing::info!(subject = ?ask.subject, route = ?ask.route, buckets = checks.len(), backend = done.backend.as_str(), "admin: buckets reset");
+                (
+                    200,
+                    json!({
+                        "reset": (0..buckets.len()).map(describe).collect::<Vec<_>>(),
+                        "backend": done.backend.as_str(),
+                        "redis_buckets_deleted": done.redis_buckets,
+                        "local_buckets_deleted": done.local_buckets,
+                    }),
+                )
+            }
+            Err(e) => error(
+                503,
+                format!(
+                    "reset failed, nothing is known to be reset: {}",
+                    limiter.redact(&e.to_string())
+                ),
+            ),
+        };
+    }
+    match limiter.inspect(&checks).await {
+        Ok((backend, snapshots)) => {
+            let list: Vec<Value> = snapshots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let mut b = describe(i);
+                    b["limit"] = s.limit.into();
+                    b["remaining"] = s.remaining.into();
+                    b["reset_ms"] = s.reset_after_us.div_ceil(1000).into();
+                    b["backend"] = backend.as_str().into();
+                    b
+                })
+                .collect();
+            (200, json!({ "buckets": list }))
+        }
+        Err(e) => error(
+            503,
+            format!(
+                "cannot read the buckets: {}",
+                limiter.redact(&e.to_string())
+            ),
+        ),
+    }
+}
+
+/// The token rule: see the module's doc.
+fn authorize(config: &Config, deleting: bool, authorization: Option<&[u8]>) -> Result<(), Answer> {
+    match &config.admin.token {
+        Some(token) => {
+            let presented = authorization
+                .and_then(|v| v.strip_prefix(b"Bearer "))
+                .map(|t| t.trim_ascii());
+            // Compared as digests: the time taken says nothing about the token.
+            let same = presented
+                .is_some_and(|p| Sha256::digest(p) == Sha256::digest(token.expose().as_bytes()));
+            if same {
+                Ok(())
+            } else {
+                Err(error(
+                    401,
+                    "this endpoint needs Authorization: Bearer <[admin] token>",
+                ))
+            }
+        }
+        None if deleting && !loopback_only(config) => Err(error(
+            403,
+            "resetting buckets needs [admin] token when admin_listen is not loopback-only",
+        )),
+        None => Ok(()),
+    }
+}
+
+fn loopback_only(config: &Config) -> bool {
+    config
+        .server
+        .admin_listen
+        .as_deref()
+        .and_then(|a| a.parse::<SocketAddr>().ok())
+        .is_some_and(|a| a.ip().is_loopback())
+}
+
+fn parse(query: &str) -> Result<Ask, String> {
+    let (mut key, mut ip, mut route, mut value) = (None, None, None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = attributes::decode(v).map_err(|e| format!("query parameter {k} {e}"))?;
+        let slot = match k {
+            "key" => &mut key,
+            "ip" => &mut ip,
+            "route" => &mut route,
+            "value" => &mut value,
+            other => {
+                return Err(format!(
+                    "unknown query parameter \"{other}\"; expected key, ip, route, value"
+                ))
+            }
+        };
+        if slot.replace(v).is_some() {
+            return Err(format!("query parameter {k} is given twice"));
+        }
+    }
+    let subject = match (key, ip) {
+        (Some(_), Some(_)) => return Err("give key=ID or ip=ADDRESS, not both".into()),
+        (Some(k), None) => Subject::Key(k),
+        (None, Some(a)) => Subject::Ip(
+            a.parse::<IpAddr>()
+                .map_err(|_| format!("ip=\"{a}\" is not an IP address"))?,
+        ),
+        (None, None) => Subject::Nobody,
+    };
+    Ok(Ask {
+        subject,
+        route,
+        value,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queries() {
+        assert_eq!(
+            parse("key=alice&route=rides"),
+            Ok(Ask {
+                subject: Subject::Key("alice".into()),
+                route: Some("rides".into()),
+                value: None
+            })
+        );
+        assert_eq!(
+            parse("ip=2001%3Adb8%3A%3A1&value=a+b").map(|a| (a.subject, a.value)),
+            Ok((
+                Subject::Ip("2001:db8::1".parse().unwrap()),
+                Some("a b".into())
+            ))
+        );
+        assert!(parse("key=a&ip=1.2.3.4").unwrap_err().contains("not both"));
+        assert!(parse("ip=nope").unwrap_err().contains("not an IP address"));
+        assert!(parse("key=a&key=b").unwrap_err().contains("twice"));
+        assert!(parse("user=a")
+            .unwrap_err()
+            .contains("unknown query parameter \"user\""));
+    }
+}
