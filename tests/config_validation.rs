@@ -112,6 +112,14 @@ limit = { algorithm = "token_bucket", capacity = "fast", refill_per_sec = 1 }
     assert!(err.contains("4 problem(s)"), "{err}");
 }
 
+/// A second route with a token-bucket limit taking these parameters.
+fn limited(params: &str) -> String {
+    format!(
+        "[[routes]]\nname = \"lim\"\npath_prefix = \"/lim\"\nupstream = \"a\"\n\
+         limit = {{ algorithm = \"token_bucket\", {params} }}\n"
+    )
+}
+
 #[test]
 fn every_rule_of_the_contract_is_enforced() {
     let cases: &[(&str, &str, &str)] = &[
@@ -173,7 +181,7 @@ fn every_rule_of_the_contract_is_enforced() {
         (
             "[[routes]]\nname = \"w\"\npath_prefix = \"/w\"\nupstream = \"a\"\nlimit = { algorithm = \"token_bucket\", limit = 5, window_secs = 1 }\n",
             "routes[1].limit.limit (line 17)",
-            "unknown key; expected one of: algorithm, shadow, scope, capacity, refill_per_sec",
+            "unknown key; expected one of: algorithm, shadow, scope, key, missing, cost, capacity, refill_per_sec",
         ),
         (
             "[redis]\nmode = \"sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\n",
@@ -181,6 +189,51 @@ fn every_rule_of_the_contract_is_enforced() {
             "required when redis.mode = \"sentinel\"",
         ),
         ("[server2]\nx = 1\n", "server2 (line 13)", "unknown key"),
+        (
+            "[admin]\ntoken = \"short\"\n",
+            "admin.token (line 14)",
+            "expected a token of at least 16 bytes, found 5",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, cost = 5"),
+            "routes[1].limit.cost",
+            "a request costing 5 could never be admitted: the rule holds at most 4",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, cost = 0"),
+            "routes[1].limit.cost",
+            "expected",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, scope = \"global\", key = \"header:x-t\""),
+            "routes[1].limit.key",
+            "a global limit has one bucket for everyone",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, missing = \"client\""),
+            "routes[1].limit.missing",
+            "`missing` applies to a key on a header or query parameter",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, key = \"header:bad header\""),
+            "routes[1].limit.key",
+            "\"bad header\" is not a valid header name",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, key = \"cookie:session\""),
+            "routes[1].limit.key",
+            "expected \"client\", \"header:NAME\", \"query:NAME\"",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, key = \"query:a=b\""),
+            "routes[1].limit.key",
+            "\"a=b\" is not a query parameter name",
+        ),
+        (
+            &limited("capacity = 4, refill_per_sec = 1, key = \"header:x-t\", missing = \"maybe\""),
+            "routes[1].limit.missing",
+            "expected one of",
+        ),
     ];
     for (extra, path, message) in cases {
         let (ok, _, err) = check(&format!("{MINIMAL}\n{extra}"));

@@ -486,3 +486,58 @@ fn the_redis_password_from_a_file() {
     assert!(!gw.log().contains("from-a-file"));
     assert!(!gw.metrics().contains("from-a-file"));
 }
+
+/// A rotated password file: Redis's password changes and its clients are
+/// dropped, so the gateway, reconnecting with the old one, is refused
+/// (`auth`) and decides on its local share; once the mounted file holds the
+/// new password (written as Kubernetes does, by a rename) the gateway reads
+/// it, reconnects and fails back to Redis. No restart, no password in logs.
+#[test]
+fn a_rotated_password_file_is_read_again() {
+    let up = UpstreamGuard::start();
+    let mut redis = RedisGuard::start_with_password(&[], "old-password-1111");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("redis-password");
+    let write = |pw: &str| {
+        let tmp = dir.path().join(".tmp-password");
+        std::fs::write(&tmp, format!("{pw}\n")).expect("write");
+        std::fs::rename(&tmp, &file).expect("rename");
+    };
+    write("old-password-1111");
+    let mut s = setup(redis.url(), &up);
+    s.plan = Some((1000, 0.001));
+    let extra = format!("password_file = \"{}\"", file.display());
+    s.redis_extra = &extra;
+    let gw = GatewayGuard::start(&s.config());
+    let mut c = gw.client();
+    assert_eq!(send(&mut c, &[KEY]), 200);
+
+    redis.rotate_password("new-password-2222");
+    redis.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
+    wait_for(
+        "refused with the old password",
+        Duration::from_secs(10),
+        || {
+            send(&mut gw.client(), &[KEY]);
+            let r = gw.admin_get("/readyz").json();
+            (r["backend"] == "local" && r["redis_error_reason"] == "auth").then_some(())
+        },
+    );
+    let before = redis.calls("evalsha");
+    write("new-password-2222");
+    let t = Instant::now();
+    gw.wait_backend("redis", Duration::from_secs(10));
+    let took = t.elapsed();
+    assert_eq!(send(&mut gw.client(), &[KEY]), 200);
+    assert!(redis.calls("evalsha") > before, "decided by Redis again");
+    assert!(
+        gw.log().contains("redis.password_file changed"),
+        "{}",
+        gw.log()
+    );
+    for secret in ["old-password-1111", "new-password-2222"] {
+        assert!(!gw.log().contains(secret), "the log shows a password");
+        assert!(!gw.admin_get("/readyz").text().contains(secret));
+    }
+    println!("FIGURES password-rotation: refused as auth with the old password; back on Redis {took:?} after the file changed");
+}

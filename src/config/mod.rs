@@ -107,6 +107,16 @@ impl Config {
                 tls.certificates.len()
             );
         }
+        if srv.admin_listen.is_some() {
+            let admin = match (&self.admin.token, admin_loopback_only(srv)) {
+                (Some(_), _) => "token=(set): /limits needs it",
+                (None, true) => "no token: /limits served to loopback only",
+                (None, false) => {
+                    "no token: DELETE /limits refused (set [admin] token: the admin listener is not loopback-only)"
+                }
+            };
+            let _ = writeln!(s, "admin: {admin}");
+        }
         // The file's own spellings, so a value can be copied back into it.
         let l = &self.limiter;
         let (backend, on_failure, headers) = (
@@ -201,7 +211,21 @@ impl Config {
         for r in &self.routes {
             let methods = r.methods.as_ref().map_or("*".to_string(), |m| m.join(","));
             let limit = match &r.limit {
-                Some(l) => format!("{} scope={}{}", l.algorithm, l.scope.spelling(), shadow(l)),
+                Some(l) => {
+                    let mut text = format!("{} scope={}", l.algorithm, l.scope.spelling());
+                    if l.key != LimitKey::Client {
+                        let _ = write!(
+                            text,
+                            " key={} missing={}",
+                            l.key.spelling(),
+                            l.missing.spelling()
+                        );
+                    }
+                    if l.cost != 1 {
+                        let _ = write!(text, " cost={}", l.cost);
+                    }
+                    text + shadow(l)
+                }
                 None => "no route limit".to_string(),
             };
             let host = r.host.as_ref().map_or(String::new(), |h| h.to_string());
@@ -275,4 +299,12 @@ mod fuzz {
             }
         }
     }
+}
+
+/// Whether the admin listener only takes loopback connections.
+pub fn admin_loopback_only(srv: &Server) -> bool {
+    srv.admin_listen
+        .as_deref()
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+        .is_some_and(|a| a.ip().is_loopback())
 }

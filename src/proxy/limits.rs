@@ -10,7 +10,7 @@
 //! Without one, `DELETE` is served only when the admin listener is
 //! loopback-only: anyone who can reach a wider one could reset limits.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
 use http::Method;
 use serde_json::{json, Value};
@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 
 use crate::admission::{self, Subject};
 use crate::attributes;
-use crate::config::Config;
+use crate::config::{admin_loopback_only, Config};
 use crate::limiter::Fallback;
 
 /// Status and JSON body.
@@ -142,21 +142,12 @@ fn authorize(config: &Config, deleting: bool, authorization: Option<&[u8]>) -> R
                 ))
             }
         }
-        None if deleting && !loopback_only(config) => Err(error(
+        None if deleting && !admin_loopback_only(&config.server) => Err(error(
             403,
             "resetting buckets needs [admin] token when admin_listen is not loopback-only",
         )),
         None => Ok(()),
     }
-}
-
-fn loopback_only(config: &Config) -> bool {
-    config
-        .server
-        .admin_listen
-        .as_deref()
-        .and_then(|a| a.parse::<SocketAddr>().ok())
-        .is_some_and(|a| a.ip().is_loopback())
 }
 
 fn parse(query: &str) -> Result<Ask, String> {
@@ -198,6 +189,54 @@ fn parse(query: &str) -> Result<Ask, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn config(admin_listen: &str, token: Option<&str>) -> Config {
+        let admin = token.map_or(String::new(), |t| format!("[admin]\ntoken = \"{t}\"\n"));
+        crate::config::parse(&format!(
+            "[server]\nlisten = [\"127.0.0.1:8080\"]\nadmin_listen = \"{admin_listen}\"\n{admin}\n\
+             [[upstreams]]\nname = \"a\"\nservers = [\"127.0.0.1:1\"]\n\
+             [[routes]]\nname = \"r\"\npath_prefix = \"/\"\nupstream = \"a\"\n"
+        ))
+        .expect("config")
+    }
+
+    #[test]
+    fn who_may_read_and_reset() {
+        let status = |c: &Config, deleting, auth: Option<&str>| {
+            authorize(c, deleting, auth.map(str::as_bytes)).map_or_else(|(s, _)| s, |()| 200)
+        };
+        let loopback = config("127.0.0.1:9091", None);
+        assert_eq!(status(&loopback, false, None), 200);
+        assert_eq!(status(&loopback, true, None), 200);
+        let open = config("0.0.0.0:9091", None);
+        assert_eq!(
+            status(&open, false, None),
+            200,
+            "reading needs no token when none is set"
+        );
+        assert_eq!(
+            status(&open, true, None),
+            403,
+            "a wide listener resets nothing without a token"
+        );
+        let token = "0123456789abcdef-token";
+        let guarded = config("0.0.0.0:9091", Some(token));
+        assert_eq!(status(&guarded, false, None), 401);
+        assert_eq!(status(&guarded, true, Some("Bearer nope")), 401);
+        assert_eq!(
+            status(&guarded, true, Some(token)),
+            401,
+            "the Bearer scheme is required"
+        );
+        assert_eq!(
+            status(&guarded, true, Some(&format!("Bearer {token}"))),
+            200
+        );
+        assert_eq!(
+            status(&guarded, false, Some(&format!("Bearer {token}"))),
+            200
+        );
+    }
 
     #[test]
     fn queries() {

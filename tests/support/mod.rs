@@ -137,6 +137,13 @@ impl RedisGuard {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// Changes `requirepass` (and the password `cmd` uses from now on).
+    #[allow(dead_code)]
+    pub fn rotate_password(&mut self, new: &str) {
+        self.cmd(&["CONFIG", "SET", "requirepass", new]);
+        self.password = Some(new.to_string());
+    }
+
     /// Runs a command through `redis-cli`, returning its raw output.
     pub fn cmd(&self, args: &[&str]) -> String {
         let mut cli = Command::new("redis-cli");
