@@ -107,6 +107,14 @@ fn main() -> ExitCode {
                     ),
                     None => {}
                 }
+                if let Some(path) = cfg.redis.as_ref().and_then(|r| r.password_file.as_ref()) {
+                    if let Err(e) = std::fs::read(path) {
+                        eprintln!(
+                            "warning: redis.password_file: cannot read {}: {e}; `gateway run` refuses to start until it can be read",
+                            path.display()
+                        );
+                    }
+                }
                 ExitCode::SUCCESS
             }
             Err(e) => {
