@@ -267,6 +267,14 @@ fn shadow(l: &Limit) -> &'static str {
     }
 }
 
+/// Whether the admin listener only takes loopback connections.
+pub fn admin_loopback_only(srv: &Server) -> bool {
+    srv.admin_listen
+        .as_deref()
+        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+        .is_some_and(|a| a.ip().is_loopback())
+}
+
 #[cfg(test)]
 mod fuzz {
     use proptest::prelude::*;
@@ -299,12 +307,4 @@ mod fuzz {
             }
         }
     }
-}
-
-/// Whether the admin listener only takes loopback connections.
-pub fn admin_loopback_only(srv: &Server) -> bool {
-    srv.admin_listen
-        .as_deref()
-        .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
-        .is_some_and(|a| a.ip().is_loopback())
 }

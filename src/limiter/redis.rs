@@ -168,7 +168,7 @@ fn topology_of(
                     .response_timeout(budget.max(Duration::from_millis(100)))
                     .retries(2);
             if let Some(pw) = password {
-                builder = builder.password(pw.to_string());
+                builder = builder.password(pw);
             }
             if let Some(pem) = &ca {
                 builder = builder.certs(redis::TlsCertificates {
