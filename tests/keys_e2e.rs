@@ -125,6 +125,36 @@ fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
     );
     assert_eq!(statuses(gw, "/export", &[alice], 3), ok2);
 
+    // /limits names attribute-keyed buckets by their value (the log's
+    // entries, one per token, read from Redis's sorted set or locally).
+    let limits = |q: &str| -> serde_json::Value {
+        let r = gw.admin_get(&format!("/limits?{q}"));
+        assert_eq!(r.status, 200, "{q}: {}", r.text());
+        r.json()["buckets"][0].clone()
+    };
+    let v = limits("route=reports&value=gamma");
+    assert_eq!(
+        (v["limit"].as_u64(), v["remaining"].as_u64()),
+        (Some(10), Some(7)),
+        "{v}"
+    );
+    let v = limits("key=alice&route=export&value=acme");
+    assert_eq!(
+        (v["limit"].as_u64(), v["remaining"].as_u64()),
+        (Some(4), Some(0)),
+        "{v}"
+    );
+    assert!(v["reset_ms"].as_u64().unwrap() > 3_500_000, "{v}");
+    let v = limits("key=alice&route=export");
+    assert_eq!(
+        v["remaining"].as_u64(),
+        Some(0),
+        "missing = client: the key's own bucket: {v}"
+    );
+    let v = limits("key=bob&route=export&value=beta");
+    assert_eq!(v["remaining"].as_u64(), Some(4), "{v}");
+    assert_eq!(v["backend"], backend);
+
     // Admitted: reports 3+3+1, search 3+3, export 2+2+2+2.
     assert_eq!(up.count("/reports"), 7, "{backend}");
     assert_eq!(up.count("/search"), 6, "{backend}");
