@@ -3,7 +3,9 @@
 # Kubernetes manifest under k8s/ against the API schemas (kubernetes-validate
 # --strict), parses the Grafana dashboard, and runs `gateway check` on each
 # gateway.toml embedded in a ConfigMap, whose limiter.instances must equal the
-# gateway Deployment's replicas.
+# gateway Deployment's replicas and whose redis.password_file must be the
+# mounted Secret that the Redis pods take their password from; every Secret a
+# manifest references must exist, with its key, in a Secret manifest.
 #
 #   scripts/check_deploy.sh path/to/gateway-binary
 #
@@ -229,6 +231,130 @@ def same_but_redis(base_file, other_file):
         sys.exit(f"differs from the base gateway.toml outside [redis], in: {', '.join(keys)}")
 
 
+def pod_specs():
+    """Every (path, 'Kind/name', pod spec) of the workloads under k8s/."""
+    for path, doc in documents():
+        spec = doc.get("spec") or {}
+        if doc.get("kind") == "Pod":
+            pod = spec
+        else:
+            pod = ((spec.get("jobTemplate") or {}).get("spec") or spec).get("template", {}).get("spec")
+        if pod:
+            yield path, f"{doc['kind']}/{doc['metadata']['name']}", pod
+
+
+def secret_keys():
+    """{name: set of keys} of the Secret manifests under k8s/."""
+    found = {}
+    for _, doc in documents():
+        if doc.get("kind") == "Secret":
+            keys = set(doc.get("data") or {}) | set(doc.get("stringData") or {})
+            found.setdefault(doc["metadata"]["name"], set()).update(keys)
+    return found
+
+
+def secret_refs():
+    """Every Secret name and key a workload references (env, envFrom,
+    volumes) must be in a Secret manifest under k8s/: the manifests document
+    what operators must create."""
+    secrets = secret_keys()
+    refs = []  # (where, name, key or None)
+    for path, what, pod in pod_specs():
+        where = f"{path} {what}"
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            for env in c.get("env", []):
+                ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    refs.append((f"{where} env {env['name']}", ref["name"], ref["key"]))
+            for src in c.get("envFrom", []):
+                if "secretRef" in src:
+                    refs.append((f"{where} envFrom", src["secretRef"]["name"], None))
+        for vol in pod.get("volumes", []):
+            sec = vol.get("secret")
+            if sec:
+                for item in sec.get("items") or [{"key": None}]:
+                    refs.append((f"{where} volume {vol['name']}", sec["secretName"], item["key"]))
+    problems = []
+    for where, name, key in refs:
+        if name not in secrets:
+            problems.append(f"{where}: Secret {name} is in no Secret manifest under k8s/")
+        elif key is not None and key not in secrets[name]:
+            problems.append(f"{where}: Secret {name} has no key {key} (has: {', '.join(sorted(secrets[name]))})")
+    if problems:
+        sys.exit("\n".join(problems))
+    used = sorted({f"{n}/{k}" if k else n for _, n, k in refs})
+    print(f"{len(refs)} references, to {', '.join(used) or 'none'}")
+
+
+def env_secret(container, value):
+    """The (Secret, key) behind an arg "$(VAR)", or None."""
+    if not (isinstance(value, str) and value.startswith("$(") and value.endswith(")")):
+        return None
+    for env in container.get("env", []):
+        ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+        if env["name"] == value[2:-1] and ref:
+            return ref["name"], ref["key"]
+    return None
+
+
+def password_file(toml_file):
+    """redis.password_file must be a file of a Secret volume the gateway
+    Deployment mounts, and every redis-server under k8s/ must take
+    --requirepass (and --masterauth, when set) from that Secret's key."""
+    with open(toml_file, "rb") as f:
+        config = tomllib.load(f)
+    wanted = config.get("redis", {}).get("password_file")
+    if not wanted:
+        sys.exit("redis.password_file is not set: the limiter's Redis requires the password in the ratelimit-redis Secret")
+    wanted = pathlib.PurePosixPath(wanted)
+    path, deployment = gateway_deployment()
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    source = None
+    for c in pod["containers"]:
+        for m in c.get("volumeMounts", []):
+            sec = volumes.get(m["name"], {}).get("secret")
+            mount = pathlib.PurePosixPath(m["mountPath"])
+            if not sec or "subPath" in m or wanted.parent != mount:
+                continue
+            items = sec.get("items")
+            if items:
+                keys = [i["key"] for i in items if i["path"] == wanted.name]
+            else:
+                keys = [wanted.name]
+            if keys:
+                source = (sec["secretName"], keys[0])
+    if source is None:
+        sys.exit(
+            f"redis.password_file = {wanted} but the gateway Deployment ({path}) mounts "
+            f"no Secret key at that path (a Secret volume at {wanted.parent}, without subPath)"
+        )
+    problems = []
+    servers = 0
+    for spath, what, spod in pod_specs():
+        for c in spod.get("containers", []):
+            if c.get("command", [None])[0] != "redis-server":
+                continue
+            servers += 1
+            args = c.get("args", []) + [None]
+            if "--requirepass" not in args:
+                problems.append(f"{spath} {what}: redis-server has no --requirepass")
+            for flag in ("--requirepass", "--masterauth"):
+                if flag not in args:
+                    continue
+                got = env_secret(c, args[args.index(flag) + 1])
+                if got != source:
+                    problems.append(
+                        f"{spath} {what}: {flag} is not $(VAR) of Secret {source[0]} key {source[1]} "
+                        f"(the gateway's password file) but {got or 'something else'}"
+                    )
+    if servers == 0:
+        problems.append("no redis-server container under k8s/")
+    if problems:
+        sys.exit("\n".join(problems))
+    print(f"{wanted} is Secret {source[0]} key {source[1]}, which all {servers} redis-server containers require")
+
+
 def dashboard(json_file):
     with open(json_file) as f:
         text = f.read()
@@ -243,7 +369,14 @@ def dashboard(json_file):
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"extract": extract, "instances": instances, "same-but-redis": same_but_redis, "dashboard": dashboard}[command](*args)
+    {
+        "extract": extract,
+        "instances": instances,
+        "same-but-redis": same_but_redis,
+        "secret-refs": secret_refs,
+        "password-file": password_file,
+        "dashboard": dashboard,
+    }[command](*args)
 PY
 helper() {
   "$py" "$work/helper.py" "$@"
@@ -319,11 +452,23 @@ while IFS=$'\t' read -r source toml; do
     check "$source: same settings as the base except [redis]" helper same-but-redis "$base_toml" "$toml"
   fi
   if [[ -x $gateway_bin && ! -d $gateway_bin ]]; then
+    before=$failed
     check "$source: gateway check" "$gateway_bin" check --config "$toml"
+    # Warnings do not fail it but are shown. The Secret is mounted only in the
+    # pod, so check cannot read redis.password_file here; the password-file
+    # check below proves that path is the mounted Secret.
+    if ((failed == before)); then
+      sed -n -e 's/^warning: \(redis\.password_file: \)/      warning (expected off-cluster): \1/p;t' \
+        -e 's/^warning: /      warning: /p' "$log"
+    fi
   else
     fail "$source: gateway check (no executable at $gateway_bin; build it with cargo build --release)"
   fi
   check "$source: limiter.instances equals the gateway Deployment's replicas" helper instances "$toml"
+  check "$source: redis.password_file is the gateway's mounted Secret, which Redis requires" \
+    helper password-file "$toml"
 done <"$work/configs"
+
+check "every Secret and key the manifests reference is in a Secret manifest" helper secret-refs
 
 summary
