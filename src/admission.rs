@@ -1,7 +1,7 @@
 //! Admission: from a request's facts to its fate, without touching a socket.
 //!
 //! `classify` runs everything that needs no limiter: deny list, path, route,
-//! API key. It either refuses the request or returns a `Plan` with the tier
+//! CORS preflight, API key. It either refuses the request or returns a `Plan` with the tier
 //! checks to decide. `conclude` turns the limiter's outcome into the response
 //! the client sees: admitted (with headers and perhaps a shaping delay), 429,
 //! or 503 when Redis is down and the operator chose "deny".
@@ -16,6 +16,7 @@ use http::HeaderValue;
 
 use crate::attributes::{self, AttributeError};
 use crate::config::{Algorithm, Attribute, Config, HeaderStyle, LimitKey, Missing, Scope};
+use crate::cors::{self, CorsError, CorsRules};
 use crate::identity::{self, ClientAddr, KeyError, KeyTable};
 use crate::limiter::algorithms::quota;
 use crate::limiter::keys::{bucket_name, rule_prefix};
@@ -34,6 +35,10 @@ pub struct Policy {
     ip_rule: Option<Rule>,
     plan_rules: BTreeMap<String, Rule>,
     route_rules: Vec<Option<RouteRule>>,
+    /// Each route's CORS rules (its own policy, else `[cors]`'s), and
+    /// `[cors]`'s for a request that matched no route.
+    route_cors: Vec<Option<CorsRules>>,
+    global_cors: Option<CorsRules>,
 }
 
 /// A route's limit: its rule, and what names a request's bucket under it.
@@ -116,13 +121,35 @@ impl Policy {
                 })
             })
             .collect();
+        let style = config.limiter.headers;
+        let route_cors = config
+            .routes
+            .iter()
+            .map(|r| {
+                let cors = r.cors.as_ref().or(config.cors.as_ref())?;
+                Some(CorsRules::new(cors, r.methods.as_deref(), style))
+            })
+            .collect();
+        let global_cors = config.cors.as_ref().map(|c| CorsRules::new(c, None, style));
         Policy {
+            route_cors,
+            global_cors,
             routes: RouteTable::new(&config.routes),
             keys: KeyTable::new(&config.api_keys),
             ip_rule,
             plan_rules,
             route_rules,
             config,
+        }
+    }
+}
+
+impl Policy {
+    /// The CORS rules of a route, or (`None`) of requests that matched none.
+    pub fn cors(&self, route: Option<usize>) -> Option<&CorsRules> {
+        match route {
+            Some(i) => self.route_cors[i].as_ref(),
+            None => self.global_cors.as_ref(),
         }
     }
 }
@@ -176,6 +203,8 @@ pub enum Refusal {
     /// The route's limit keys on this attribute, and the request's cannot
     /// name a bucket (`missing = "reject"`, or sent twice, unreadable, too long).
     BadAttribute(Attribute, AttributeError),
+    /// A CORS preflight the route's policy does not allow.
+    Cors(CorsError),
 }
 
 /// A request that may proceed once its checks admit it.
@@ -189,6 +218,9 @@ pub struct Plan {
     pub key_id: Option<String>,
     /// Shared with the limiter (and its batch) rather than copied.
     pub checks: Arc<[Check]>,
+    /// A CORS preflight, answered by the gateway (never the upstream) with
+    /// these headers once its checks (none, unless charged) admit it.
+    pub preflight: Option<cors::Headers>,
 }
 
 /// The route a refused request is counted under (metrics, access log):
@@ -216,10 +248,19 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     }
     let path = normalize_path(req.path).map_err(Refusal::BadPath)?;
     let host = req.host.map(host_of);
-    let route = match policy.routes.find(host.as_deref(), &path, req.method) {
-        RouteMatch::Found(i) => i,
-        RouteMatch::MethodNotAllowed(allowed) => return Err(Refusal::MethodNotAllowed(allowed)),
-        RouteMatch::NotFound => return Err(Refusal::NotFound),
+    let (route, preflight) = match preflight(policy, host.as_deref(), &path, req) {
+        Some((route, answer)) => (route, Some(answer.map_err(Refusal::Cors)?)),
+        None => match policy.routes.find(host.as_deref(), &path, req.method) {
+            RouteMatch::Found(i) => (i, None),
+            RouteMatch::MethodNotAllowed(allowed) => {
+                return Err(Refusal::MethodNotAllowed(allowed))
+            }
+            RouteMatch::NotFound => return Err(Refusal::NotFound),
+        },
+    };
+    let charged = match &preflight {
+        Some(_) => policy.cors(Some(route)).is_some_and(|c| c.charge_preflight),
+        None => true,
     };
     let r = &cfg.routes[route];
     // Before any limiter work: a body the route will not take spends nothing.
@@ -233,7 +274,10 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         req.authorization.iter().copied(),
     )
     .map_err(|KeyError::Conflicting| Refusal::ConflictingKeys)?;
+    // A preflight carries no credentials (browsers never send them on one):
+    // it is charged, if at all, as its client address.
     let key = match presented {
+        _ if preflight.is_some() => None,
         Some(secret) => Some(policy.keys.lookup(secret).ok_or(Refusal::UnknownKey)?),
         None if r.require_api_key => return Err(Refusal::KeyRequired),
         None => None,
@@ -244,12 +288,19 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     let client_identity = key_identity.as_deref().unwrap_or(&ip_identity);
     // Read even for allow-listed clients: a route that needs the attribute
     // refuses a request without it whoever sends it.
+    // A preflight lacks the headers it announces: charged, it falls back to
+    // the client's bucket rather than being refused for one it cannot send.
     let route_identity = match &policy.route_rules[route] {
-        Some(rr) => Some(route_identity(rr, client_identity, req)?),
-        None => None,
+        Some(rr) if charged => Some(route_identity(
+            rr,
+            client_identity,
+            req,
+            preflight.is_some(),
+        )?),
+        _ => None,
     };
     let mut checks = Vec::with_capacity(3);
-    if !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
+    if charged && !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
         if let Some(rule) = &policy.ip_rule {
             checks.push(rule.check(&ip_identity));
         }
@@ -269,13 +320,45 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         client,
         key_id: key.map(|k| k.id.clone()),
         checks: checks.into(),
+        preflight,
     })
+}
+
+/// A CORS preflight for a route with a CORS policy: that route (the one the
+/// announced method would reach, else the path's) and its answer. `None`
+/// for anything else, which is routed as the request it is.
+fn preflight(
+    policy: &Policy,
+    host: Option<&str>,
+    path: &str,
+    req: &RequestView<'_>,
+) -> Option<(usize, Result<cors::Headers, CorsError>)> {
+    if !cors::is_preflight(req.method, req.headers) {
+        return None;
+    }
+    let announced = req
+        .headers
+        .get(http::header::ACCESS_CONTROL_REQUEST_METHOD)?
+        .to_str()
+        .ok()?;
+    let route = match policy.routes.find(host, path, announced) {
+        RouteMatch::Found(i) => i,
+        RouteMatch::MethodNotAllowed(_) => policy.routes.find_path(host, path)?,
+        RouteMatch::NotFound => return None,
+    };
+    let rules = policy.cors(Some(route))?;
+    Some((route, rules.preflight(req.headers)))
 }
 
 /// The identity of a request's bucket under its route's limit: everyone's
 /// (`global`), the client's (`k:ID` or `ip:ADDR`), the attribute's
 /// (`h:VALUE`, `q:VALUE`) or the client's and the attribute's together.
-fn route_identity(rr: &RouteRule, client: &str, req: &RequestView<'_>) -> Result<String, Refusal> {
+fn route_identity(
+    rr: &RouteRule,
+    client: &str,
+    req: &RequestView<'_>,
+    preflight: bool,
+) -> Result<String, Refusal> {
     let attribute = match (&rr.scope, &rr.key) {
         (Scope::Global, _) => return Ok("global".into()),
         (Scope::Client, LimitKey::Client) => return Ok(client.into()),
@@ -283,7 +366,9 @@ fn route_identity(rr: &RouteRule, client: &str, req: &RequestView<'_>) -> Result
     };
     let value = match attributes::value(attribute, req.headers, req.query) {
         Ok(v) => v,
-        Err(AttributeError::Missing) if rr.missing == Missing::Client => return Ok(client.into()),
+        Err(AttributeError::Missing) if rr.missing == Missing::Client || preflight => {
+            return Ok(client.into())
+        }
         Err(e) => return Err(Refusal::BadAttribute(attribute.clone(), e)),
     };
     let tag = tag(attribute);

@@ -1,13 +1,14 @@
 //! A rate-limiting API gateway on Pingora.
 //!
 //! Data flows one way: `proxy` → `admission` → {`identity`, `routing`,
-//! `attributes`, `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
+//! `attributes`, `cors`, `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
 
 pub mod admission;
 pub mod attributes;
 pub mod certs;
 pub mod clock;
 pub mod config;
+pub mod cors;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;

@@ -120,6 +120,7 @@ mod tests {
             timeout_ms: None,
             retries: 0,
             max_request_body_bytes: None,
+            cors: None,
         }
     }
 

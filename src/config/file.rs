@@ -3,7 +3,7 @@
 //! routes and keys), and the typed helpers every section reader uses.
 //!
 //! Each section has a file of its own (`server`, `tls`, `limiter`, `redis`,
-//! `clients`, `limits`, `upstreams`, `routes`) that lists the keys it knows
+//! `clients`, `limits`, `upstreams`, `routes`, `cors`) that lists the keys it knows
 //! (anything else is an error), reads them with their types and ranges, and
 //! applies the documented default when a key is absent.
 
@@ -46,6 +46,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
             "api_keys",
             "upstreams",
             "routes",
+            "cors",
         ],
     );
 
@@ -83,6 +84,12 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     let upstreams = array_of_tables(&mut r, root, "upstreams", true, |r, p, t, s| {
         super::upstreams::read(r, p, t, s)
     });
+    let cors = match root.get("cors") {
+        Some(v) => r
+            .table("cors", v)
+            .map(|t| super::cors::read(&mut r, "cors", t, &v.span(), None)),
+        None => Some(None),
+    };
     let routes = array_of_tables(&mut r, root, "routes", true, |r, p, t, s| {
         super::routes::route(r, p, t, s, &upstream_names)
     });
@@ -144,6 +151,7 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
         api_keys: api_keys.into_iter().map(|(_, k)| k).collect(),
         upstreams: upstreams.into_iter().map(|(_, u)| u).collect(),
         routes: routes.into_iter().map(|(_, r)| r).collect(),
+        cors: cors.flatten(),
     })
 }
 

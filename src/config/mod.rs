@@ -5,6 +5,7 @@
 
 mod admin;
 mod clients;
+mod cors;
 mod file;
 mod limiter;
 mod limits;
@@ -207,6 +208,9 @@ impl Config {
                 u.read_timeout_ms
             );
         }
+        if let Some(c) = &self.cors {
+            let _ = writeln!(s, "cors (routes without their own): {}", c);
+        }
         let _ = writeln!(s, "routes:");
         for r in &self.routes {
             let methods = r.methods.as_ref().map_or("*".to_string(), |m| m.join(","));
@@ -244,6 +248,9 @@ impl Config {
             }
             if let Some(b) = r.max_request_body_bytes {
                 extras.push(format!("body <= {b} bytes"));
+            }
+            if let Some(c) = &r.cors {
+                extras.push(format!("cors: {c}"));
             }
             let extras = match extras.is_empty() {
                 true => String::new(),

@@ -68,6 +68,8 @@ pub struct Config {
     pub api_keys: Vec<ApiKey>,
     pub upstreams: Vec<Upstream>,
     pub routes: Vec<Route>,
+    /// `[cors]`: the policy of every route without a `cors` of its own.
+    pub cors: Option<Cors>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -438,6 +440,83 @@ pub struct Route {
     pub retries: u32,
     /// Larger request bodies: 413.
     pub max_request_body_bytes: Option<u64>,
+    /// This route's CORS policy (`None`: `[cors]`, if any).
+    pub cors: Option<Cors>,
+}
+
+/// A CORS policy: which origins a browser may call from, with what, and
+/// what its scripts may read of the answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cors {
+    pub allow_origins: Vec<OriginPattern>,
+    /// `None`: the route's methods (the common ones when it names none).
+    pub allow_methods: Option<Vec<String>>,
+    pub allow_headers: AllowHeaders,
+    /// Exposed beyond the gateway's own: the rate-limit headers,
+    /// Retry-After and X-Request-Id. Lower-case.
+    pub expose_headers: Vec<String>,
+    pub allow_credentials: bool,
+    /// `None`: no `Access-Control-Max-Age` (the browser's default).
+    pub max_age_secs: Option<u64>,
+    /// Preflights spend tokens like the request they announce.
+    pub charge_preflight: bool,
+}
+
+impl fmt::Display for Cors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let origins: Vec<String> = self.allow_origins.iter().map(|o| o.to_string()).collect();
+        write!(f, "origins={}", origins.join(","))?;
+        if let Some(m) = &self.allow_methods {
+            write!(f, " methods={}", m.join(","))?;
+        }
+        match &self.allow_headers {
+            AllowHeaders::Any => f.write_str(" headers=*")?,
+            AllowHeaders::List(l) if !l.is_empty() => write!(f, " headers={}", l.join(","))?,
+            AllowHeaders::List(_) => {}
+        }
+        if !self.expose_headers.is_empty() {
+            write!(f, " expose+={}", self.expose_headers.join(","))?;
+        }
+        if self.allow_credentials {
+            f.write_str(" credentials")?;
+        }
+        if let Some(age) = self.max_age_secs {
+            write!(f, " max_age_secs={age}")?;
+        }
+        match self.charge_preflight {
+            true => f.write_str(" preflights charged"),
+            false => f.write_str(" preflights free"),
+        }
+    }
+}
+
+/// An allowed origin, lower-case as browsers send it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OriginPattern {
+    /// `*`: any origin.
+    Any,
+    /// `https://app.example.com[:port]`.
+    Exact(String),
+    /// `https://*.example.com[:port]`: any name under it (not the apex).
+    Subdomains { scheme: String, suffix: String },
+}
+
+impl fmt::Display for OriginPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OriginPattern::Any => f.write_str("*"),
+            OriginPattern::Exact(o) => f.write_str(o),
+            OriginPattern::Subdomains { scheme, suffix } => write!(f, "{scheme}*{suffix}"),
+        }
+    }
+}
+
+/// Request headers a preflight may announce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllowHeaders {
+    Any,
+    /// Lower-case names.
+    List(Vec<String>),
 }
 
 /// A route's host: exact, or `*.example.com` for any name under it (not

@@ -12,7 +12,7 @@ use super::model::{HostPattern, Route};
 use super::reader::{join, Reader};
 use crate::path::normalize_path;
 
-const METHODS: &[&str] = &[
+pub(super) const METHODS: &[&str] = &[
     "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
 ];
 
@@ -38,6 +38,7 @@ pub(super) fn route(
             "timeout_ms",
             "retries",
             "max_request_body_bytes",
+            "cors",
         ],
     );
     let rname = req(r, t, p, Some(span), "name", name);
@@ -144,6 +145,16 @@ pub(super) fn route(
     let max_body = opt(r, t, p, "max_request_body_bytes", None, |r, path, v| {
         r.int(path, v, 0, 1 << 40).map(Some)
     });
+    let cors = match t.get("cors") {
+        Some(v) => {
+            let path = join(p, "cors");
+            r.spans.insert(path.clone(), v.span());
+            let ct = r.table(&path, v)?;
+            let own = methods.as_ref().and_then(|m| m.as_deref());
+            Some(super::cors::read(r, &path, ct, &v.span(), own)?)
+        }
+        None => None,
+    };
     Some(Route {
         name: rname?,
         host: host?,
@@ -156,6 +167,7 @@ pub(super) fn route(
         timeout_ms: timeout?,
         retries: retries?,
         max_request_body_bytes: max_body?,
+        cors,
     })
 }
 

@@ -4,10 +4,11 @@
 //! A request's life, top to bottom:
 //! 1. `request_filter`: one config snapshot; header size; `admission::classify`
 //!    (deny list, path, route, API key); the limiter decides every tier at once;
-//!    `admission::conclude` says admit (maybe after a shaping delay), 429 or 503.
+//!    `admission::conclude` says admit (maybe after a shaping delay), 429 or 503;
+//!    a CORS preflight is answered here, never upstream.
 //! 2. `upstream_peer`: round-robin over the route's healthy servers.
 //! 3. `upstream_request_filter`: the normalised path, X-Forwarded-For, X-Request-Id.
-//! 4. `response_filter`: the rate-limit headers on the upstream's response.
+//! 4. `response_filter`: the rate-limit and CORS headers on the upstream's response.
 //! 5. `logging`: metrics and the access log line.
 
 pub mod admin;
@@ -96,10 +97,31 @@ pub struct Ctx {
 }
 
 impl Gateway {
-    async fn reply(&self, session: &mut Session, ctx: &mut Ctx, reply: Reply) -> Result<bool> {
+    /// Writes the gateway's own answer, with the CORS headers that let
+    /// browser code read it.
+    async fn reply(&self, session: &mut Session, ctx: &mut Ctx, mut reply: Reply) -> Result<bool> {
+        reply.headers.extend(Self::cors_headers(session, ctx));
+        self.send(session, ctx, reply).await
+    }
+
+    async fn send(&self, session: &mut Session, ctx: &mut Ctx, reply: Reply) -> Result<bool> {
         ctx.replied = Some(reply.status);
         responses::send(session, reply, &ctx.request_id).await?;
         Ok(true)
+    }
+
+    /// The CORS headers of an answer to this request: its route's policy
+    /// (or `[cors]`'s, routeless) applied to its `Origin`.
+    fn cors_headers(session: &Session, ctx: &Ctx) -> crate::cors::Headers {
+        let origin = session.req_header().headers.get(http::header::ORIGIN);
+        match ctx
+            .live
+            .as_ref()
+            .and_then(|l| l.policy.cors(Self::route_index(ctx)))
+        {
+            Some(rules) => rules.response(origin),
+            None => Vec::new(),
+        }
     }
 
     /// The request's route: its plan's, or the one a refusal was counted under.
@@ -238,16 +260,20 @@ impl ProxyHttp for Gateway {
             query: req.uri.query(),
             headers: &req.headers,
         };
-        let plan = match admission::classify(policy, &view) {
+        let mut plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,
             Err(refusal) => {
                 ctx.refused_route = admission::refused_route(policy, &view);
                 return self.reply(session, ctx, responses::refusal(&refusal)).await;
             }
         };
+        let preflight = plan.preflight.take();
         if plan.checks.is_empty() {
             ctx.plan = Some(plan);
-            return Ok(false);
+            return match preflight {
+                Some(h) => self.send(session, ctx, responses::preflight(h)).await,
+                None => Ok(false),
+            };
         }
         let outcome = self.limiter.decide(&plan.checks).await;
         ctx.plan = Some(plan);
@@ -263,6 +289,10 @@ impl ProxyHttp for Gateway {
             ms => fastrand::u64(..=ms * 1000),
         };
         match admission::conclude(&outcome, cfg.limiter.headers, jitter_us) {
+            Conclusion::Admit { .. } if preflight.is_some() => {
+                let h = preflight.unwrap_or_default();
+                self.send(session, ctx, responses::preflight(h)).await
+            }
             Conclusion::Admit { headers, delay } => {
                 ctx.ratelimit_headers = headers;
                 if delay > Duration::ZERO {
@@ -459,7 +489,7 @@ impl ProxyHttp for Gateway {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
@@ -468,6 +498,16 @@ impl ProxyHttp for Gateway {
         }
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
+        }
+        // The route's policy answers for CORS, over the upstream's own;
+        // `Vary` is added to, never replaced.
+        for (name, value) in Self::cors_headers(session, ctx) {
+            match name {
+                "vary" => {
+                    resp.append_header(name, value)?;
+                }
+                _ => resp.insert_header(name, value)?,
+            }
         }
         resp.insert_header("x-request-id", ctx.request_id.as_str())?;
         Ok(())
@@ -492,7 +532,7 @@ impl ProxyHttp for Gateway {
             },
         };
         if code > 0 && session.response_written().is_none() {
-            let reply = match code {
+            let mut reply = match code {
                 502 | 504 => responses::upstream_failure(code),
                 413 => {
                     let max = match (&ctx.live, &ctx.plan) {
@@ -506,6 +546,7 @@ impl ProxyHttp for Gateway {
                 400 => responses::json(400, "bad_request", "malformed request"),
                 _ => responses::internal(),
             };
+            reply.headers.extend(Self::cors_headers(session, ctx));
             ctx.replied = Some(code);
             if let Err(err) = responses::send(session, reply, &ctx.request_id).await {
                 tracing::debug!(error = %err, "could not send error response");

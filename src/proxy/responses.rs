@@ -107,6 +107,19 @@ pub fn refusal(r: &Refusal) -> Reply {
                 &format!("this route limits by the {what}, which {e}"),
             )
         }
+        Refusal::Cors(e) => json(403, "cors_rejected", &e.to_string()),
+    }
+}
+
+/// The answer to an allowed CORS preflight: 204 with its headers.
+pub fn preflight(headers: crate::cors::Headers) -> Reply {
+    Reply {
+        status: 204,
+        content_type: "text/plain",
+        body: String::new(),
+        headers,
+        message: String::new(),
+        retry_after_ms: None,
     }
 }
 
@@ -220,13 +233,17 @@ pub async fn send(session: &mut Session, reply: Reply, request_id: &str) -> Resu
         }
     }
     let mut h = ResponseHeader::build(reply.status, Some(4 + reply.headers.len()))?;
-    h.insert_header("content-type", reply.content_type)?;
-    h.insert_header("content-length", reply.body.len())?;
+    // A 204 has no body and says so by sending no length (RFC 9110 8.6).
+    let no_body = reply.status == 204;
+    if !no_body {
+        h.insert_header("content-type", reply.content_type)?;
+        h.insert_header("content-length", reply.body.len())?;
+    }
     h.insert_header("x-request-id", request_id)?;
     for (name, value) in reply.headers {
         h.insert_header(name, value)?;
     }
-    let head_only = session.req_header().method == http::Method::HEAD;
+    let head_only = no_body || session.req_header().method == http::Method::HEAD;
     session
         .write_response_header(Box::new(h), head_only)
         .await?;
