@@ -7,7 +7,7 @@
 #                     [--wrk-threads N] [--upstream-threads N] [--rate RPS]
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
 #                     [--memory-clients N] [--memory-max-entries N]
-#                     [--perf] [--publish] [--out DIR]
+#                     [--perf] [--publish] [--out DIR] [--no-build]
 #
 # Targets, each measured in every round, rounds alternating the order
 # (forward, reversed, ...) so drift in the machine hits all alike:
@@ -66,14 +66,13 @@
 # gateways) listens on 127.0.0.1 at free ports and is stopped by PID on exit.
 # The gateways run with GATEWAY_LOG=warn (no access log). Exit status: 0 when
 # every target of the issue holds, 1 when one fails (the results are still
-# written) or the build is missing, 2 on bad usage or a failed run.
+# written) or the build fails, 2 on bad usage or a failed run.
 #
-# Needs target/release/gateway and target/release/mock-upstream (cargo build
-# --release) and, for pingora_bare, target/release/examples/bare_proxy (cargo
-# build --release --example bare_proxy); it never builds them. Also wrk, nginx,
-# redis-server, openssl, a C compiler and OpenSSL's headers (installed with
-# apt-get when missing) and
-# matplotlib in .venv (installed with pip when missing).
+# Builds what it measures first: cargo build --release --bin gateway --bin
+# mock-upstream --example bare_proxy (a no-op when fresh; --no-build skips it
+# and measures the binaries already in target/release). Installs what it lacks:
+# wrk, nginx, redis-server, redis-tools, openssl, a C compiler and OpenSSL's
+# headers with apt-get; matplotlib into the repo's .venv with pip.
 set -euo pipefail
 
 root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
@@ -89,29 +88,29 @@ for arg in "$@"; do
   case $arg in -h | --help) usage; exit 0 ;; esac
 done
 
-for bin in "$root/target/release/gateway" "$root/target/release/mock-upstream"; do
-  if [[ ! -x $bin ]]; then
-    echo "bench.sh: $bin is missing: build first: cargo build --release" >&2
+command -v cargo >/dev/null || PATH=$HOME/.cargo/bin:$PATH
+
+# Build what is measured: cargo is a no-op when the binaries are fresh. Others
+# may be editing src/ meanwhile; --no-build measures the binaries as they are.
+no_build=0
+for arg in "$@"; do
+  case $arg in --no-build) no_build=1 ;; esac
+done
+bins=("$root/target/release/gateway" "$root/target/release/mock-upstream"
+  "$root/target/release/examples/bare_proxy")
+if ((no_build)); then
+  for bin in "${bins[@]}"; do
+    if [[ ! -x $bin ]]; then
+      echo "bench.sh: --no-build, but $bin is missing" >&2
+      exit 1
+    fi
+  done
+else
+  echo "bench.sh: cargo build --release --bin gateway --bin mock-upstream --example bare_proxy" >&2
+  if ! (cd "$root" && cargo build --release --bin gateway --bin mock-upstream --example bare_proxy); then
+    echo "bench.sh: the build failed (nothing measured); --no-build measures the binaries already built" >&2
     exit 1
   fi
-done
-# bare_proxy only when pingora_bare is measured: every target by default, else
-# when --targets names it (bench.py checks again, whatever the spelling).
-want_bare=1
-prev=
-for arg in "$@"; do
-  case $prev in --targets) [[ ,$arg, == *,pingora_bare,* ]] || want_bare=0 ;; esac
-  case $arg in
-    --targets=*) [[ ,${arg#--targets=}, == *,pingora_bare,* ]] || want_bare=0 ;;
-    --memory-only) want_bare=0 ;;
-  esac
-  prev=$arg
-done
-bare=$root/target/release/examples/bare_proxy
-if ((want_bare)) && [[ ! -x $bare ]]; then
-  echo "bench.sh: $bare is missing (the pingora_bare target): build first:" \
-    "cargo build --release --example bare_proxy" >&2
-  exit 1
 fi
 
 as_root() {
@@ -152,4 +151,8 @@ if [[ ! -x $tools/fixedrate || $here/bench/fixedrate.c -nt $tools/fixedrate ]]; 
   mv "$tools/fixedrate.tmp" "$tools/fixedrate"
 fi
 
-exec "$py" "$here/bench/bench.py" run --tools "$tools" "$@"
+args=()
+for arg in "$@"; do
+  [[ $arg == --no-build ]] || args+=("$arg")
+done
+exec "$py" "$here/bench/bench.py" run --tools "$tools" "${args[@]}"
