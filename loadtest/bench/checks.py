@@ -1,0 +1,143 @@
+"""From the rounds to the summary: each target's medians, the Redis figures,
+the issue's targets passed or failed, and the ratios given for context."""
+
+from __future__ import annotations
+
+from common import REDIS_TARGETS, TLS_TARGETS, median
+
+# The issue's targets: (key, label, op, limit).
+CHECKS = [
+    ("redis_vs_off_rps", "gateway_redis rps / gateway_off rps", ">=", 0.85),
+    ("p99_added_ms", "p99 added by gateway_redis over gateway_off (ms, fixed rate)", "<=", 0.5),
+    ("denied_vs_off_rps", "gateway_redis_denied rps / gateway_off rps", ">=", 1.5),
+    ("denied_script_calls_per_req", "script calls per denied request", "<=", 0.1),
+    ("redis_cpu_us_per_decision", "Redis CPU µs per three-tier decision", "<=", 10.0),
+    ("off_vs_nginx_cpu", "gateway_off CPU / nginx_limit_req CPU per request", "<=", 1.5),
+]
+
+# Context, not targets of the issue (never pass/fail, no effect on the exit
+# status): how much of the gateway's CPU per request is Pingora's own.
+CONTEXT = [
+    ("off_vs_bare_cpu", "gateway_off CPU / pingora_bare CPU per request", "gateway_off", "pingora_bare"),
+    ("bare_vs_nginx_cpu", "pingora_bare CPU / nginx_limit_req CPU per request", "pingora_bare", "nginx_limit_req"),
+]
+
+
+def summarize(args, targets, thr, lat, rate, extra) -> dict:
+    s: dict = {"targets": {}}
+    for t in targets:
+        tr = thr.get(t, [])
+        lr = lat.get(t, [])
+        d = {
+            "rps": median(r["rps"] for r in tr),
+            "cpu_us_per_req": median(r["cpu_us_per_req"] for r in tr),
+            "p50_ms": median(r["p50_ms"] for r in lr),
+            "p99_ms": median(r["p99_ms"] for r in lr),
+            "p90_ms": median(r["p90_ms"] for r in lr),
+            "p999_ms": median(r["p999_ms"] for r in lr),
+            "upstream_cpu_us_per_req": median(r["upstream_cpu_us_per_req"] for r in tr),
+            "cpu_us_per_req_at_fixed_rate": median(r["cpu_us_per_req"] for r in lr),
+            "rps_rounds": [round(r["rps"]) for r in tr],
+            "cpu_us_per_req_rounds": [round(r["cpu_us_per_req"], 2) for r in tr],
+            "p99_ms_rounds": [round(r["p99_ms"], 4) for r in lr],
+            "other_cpu_pct": median([r["other_cpu_pct"] for r in tr] + [r["other_cpu_pct"] for r in lr]),
+        }
+        if t in REDIS_TARGETS:
+            d["redis_cpu_us_per_req"] = median(r.get("redis_cpu_us_per_req") for r in tr)
+            d["script_calls_per_req"] = median(r.get("script_calls_per_req") for r in tr)
+            d["redis_script_usec_per_call"] = median(r.get("redis_script_usec_per_call") for r in tr)
+            # Every Redis command per request, the ones scripts run inside included.
+            cmds = sorted({c for r in tr for c in r.get("redis_calls", {})})
+            d["redis_commands_per_req"] = {
+                c: round(median(r.get("redis_calls", {}).get(c, 0) / max(r["requests"], 1) for r in tr), 4)
+                for c in cmds}
+        statuses: dict = {}
+        for r in lr:
+            for k, v in r["status"].items():
+                statuses[k] = statuses.get(k, 0) + v
+        d["fixed_rate_statuses"] = statuses
+        s["targets"][t] = d
+    if "gateway_redis" in s["targets"]:
+        g = s["targets"]["gateway_redis"]
+        s["redis"] = {"cpu_us_per_req": g["redis_cpu_us_per_req"], "script_calls_per_req": g["script_calls_per_req"],
+                      "script_usec_per_call": g["redis_script_usec_per_call"],
+                      "commands_per_req": g["redis_commands_per_req"]}
+    if "gateway_redis_denied" in s["targets"]:
+        g = s["targets"]["gateway_redis_denied"]
+        s.setdefault("redis", {})["denied_cpu_us_per_req"] = g["redis_cpu_us_per_req"]
+        s["redis"]["denied_script_calls_per_req"] = g["script_calls_per_req"]
+    s["fixed_rate_rps"] = rate
+    s.update(extra)
+    s["checks"] = compute_checks(s)
+    s["context"] = compute_context(s)
+    if any(t in s["targets"] for t in TLS_TARGETS):
+        s["tls"] = compute_tls(s["targets"], extra.get("tls_negotiated", {}))
+    return s
+
+
+def compute_tls(T: dict, negotiated: dict) -> dict:
+    """The TLS pair's CPU per request side by side (reported, never pass/fail),
+    with the plaintext pair of the same run and what TLS adds on each side."""
+
+    def cpu(t):
+        return T.get(t, {}).get("cpu_us_per_req")
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    def added(tls, plain):
+        return cpu(tls) - cpu(plain) if cpu(tls) is not None and cpu(plain) is not None else None
+
+    return {
+        "gateway_cpu_us_per_req": cpu("gateway_tls"),
+        "nginx_cpu_us_per_req": cpu("nginx_tls"),
+        "ratio": ratio(cpu("gateway_tls"), cpu("nginx_tls")),
+        "plaintext_ratio": ratio(cpu("gateway_off"), cpu("nginx_limit_req")),
+        "gateway_tls_added_us_per_req": added("gateway_tls", "gateway_off"),
+        "nginx_tls_added_us_per_req": added("nginx_tls", "nginx_limit_req"),
+        "negotiated": negotiated,
+    }
+
+
+def compute_context(s: dict) -> list[dict]:
+    """CPU-per-request ratios for context (informational, never pass/fail)."""
+    T = s["targets"]
+    out = []
+    for key, label, num, den in CONTEXT:
+        x, y = T.get(num, {}).get("cpu_us_per_req"), T.get(den, {}).get("cpu_us_per_req")
+        out.append({"key": key, "label": label, "value": x / y if x is not None and y else None})
+    return out
+
+
+def compute_checks(s: dict) -> list[dict]:
+    T = s["targets"]
+
+    def get(t, k):
+        return T.get(t, {}).get(k)
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    vals = {
+        "redis_vs_off_rps": ratio(get("gateway_redis", "rps"), get("gateway_off", "rps")),
+        "p99_added_ms": (get("gateway_redis", "p99_ms") - get("gateway_off", "p99_ms"))
+        if get("gateway_redis", "p99_ms") is not None and get("gateway_off", "p99_ms") is not None else None,
+        "denied_vs_off_rps": ratio(get("gateway_redis_denied", "rps"), get("gateway_off", "rps")),
+        "denied_script_calls_per_req": get("gateway_redis_denied", "script_calls_per_req"),
+        "redis_cpu_us_per_decision": get("gateway_redis", "redis_cpu_us_per_req"),
+        "off_vs_nginx_cpu": ratio(get("gateway_off", "cpu_us_per_req"), get("nginx_limit_req", "cpu_us_per_req")),
+    }
+    checks = list(CHECKS)
+    mem = s.get("memory")
+    if mem:
+        vals["memory_growth_after_cap_pct"] = mem.get("growth_after_cap_pct")
+        checks.append(("memory_growth_after_cap_pct",
+                       f"local backend RSS growth from the cap ({mem['local_max_entries']:,}) to "
+                       f"{mem['clients']:,} clients (%): bounded", "<=", 10.0))
+    out = []
+    for key, label, op, limit in checks:
+        v = vals[key]
+        ok = None if v is None else (v >= limit if op == ">=" else v <= limit)
+        out.append({"key": key, "label": label, "value": v, "op": op, "limit": limit, "pass": ok})
+    return out
+

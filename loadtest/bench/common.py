@@ -1,0 +1,58 @@
+"""What every part of the benchmark shares: where things are, the targets'
+names and groups, logging, the error that ends a run, the median of rounds."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+GATEWAY = ROOT / "target/release/gateway"
+MOCK = ROOT / "target/release/mock-upstream"
+BARE = ROOT / "target/release/examples/bare_proxy"
+RESULTS = ROOT / "loadtest/results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+TARGETS = [
+    "direct",
+    "nginx_limit_req",
+    "pingora_bare",
+    "gateway_off",
+    "gateway_local",
+    "gateway_redis",
+    "gateway_redis_denied",
+    "gateway_tls",
+    "nginx_tls",
+]
+GATEWAY_TARGETS = [t for t in TARGETS if t.startswith("gateway_")]
+REDIS_TARGETS = ["gateway_redis", "gateway_redis_denied"]
+LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_denied"]
+NGINX_TARGETS = ["nginx_limit_req", "nginx_tls"]
+TLS_TARGETS = ["gateway_tls", "nginx_tls"]
+API_KEY = "bench-key-0001"
+PATH = "/api/bench"
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def warn(msg: str, warnings: list | None = None) -> None:
+    print(f"{time.strftime('%H:%M:%S')} WARNING: {msg}", flush=True)
+    if warnings is not None:
+        warnings.append(msg)
+
+
+class BenchError(Exception):
+    pass
+
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+

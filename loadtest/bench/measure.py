@@ -1,0 +1,481 @@
+"""Measuring: CPU from /proc, Redis's INFO, the gateway's /metrics, the load
+generators (wrk for max throughput, fixedrate for latency at a fixed rate), a
+window's numbers from snapshots before and after, perf, the memory step, and
+what the machine was doing."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from common import CLK_TCK, HERE, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS, TLS_TARGETS, BenchError, log, warn
+from targets import Targets, free_ports, http_get, wait_until
+
+# --- /proc and Redis counters -----------------------------------------------------------
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of the whole process (all its threads, live or exited)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def proc_status_kb(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def all_process_ticks() -> dict[int, int]:
+    """utime + stime of every user-space process (kernel threads left out)."""
+    d = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[6]) & 0x00200000:  # PF_KTHREAD
+            continue
+        d[int(p)] = int(fields[11]) + int(fields[12])
+    return d
+
+
+METRIC_RE = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$')
+
+
+def gateway_metrics(admin: str) -> dict:
+    """Status counts and failover counters from the gateway's /metrics."""
+    status, _, body = http_get(f"http://{admin}/metrics", timeout=5)
+    out = {"status": {}, "fallback": {}, "backend": {}}
+    if status != 200:
+        return out
+    for line in body.decode(errors="replace").splitlines():
+        m = METRIC_RE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2), float(m.group(3))
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if name == "gateway_requests_total":
+            s = lab.get("status", "?")
+            out["status"][s] = out["status"].get(s, 0) + value
+        elif name == "gateway_fallback_transitions_total":
+            out["fallback"][lab.get("to", "?")] = value
+        elif name == "gateway_limiter_backend":
+            out["backend"][lab.get("backend", "?")] = value
+    return out
+
+
+def delta_counts(a: dict, b: dict) -> dict:
+    keys = set(a) | set(b)
+    return {k: int(b.get(k, 0) - a.get(k, 0)) for k in sorted(keys) if b.get(k, 0) - a.get(k, 0)}
+
+
+# --- a window's numbers ----------------------------------------------------------------------
+
+
+class Meter:
+    """Measures the targets a Targets started: one window at a time."""
+
+    def __init__(self, args, out: Path, tools: Path, tg: Targets) -> None:
+        self.a = args
+        self.out = out
+        self.tg = tg
+        self.warnings = tg.warnings
+        self.fixedrate = tools / "fixedrate"
+
+    def snapshot(self, target: str) -> dict:
+        info = self.tg.t[target]
+        s = {"wall": time.monotonic(), "all": all_process_ticks()}
+        pids = info["pids"]()
+        s["pids"] = pids
+        s["proxy"] = sum(cpu_ticks(p) for p in pids)
+        s["upstream"] = cpu_ticks(self.tg.mock_proc.pid)
+        if self.tg.redis is not None:
+            s["redis"] = self.tg.redis.info()
+        if "admin" in info:
+            s["metrics"] = gateway_metrics(info["admin"])
+        return s
+
+    def diff(self, target: str, b: dict, e: dict, requests: int, wall: float, loadgen_ticks: float) -> dict:
+        r: dict = {}
+        n = max(requests, 1)
+        us = 1e6 / CLK_TCK
+        if sorted(b["pids"]) != sorted(e["pids"]):
+            warn(f"{target}: its processes changed during the window ({b['pids']} -> {e['pids']})", self.warnings)
+        r["cpu_us_per_req"] = (e["proxy"] - b["proxy"]) * us / n
+        r["upstream_cpu_us_per_req"] = (e["upstream"] - b["upstream"]) * us / n
+        r["proxy_cpu_cores"] = (e["proxy"] - b["proxy"]) / CLK_TCK / wall
+        # Noise: CPU that user-space processes this run did not start used
+        # meanwhile (those that started and ended inside the window are missed).
+        ours = set(self.tg.our_pids) | set(b["pids"]) | set(e["pids"]) | {os.getpid()}
+        foreign = sum(t - b["all"].get(p, 0) for p, t in e["all"].items() if p not in ours)
+        r["other_cpu_pct"] = round(100.0 * max(foreign, 0) / CLK_TCK / wall, 1)  # of one core
+        if "redis" in b:
+            rb, re_ = b["redis"], e["redis"]
+            r["redis_cpu_us_per_req"] = (re_["cpu"] - rb["cpu"]) * 1e6 / n
+            calls = {}
+            for c in set(rb["cmd"]) | set(re_["cmd"]):
+                d = re_["cmd"].get(c, {"calls": 0})["calls"] - rb["cmd"].get(c, {"calls": 0})["calls"]
+                if d:
+                    calls[c] = d
+            calls.pop("info", None)  # our own INFO
+            r["redis_calls"] = calls
+            script = sum(calls.get(c, 0) for c in SCRIPT_COMMANDS)
+            r["script_calls_per_req"] = script / n
+            usec = sum(re_["cmd"].get(c, {"usec": 0})["usec"] - rb["cmd"].get(c, {"usec": 0})["usec"]
+                       for c in SCRIPT_COMMANDS)
+            r["redis_script_usec_per_call"] = usec / script if script else None
+        if "metrics" in b:
+            mb, me = b["metrics"], e["metrics"]
+            r["gateway_status"] = delta_counts(mb["status"], me["status"])
+            fb = delta_counts(mb["fallback"], me["fallback"])
+            if fb:
+                r["fallback_transitions"] = fb
+                warn(f"{target}: the limiter failed over during the window: {fb}", self.warnings)
+            if target in REDIS_TARGETS and me["backend"].get("redis", 1) != 1:
+                warn(f"{target}: the limiter backend is not Redis at the end of the window: {me['backend']}",
+                     self.warnings)
+        return r
+
+    def loadgen(self, argv: list[str], timeout: float, env=None) -> tuple[int, float, str]:
+        """Runs a load generator to completion; returns (exit code, its CPU ticks, "").
+
+        Reaped with wait4, which also gives the generator's own CPU time (taken
+        out of the "other load" figure)."""
+        errf = open(self.out / "logs" / "loadgen.stderr", "ab")
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errf, env=env)
+        errf.close()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+                if pid:
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    return p.returncode, (ru.ru_utime + ru.ru_stime) * CLK_TCK, ""
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{argv[0]} did not finish within {timeout:.0f}s")
+                time.sleep(0.05)
+        except BaseException:
+            if p.returncode is None:  # interrupted or timed out: stop it, by PID
+                p.kill()
+                os.wait4(p.pid, 0)
+                p.returncode = -9
+            raise
+
+    def wrk_argv(self, target: str, secs: float, json_path: Path | None) -> tuple[list[str], dict]:
+        info = self.tg.t[target]
+        argv = ["wrk", "-t", str(self.a.wrk_threads), "-c", str(self.a.connections), "-d", f"{secs:g}s",
+                "--timeout", "5s", "-s", str(HERE / "wrk-summary.lua")]
+        for k, v in info["headers"].items():
+            argv += ["-H", f"{k}: {v}"]
+        argv.append(info["url"])
+        env = dict(os.environ, WRK_JSON=str(json_path) if json_path else "/dev/null")
+        return argv, env
+
+    def throughput(self, target: str, tag: str) -> dict:
+        a = self.a
+        if a.warmup > 0:
+            argv, env = self.wrk_argv(target, a.warmup, None)
+            self.loadgen(argv, a.warmup + 30, env)
+        jp = self.out / "raw" / f"{tag}-{target}-wrk.json"
+        argv, env = self.wrk_argv(target, a.duration, jp)
+        b = self.snapshot(target)
+        rc, lg_ticks, _ = self.loadgen(argv, a.duration + 30, env)
+        e = self.snapshot(target)
+        if rc != 0 or not jp.exists():
+            raise BenchError(f"wrk failed against {target} (exit {rc}); see logs/loadgen.stderr")
+        w = json.loads(jp.read_text())
+        secs = w["duration_us"] / 1e6
+        r = {"rps": w["requests"] / secs, "requests": w["requests"], "secs": secs,
+             "wrk_errors": {k: v for k, v in w["errors"].items() if v},
+             "wrk_latency_ms": {k: v / 1000 for k, v in w["latency_us"].items()}}
+        r.update(self.diff(target, b, e, w["requests"], e["wall"] - b["wall"], lg_ticks))
+        r["loadgen_cpu_cores"] = lg_ticks / CLK_TCK / (e["wall"] - b["wall"])
+        self.check_statuses(target, "wrk", r, w)
+        return r
+
+    def fixed_rate(self, target: str, tag: str, rate: float) -> dict:
+        a = self.a
+        info = self.tg.t[target]
+        jp = self.out / "raw" / f"{tag}-{target}-fixedrate.json"
+        argv = [str(self.fixedrate), "--url", info["url"], "--rate", f"{rate:.0f}",
+                "--duration", f"{a.latency_duration:g}", "--warmup", f"{a.warmup:g}",
+                "--connections", str(a.connections), "--timeout", "5", "--out", str(jp)]
+        for k, v in info["headers"].items():
+            argv += ["--header", f"{k}: {v}"]
+        b = self.snapshot(target)
+        rc, lg_ticks, _ = self.loadgen(argv, a.latency_duration + a.warmup + 30)
+        e = self.snapshot(target)
+        if rc != 0 or not jp.exists():
+            raise BenchError(f"fixedrate failed against {target} (exit {rc}); see logs/loadgen.stderr")
+        f = json.loads(jp.read_text())
+        lat = f["latency_ms"]
+        r = {"rate": rate, "rate_achieved": f["rate_achieved"], "p50_ms": lat["p50"], "p90_ms": lat["p90"],
+             "p99_ms": lat["p99"], "p999_ms": lat["p999"], "max_ms": lat["max"],
+             "service_time_ms": f["service_time_ms"], "status": f["status"],
+             "errors": {k: v for k, v in f["errors"].items() if v}, "reconnects": f["reconnects"],
+             "unfinished": f["unfinished"], "never_sent": f["never_sent"]}
+        if target in TLS_TARGETS:
+            r["tls"] = f.get("tls")  # what fixedrate's own connections negotiated
+        d = self.diff(target, b, e, f["completed_total"], e["wall"] - b["wall"], lg_ticks)
+        r.update({k: v for k, v in d.items()})
+        r["loadgen_cpu_cores"] = lg_ticks / CLK_TCK / (e["wall"] - b["wall"])
+        self.check_statuses(target, "fixedrate", r, f)
+        return r
+
+    def check_statuses(self, target: str, tool: str, r: dict, raw: dict) -> None:
+        want = "429" if target == "gateway_redis_denied" else "200"
+        odd = []
+        if tool == "wrk":
+            errs = dict(raw["errors"])
+            non2xx = errs.pop("status", 0)
+            if want == "200" and non2xx:
+                odd.append(f"{non2xx} non-2xx responses (wrk)")
+            if want == "429" and non2xx != raw["requests"]:
+                odd.append(f"{raw['requests'] - non2xx} of {raw['requests']} responses were 2xx/3xx, not 429 (wrk)")
+            if any(errs.values()):
+                odd.append(f"socket errors {dict((k, v) for k, v in errs.items() if v)} (wrk)")
+        else:
+            others = {s: n for s, n in raw["status"].items() if s != want}
+            if others:
+                odd.append(f"statuses other than {want}: {others} (fixedrate)")
+            if any(raw["errors"].values()):
+                odd.append(f"errors {raw['errors']} (fixedrate)")
+            if raw["reconnects"]:
+                odd.append(f"{raw['reconnects']} reconnects: the server closed keep-alive connections (fixedrate)")
+            if raw["unfinished"] or raw["never_sent"]:
+                odd.append(f"{raw['unfinished']} unfinished and {raw['never_sent']} never-sent requests: "
+                           f"the target did not keep up with {raw['rate_target']:.0f} rps (fixedrate)")
+        gs = r.get("gateway_status")
+        if gs:
+            others = {s: n for s, n in gs.items() if s != want}
+            # wrk stops with up to one request in flight per connection; the
+            # gateway counts each such abandoned request as "aborted" (as "5xx"
+            # in builds before that label existed).
+            aborted = sum(others.values()) if tool == "wrk" and set(others) <= {"aborted", "5xx", "499"} else 0
+            if aborted and aborted <= self.a.connections:
+                r["aborted_at_wrk_stop"] = aborted
+            elif others:
+                odd.append(f"gateway /metrics counted statuses other than {want}: {others}")
+        for o in odd:
+            warn(f"{target}: {o}", self.warnings)
+        if odd:
+            r["odd"] = odd
+
+    def perf(self, targets: list[str]) -> dict:
+        """perf record -g on each proxy during one extra max-throughput window."""
+        res = {}
+        secs = min(self.a.duration, 10)
+        for t in targets:
+            pids = self.tg.t[t]["pids"]()
+            data = self.out / f"perf-{t}.data"
+            log(f"perf: {t} for {secs:g}s (an extra window; its numbers are not used)")
+            rec = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-o", str(data), "-p", ",".join(map(str, pids)),
+                                    "--", "sleep", f"{secs + 1:g}"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                time.sleep(0.5)
+                argv, env = self.wrk_argv(t, secs, None)
+                self.loadgen(argv, secs + 30, env)
+                rec.wait(timeout=secs + 30)
+            except BaseException:
+                if rec.poll() is None:
+                    rec.send_signal(signal.SIGINT)
+                    rec.wait()
+                raise
+            txt = self.out / f"perf-{t}.txt"
+            with open(txt, "w") as f:
+                subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "-g", "none",
+                                "--sort", "dso,symbol", "--percent-limit", "0.5"],
+                               stdout=f, stderr=subprocess.DEVNULL)
+            res[t] = str(txt.relative_to(self.out))
+        return res
+
+    def memory(self) -> dict:
+        """The local backend holding a million distinct client buckets."""
+        a = self.a
+        port, admin_port = free_ports(2)
+        cfg = self.out / "config" / "memory.toml"
+        self.tg.render("gateway.memory.toml", cfg, THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}",
+                       ADMIN_ADDR=f"127.0.0.1:{admin_port}", UPSTREAM_ADDR=f"127.0.0.1:{self.tg.mock_port}",
+                       MAX_ENTRIES=a.memory_max_entries)
+        chk = subprocess.run([str(self.tg.gateway), "check", "-c", str(cfg)], capture_output=True, text=True)
+        if chk.returncode != 0:
+            raise BenchError(f"gateway check -c {cfg} failed:\n{chk.stdout}{chk.stderr}")
+        gl = self.out / "logs" / "memory-gateway.log"
+        p = self.tg.procs.start("memory-gateway", [str(self.tg.gateway), "run", "-c", str(cfg)], gl,
+                                signal.SIGINT, env=dict(os.environ, GATEWAY_LOG="warn"))
+        admin = f"127.0.0.1:{admin_port}"
+        url = f"http://127.0.0.1:{port}/"
+        wait_until("memory gateway", lambda: http_get(f"http://{admin}/readyz")[0] == 200, 30, p, gl)
+        for i in range(20):
+            http_get(url, {"X-Forwarded-For": f"198.51.100.{i + 1}"})
+        time.sleep(0.5)
+        rss0 = proc_status_kb(p.pid, "VmRSS")
+        total = a.memory_clients
+
+        def served() -> int:
+            return int(sum(gateway_metrics(admin)["status"].values()))
+
+        base = served()
+        log(f"memory: RSS {rss0 / 1024:.1f} MiB before; {total:,} distinct clients (X-Forwarded-For) next, "
+            f"local_max_entries = {a.memory_max_entries:,}")
+        env = dict(os.environ, XFF_CLIENTS="4194304", XFF_THREADS=str(a.wrk_threads), XFF_PATH="/")
+        errf = open(self.out / "logs" / "memory-wrk.txt", "wb")
+        w = subprocess.Popen(["wrk", "-t", str(a.wrk_threads), "-c", str(a.connections), "-d", f"{a.memory_timeout}s",
+                              "--timeout", "5s", "-s", str(HERE / "wrk-xff.lua"), url],
+                             stdout=errf, stderr=subprocess.STDOUT, env=env)
+        errf.close()
+        curve = [(0, rss0)]
+        t0 = time.monotonic()
+        last_print = 0.0
+        n = 0
+        try:
+            while w.poll() is None:
+                time.sleep(1.0)
+                n = served() - base
+                rss = proc_status_kb(p.pid, "VmRSS")
+                curve.append((n, rss))
+                el = time.monotonic() - t0
+                if el - last_print >= 5 or n >= total:
+                    last_print = el
+                    log(f"memory: {n:,}/{total:,} clients, {n / el:,.0f} rps, RSS {rss / 1024:.1f} MiB")
+                if n >= total:
+                    break
+        finally:
+            if w.poll() is None:
+                w.send_signal(signal.SIGINT)
+                try:
+                    w.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    w.kill()
+                    w.wait()
+        elapsed = time.monotonic() - t0
+        time.sleep(1.0)
+        n = served() - base
+        rss1 = proc_status_kb(p.pid, "VmRSS")
+        hwm = proc_status_kb(p.pid, "VmHWM")
+        statuses = {k: int(v) for k, v in gateway_metrics(admin)["status"].items()}
+        curve.append((n, rss1))
+        alive = p.poll() is None
+        self.tg.procs.stop_one(p)
+        if n < total:
+            warn(f"memory: only {n:,} of {total:,} clients were served within {a.memory_timeout}s", self.warnings)
+        if not alive:
+            warn("memory: the gateway died during the memory step", self.warnings)
+        at_cap_point = next(((k, rss) for k, rss in curve if k >= a.memory_max_entries), None)
+        at_cap_clients, at_cap = at_cap_point if at_cap_point else (None, None)
+        res = {
+            "clients": n,
+            "clients_target": total,
+            "local_max_entries": a.memory_max_entries,
+            "rss_before_mib": round(rss0 / 1024, 1),
+            "rss_at_cap_mib": round(at_cap / 1024, 1) if at_cap else None,
+            "rss_at_cap_clients": at_cap_clients,
+            "rss_after_mib": round(rss1 / 1024, 1),
+            "hwm_mib": round(hwm / 1024, 1),
+            "bytes_per_entry": round((at_cap - rss0) * 1024 / min(at_cap_clients, a.memory_max_entries))
+            if at_cap else None,
+            "growth_after_cap_pct": round(100.0 * (rss1 - at_cap) / at_cap, 1) if at_cap else None,
+            "rps": round(n / elapsed),
+            "statuses": statuses,
+            "rss_curve": [{"clients": k, "rss_mib": round(v / 1024, 1)} for k, v in curve],
+        }
+        log(f"memory: {n:,} clients: RSS {res['rss_before_mib']} -> {res['rss_after_mib']} MiB "
+            f"(at the cap: {res['rss_at_cap_mib']} MiB; peak {res['hwm_mib']} MiB)")
+        return res
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        txt = (out.stdout + out.stderr).strip().splitlines()[0]
+        return txt
+    except Exception:
+        return "unknown"
+
+
+def machine_info(gateway: Path) -> dict:
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = proc_meminfo_gib()
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    gw_mtime = dt.datetime.fromtimestamp(gateway.stat().st_mtime).isoformat(timespec="seconds")
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(gateway, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "kernel": os.uname().release,
+        "mem_gib": mem,
+        "nginx": tool_version(["nginx", "-v"]),
+        "wrk": tool_version(["wrk", "-v"]).split(" Copyright")[0],
+        "redis": tool_version(["redis-server", "--version"]),
+        "gateway": tool_version([str(gateway), "--version"]),
+        "gateway_binary_built": gw_mtime,
+        "gateway_sha256": h.hexdigest()[:16],
+        "git_commit": git.stdout.strip() or "unknown",
+        "git_dirty": bool(dirty.stdout.strip()),
+        "loadavg_start": open("/proc/loadavg").read().split()[:3],
+    }
+
+
+def proc_meminfo_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+    return 0.0
+
+
+def busy_others(exclude: set[int], secs: float = 1.0) -> list[dict]:
+    """Processes not ours that used over 10% of a core during a short sample."""
+
+    def sample():
+        d = {}
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    d[int(p)] = cpu_ticks(int(p))
+                except (OSError, IndexError, ValueError):
+                    pass
+        return d
+
+    a = sample()
+    time.sleep(secs)
+    b = sample()
+    out = []
+    for pid, t in b.items():
+        if pid in exclude or pid == os.getpid():
+            continue
+        used = (t - a.get(pid, t)) / CLK_TCK / secs
+        if used > 0.10:
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:100]
+            except OSError:
+                cmd = "?"
+            out.append({"pid": pid, "cpu_pct": round(100 * used), "cmd": cmd.strip()})
+    return out
+

@@ -1,0 +1,264 @@
+"""The report: summary.md (the table, the issue's targets, memory, TLS),
+chart.png and memory.png from summary.json, and publishing a run into
+BENCHMARKS.md between its markers."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from checks import compute_context
+from common import HERE, REDIS_TARGETS, ROOT, log
+
+# --- report: markdown table and chart ----------------------------------------------------
+
+
+def fmt(v, nd=1, pct=False):
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{nd}f}"
+
+
+def markdown(s: dict) -> str:
+    run, m = s["run"], s["machine"]
+    T = s["targets"]
+    L = []
+    if not T:
+        L.append(f"Run `{run['dir']}` ({run['mode']}).")
+        L.append("")
+        L.append(f"Machine: {m['nproc']} × {m['cpu_model']}, Linux {m['kernel']}, {m['mem_gib']} GiB; "
+                 f"{m['gateway']} (commit {m['git_commit']}{', dirty tree' if m['git_dirty'] else ''}, "
+                 f"binary built {m['gateway_binary_built']}).")
+        L += ["", "| target (issue) | value | limit | result |", "|---|--:|--:|---|"]
+        for c in s["checks"]:
+            if c["value"] is not None:
+                L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | "
+                         f"{'**pass**' if c['pass'] else '**FAIL**'} |")
+        return "\n".join(L + memory_md(s)) + "\n"
+    L.append(f"Run `{run['dir']}` ({run['mode']}): {run['rounds']} rounds, alternating order; "
+             f"{run['connections']} connections; gateway `server.threads` = nginx `worker_processes` = "
+             f"{'bare_proxy `--threads` = ' if 'pingora_bare' in T else ''}{run['threads']}; "
+             f"mock-upstream `--threads {run['upstream_threads']}`; max throughput: wrk -t{run['wrk_threads']} "
+             f"for {run['duration_s']:g} s; latency: fixedrate (open loop, coordinated-omission corrected) at "
+             f"{fmt(s['fixed_rate_rps'], 0)} rps (half gateway_off's max) for {run['latency_duration_s']:g} s; "
+             f"medians of rounds.")
+    L.append("")
+    L.append(f"Machine: {m['nproc']} × {m['cpu_model']}, Linux {m['kernel']}, {m['mem_gib']} GiB; "
+             f"{m['nginx']}; {m['wrk']}; {m['redis'].split(' sha=')[0]}; {m['gateway']} "
+             f"(commit {m['git_commit']}{', dirty tree' if m['git_dirty'] else ''}, binary built {m['gateway_binary_built']}).")
+    L.append("")
+    L.append("| target | max rps | proxy CPU µs/req | upstream CPU µs/req | p50 ms | p99 ms | Redis CPU µs/req | script calls/req | other load % |")
+    L.append("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for t, d in T.items():
+        L.append(
+            f"| `{t}` | {fmt(d['rps'], 0)} | {fmt(d['cpu_us_per_req'], 1)} | {fmt(d['upstream_cpu_us_per_req'], 1)} | "
+            f"{fmt(d['p50_ms'], 3)} | {fmt(d['p99_ms'], 3)} | {fmt(d.get('redis_cpu_us_per_req'), 2) if t in REDIS_TARGETS else ''} | "
+            f"{fmt(d.get('script_calls_per_req'), 3) if t in REDIS_TARGETS else ''} | {fmt(d['other_cpu_pct'], 0)} |")
+    L.append("")
+    rd = s.get("redis")
+    if rd and rd.get("cpu_us_per_req") is not None:
+        cmds = ", ".join(f"{k} {v:g}" for k, v in (rd.get("commands_per_req") or {}).items())
+        L.append(f"Redis during `gateway_redis`: {fmt(rd['cpu_us_per_req'], 2)} µs CPU and "
+                 f"{fmt(rd['script_calls_per_req'], 3)} script calls per request"
+                 + (f", {fmt(rd['script_usec_per_call'], 2)} µs inside the script per call" if rd.get('script_usec_per_call') else "")
+                 + (f"; commands per request (those a script runs included): {cmds}" if cmds else "") + ".")
+        L.append("")
+    L.append("*proxy CPU*: the proxy's processes (for `direct`, the upstream itself) from `/proc/PID/stat` over the "
+             "max-throughput window, per request. *other load*: CPU used meanwhile by processes this benchmark did "
+             "not start, in % of one core (noise; kernel threads and processes that came and went inside a window are not "
+             "counted).")
+    L.append("")
+    ctx = s.get("context") or compute_context(s)
+    if any(c["value"] is not None for c in ctx):
+        L.append("Context (informational, not targets of the issue; `pingora_bare` is Pingora alone, "
+                 "`examples/bare_proxy.rs` with default settings):")
+        L.append("")
+        for c in ctx:
+            L.append(f"- {c['label']}: {fmt(c['value'], 3)}")
+        L.append("")
+    L += tls_md(s)
+    L.append("| target (issue) | value | limit | result |")
+    L.append("|---|--:|--:|---|")
+    for c in s["checks"]:
+        res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
+        L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | {res} |")
+    L += memory_md(s)
+    return "\n".join(L) + "\n"
+
+
+def tls_md(s: dict) -> list[str]:
+    """The TLS pair's paragraph of summary.md (reported, not a target of the issue)."""
+    tls = s.get("tls")
+    if not tls:
+        return []
+    neg = "; ".join(f"`{t}` {n['protocol']} {n['cipher']} ({n['key_exchange']})"
+                    for t, n in tls.get("negotiated", {}).items())
+    return [
+        "TLS (reported, not pass/fail; HTTP/1.1 keep-alive over TLS, one ECDSA P-256 certificate for both):",
+        "",
+        f"- CPU µs/req: `gateway_tls` {fmt(tls['gateway_cpu_us_per_req'], 1)}, `nginx_tls` "
+        f"{fmt(tls['nginx_cpu_us_per_req'], 1)}; gateway_tls / nginx_tls: **{fmt(tls['ratio'], 3)}**",
+        f"- the same run in plaintext: gateway_off / nginx_limit_req {fmt(tls['plaintext_ratio'], 3)}",
+        f"- what TLS adds per request: gateway {fmt(tls['gateway_tls_added_us_per_req'], 1)} µs "
+        f"(gateway_tls − gateway_off), nginx {fmt(tls['nginx_tls_added_us_per_req'], 1)} µs "
+        f"(nginx_tls − nginx_limit_req)",
+        f"- negotiated (openssl s_client): {neg or 'n/a'}",
+        "",
+    ]
+
+
+def memory_md(s: dict) -> list[str]:
+    L = []
+    mem = s.get("memory")
+    if mem:
+        L.append("")
+        L.append(f"Memory (local backend, `local_max_entries` = {mem['local_max_entries']:,}): {mem['clients']:,} distinct "
+                 f"clients through X-Forwarded-For at {mem['rps']:,} rps; gateway VmRSS {mem['rss_before_mib']} MiB "
+                 f"before, {mem['rss_at_cap_mib']} MiB once the cap was reached (at {mem['rss_at_cap_clients']:,} clients), "
+                 f"{mem['rss_after_mib']} "
+                 f"MiB after (peak {mem['hwm_mib']} MiB); ≈{mem['bytes_per_entry']} bytes per bucket; "
+                 f"growth past the cap {mem['growth_after_cap_pct']} %.")
+    if s.get("warnings"):
+        L.append("")
+        L.append("Warnings:")
+        for w in s["warnings"]:
+            L.append(f"- {w}")
+    return L
+
+
+def chart(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    T = s["targets"]
+    names = list(T)
+    x = range(len(names))
+    colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e",
+              "nginx_tls": "#98df8a", "gateway_tls": "#9467bd"}
+    col = [colors.get(n, "#1f77b4") for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
+
+    ax = axes[0]
+    rps = [T[n]["rps"] or 0 for n in names]
+    ax.bar(x, rps, color=col)
+    for i, n in enumerate(names):
+        ax.scatter([i] * len(T[n]["rps_rounds"]), T[n]["rps_rounds"], color="black", s=10, zorder=3)
+        ax.text(i, rps[i], f"{rps[i] / 1000:.1f}k", ha="center", va="bottom", fontsize=8)
+    ax.set_title(f"max throughput (wrk, {s['run']['connections']} conns)")
+    ax.set_ylabel("requests / s")
+
+    ax = axes[1]
+    cpu = [T[n]["cpu_us_per_req"] or 0 for n in names]
+    red = [(T[n].get("redis_cpu_us_per_req") or 0) if n in REDIS_TARGETS else 0 for n in names]
+    ax.bar(x, cpu, color=col, label="proxy process")
+    ax.bar(x, red, bottom=cpu, color="#d62728", label="Redis")
+    for i in x:
+        ax.text(i, cpu[i] + red[i], f"{cpu[i] + red[i]:.1f}", ha="center", va="bottom", fontsize=8)
+    # Room for the labels: a zero-height Redis bar on top of the tallest bar
+    # would otherwise pin the axis there (its sticky edge) and cut the label off.
+    ax.set_ylim(0, max([cpu[i] + red[i] for i in x] + [1]) * 1.08)
+    ax.set_title("CPU per request at max throughput")
+    ax.set_ylabel("µs / request")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    w = 0.4
+    p50 = [T[n]["p50_ms"] or 0 for n in names]
+    p99 = [T[n]["p99_ms"] or 0 for n in names]
+    ax.bar([i - w / 2 for i in x], p50, w, label="p50", color="#9ecae1")
+    ax.bar([i + w / 2 for i in x], p99, w, label="p99", color="#08519c")
+    for i in x:
+        ax.text(i + w / 2, p99[i], f"{p99[i]:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_title(f"latency at {s['fixed_rate_rps']:,.0f} rps (CO-corrected)")
+    ax.set_ylabel("ms (log scale)")
+    ax.legend(fontsize=8)
+
+    for ax in axes:
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([n.replace("gateway_", "gw_") for n in names], rotation=30, ha="right", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    m = s["machine"]
+    fig.suptitle(f"loadtest/bench.sh {s['run']['mode']} — {m['nproc']} vCPU {m['cpu_model']}, {s['run']['started_at']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def memory_chart(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem = s["memory"]
+    xs = [p["clients"] / 1e6 for p in mem["rss_curve"]]
+    ys = [p["rss_mib"] for p in mem["rss_curve"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, ys, marker=".", color="#1f77b4")
+    ax.axvline(mem["local_max_entries"] / 1e6, color="#d62728", linestyle="--",
+               label=f"local_max_entries = {mem['local_max_entries']:,}")
+    ax.set_xlabel("distinct clients sent (millions)")
+    ax.set_ylabel("gateway VmRSS (MiB)")
+    ax.set_title("local backend: RSS while new clients arrive")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path) -> dict:
+    s = json.loads((out / "summary.json").read_text())
+    (out / "summary.md").write_text(markdown(s))
+    try:
+        if s["targets"]:
+            chart(s, out / "chart.png")
+        if s.get("memory"):
+            memory_chart(s, out / "memory.png")
+    except ImportError as e:
+        print(f"bench: no chart ({e}); install matplotlib into .venv", file=sys.stderr)
+    return s
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    begin = f"<!-- {name}:begin (written by loadtest/bench.sh --publish) -->"
+    block = f"{begin}\n{body}\n<!-- {name}:end -->"
+    pat = re.compile(rf"<!-- {name}:begin.*?<!-- {name}:end -->", re.S)
+    if pat.search(text):
+        return pat.sub(lambda _: block, text)
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def publish(out: Path) -> None:
+    """Puts a run's tables and charts into BENCHMARKS.md, between its markers.
+
+    The targets table goes between <!-- bench:begin --> and <!-- bench:end -->,
+    the memory step's result between <!-- bench-memory:begin/end -->; the rest
+    of the file is left as it is. The charts are copied to loadtest/bench/."""
+    s = write_report(out)
+    bm = ROOT / "BENCHMARKS.md"
+    text = bm.read_text() if bm.exists() else "# Benchmarks\n"
+    if s["targets"]:
+        shutil.copyfile(out / "chart.png", HERE / "latest-chart.png")
+        shutil.copyfile(out / "summary.json", HERE / "latest-summary.json")
+        body = markdown(dict(s, memory=None)) + "\n![the targets side by side](loadtest/bench/latest-chart.png)\n"
+        text = replace_block(text, "bench", body)
+    if s.get("memory"):
+        shutil.copyfile(out / "memory.png", HERE / "latest-memory.png")
+        m = s["machine"]
+        body = (f"Run `{s['run']['dir']}` ({s['run']['started_at']}; {m['gateway']}, commit {m['git_commit']}"
+                f"{', dirty tree' if m['git_dirty'] else ''}).\n" + "\n".join(memory_md(dict(s, warnings=[])))
+                + "\n\n![RSS while new clients arrive](loadtest/bench/latest-memory.png)\n")
+        text = replace_block(text, "bench-memory", body)
+    bm.write_text(text)
+    log(f"published {out.name} into {bm}")
+

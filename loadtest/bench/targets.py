@@ -1,0 +1,390 @@
+"""The targets: every server the benchmark measures or needs, started on
+127.0.0.1 at free ports and stopped by PID (never by name): Redis, the mock
+upstream, nginx, the bare Pingora proxy and one gateway per gateway target;
+their configs rendered from the templates beside this file, each primed with
+one request before anything is measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common import (API_KEY, BARE, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS, MOCK, NGINX_TARGETS, PATH,
+                    REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
+
+# --- processes ------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class Procs:
+    """Everything this run started, stopped by PID on exit (never by name)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, subprocess.Popen, int]] = []
+
+    def start(self, name: str, argv: list[str], log_path: Path, stop_sig=signal.SIGTERM, env=None):
+        f = open(log_path, "ab")
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        f.close()
+        self.items.append((name, p, stop_sig))
+        return p
+
+    def stop(self, p: subprocess.Popen, sig: int, secs: float = 10.0) -> None:
+        if p.poll() is not None:
+            return
+        try:
+            p.send_signal(sig)
+            p.wait(timeout=secs)
+        except subprocess.TimeoutExpired:
+            print(f"bench: PID {p.pid} did not exit after signal {sig} within {secs}s: SIGKILL", file=sys.stderr)
+            p.kill()
+            p.wait()
+        except ProcessLookupError:
+            pass
+
+    def stop_one(self, p: subprocess.Popen) -> None:
+        for i, (_, q, sig) in enumerate(self.items):
+            if q is p:
+                self.stop(q, sig)
+                del self.items[i]
+                return
+
+    def stop_all(self) -> None:
+        # Gateways first (they hold connections to the others), Redis last.
+        for _, p, sig in reversed(self.items):
+            try:
+                if p.poll() is None:
+                    p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        for _, p, sig in reversed(self.items):
+            self.stop(p, sig)
+        self.items.clear()
+
+
+def http_get(url: str, headers: dict | None = None, timeout: float = 2.0,
+             context: ssl.SSLContext | None = None) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def wait_until(what: str, pred, secs: float, proc: subprocess.Popen | None = None, log_path: Path | None = None):
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-2000:] if log_path else ""
+            raise BenchError(f"{what}: the process exited ({proc.returncode}) before it was ready\n{tail}")
+        try:
+            if pred():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    tail = log_path.read_text(errors="replace")[-2000:] if log_path else ""
+    raise BenchError(f"{what}: not ready after {secs}s\n{tail}")
+
+
+# --- TLS: the certificate and what was negotiated --------------------------------------
+
+
+def openssl(argv: list[str], cwd: Path) -> None:
+    out = subprocess.run(["openssl", *argv], cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BenchError(f"openssl {' '.join(argv)}: {out.stderr.strip()}")
+
+
+def make_tls_files(d: Path) -> dict:
+    """A CA and an ECDSA P-256 leaf it signs (127.0.0.1, localhost), for the TLS pair."""
+    d.mkdir(exist_ok=True)
+    p256 = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    openssl(["req", "-x509", *p256, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+             "-subj", "/CN=loadtest bench CA"], d)
+    openssl(["req", *p256, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=localhost"], d)
+    (d / "tls.ext").write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\nbasicConstraints = CA:FALSE\n"
+                               "keyUsage = digitalSignature\nextendedKeyUsage = serverAuth\n")
+    openssl(["x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "2", "-extfile", "tls.ext", "-out", "tls.crt"], d)
+    return {"ca": d / "ca.crt", "cert": d / "tls.crt", "key": d / "tls.key"}
+
+
+def negotiated_tls(addr: str) -> dict:
+    """What `openssl s_client` (OpenSSL's client defaults, as wrk's) negotiates with addr."""
+    out = subprocess.run(["openssl", "s_client", "-connect", addr, "-servername", "localhost"],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10).stdout
+    m = re.search(r"^New, (\S+), Cipher is (\S+)", out, re.M)
+    key = re.search(r"^(?:Server Temp Key|Negotiated TLS1\.3 group): (.+)$", out, re.M)
+    return {"protocol": m.group(1) if m else None, "cipher": m.group(2) if m else None,
+            "key_exchange": key.group(1).strip() if key else None}
+
+
+def nginx_ssl_directives(tls: dict) -> str:
+    """nginx_tls's ssl_* directives (one line): its ciphers are nginx's defaults."""
+    return (f"ssl_certificate {tls['cert']}; ssl_certificate_key {tls['key']}; "
+            f"ssl_protocols TLSv1.2 TLSv1.3;")
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    return kids
+
+
+class Redis:
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def cmd(self, *args: str) -> str:
+        out = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), *args],
+            capture_output=True, text=True, timeout=10,
+        )
+        if out.returncode != 0:
+            raise BenchError(f"redis-cli {' '.join(args)}: {out.stderr.strip()}")
+        return out.stdout
+
+    def info(self) -> dict:
+        txt = self.cmd("INFO", "everything")
+        d: dict = {"cmd": {}}
+        for line in txt.splitlines():
+            if line.startswith("cmdstat_"):
+                name, rest = line[len("cmdstat_"):].split(":", 1)
+                kv = dict(x.split("=", 1) for x in rest.split(","))
+                d["cmd"][name] = {"calls": int(kv["calls"]), "usec": int(kv["usec"])}
+            elif ":" in line and not line.startswith("#"):
+                k, v = line.split(":", 1)
+                d[k] = v.strip()
+        d["cpu"] = float(d.get("used_cpu_sys", 0)) + float(d.get("used_cpu_user", 0))
+        return d
+
+
+
+# --- the servers --------------------------------------------------------------------------
+
+
+class Targets:
+    """Every server of the run and how to reach each target: self.t[name] =
+    {url, pids(), headers, proc, and for gateways admin and log}."""
+
+    def __init__(self, args, out: Path, targets: list[str], warnings: list[str]) -> None:
+        self.a = args
+        self.out = out
+        self.procs = Procs()
+        self.warnings = warnings
+        self.t: dict[str, dict] = {}  # target -> {url, pids(), admin, headers, proc, ssl}
+        self.tls: dict | None = None  # the TLS pair's files: ca, cert, key
+        self.tls_client: ssl.SSLContext | None = None  # trusts that CA
+        self.redis: Redis | None = None
+        self.redis_proc = None
+        self.mock_proc = None
+        self.our_pids: list[int] = []
+        # Copies of the binaries, taken at the start: a rebuild during the run
+        # cannot change what is measured, and perf can still resolve symbols.
+        (out / "bin").mkdir(exist_ok=True)
+        self.gateway = out / "bin" / "gateway"
+        self.mock = out / "bin" / "mock-upstream"
+        self.bare = out / "bin" / "bare_proxy"
+        shutil.copy2(GATEWAY, self.gateway)
+        shutil.copy2(MOCK, self.mock)
+        if "pingora_bare" in targets:
+            shutil.copy2(BARE, self.bare)
+
+    def render(self, template: str, dest: Path, **subs) -> Path:
+        text = (HERE / template).read_text()
+        for k, v in subs.items():
+            text = text.replace(f"@@{k}@@", str(v))
+        left = re.findall(r"@@\w+@@", text)
+        if left:
+            raise BenchError(f"{template}: unfilled placeholders {left}")
+        dest.write_text(text)
+        return dest
+
+    def start_servers(self, targets: list[str]) -> None:
+        a, out = self.a, self.out
+        ports = iter(free_ports(2 + 3 * len(targets) + 2))
+        logs = out / "logs"
+        cfg = out / "config"
+        self.redis_port = next(ports)
+        self.mock_port = next(ports)
+        upstream = f"127.0.0.1:{self.mock_port}"
+
+        if any(t in REDIS_TARGETS for t in targets):
+            rl = logs / "redis.log"
+            self.redis_proc = self.procs.start(
+                "redis",
+                ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+                rl,
+            )
+            self.redis = Redis(self.redis_port)
+            wait_until("redis-server", lambda: self.redis.cmd("PING").strip() == "PONG", 10, self.redis_proc, rl)
+            self.our_pids.append(self.redis_proc.pid)
+
+        ml = logs / "mock-upstream.log"
+        self.mock_proc = self.procs.start(
+            "mock-upstream",
+            [str(self.mock), "--listen", upstream, "--threads", str(a.upstream_threads)],
+            ml,
+        )
+        wait_until("mock-upstream", lambda: http_get(f"http://{upstream}/healthz")[0] == 200, 10, self.mock_proc, ml)
+        self.our_pids.append(self.mock_proc.pid)
+        self.t["direct"] = {"url": f"http://{upstream}{PATH}", "pids": lambda: [self.mock_proc.pid],
+                            "headers": {}, "proc": self.mock_proc}
+
+        if any(t in TLS_TARGETS for t in targets):
+            self.tls = make_tls_files(out / "tls")
+            self.tls_client = ssl.create_default_context(cafile=str(self.tls["ca"]))
+        for t in [t for t in targets if t in NGINX_TARGETS]:
+            self.start_nginx(t, next(ports), upstream)
+
+        if "pingora_bare" in targets:
+            port = next(ports)
+            bl = logs / "pingora_bare.log"
+            p = self.procs.start(
+                "pingora_bare",
+                [str(self.bare), "--listen", f"127.0.0.1:{port}", "--upstream", upstream, "--threads", str(a.threads)],
+                bl,
+            )
+            url = f"http://127.0.0.1:{port}{PATH}"
+            wait_until("pingora_bare", lambda: http_get(url)[0] == 200, 10, p, bl)
+            self.t["pingora_bare"] = {"url": url, "pids": lambda p=p: [p.pid], "headers": {}, "proc": p, "log": bl}
+            self.our_pids.append(p.pid)
+
+        redis_section = (
+            "[redis]\n"
+            'mode = "standalone"\n'
+            f'urls = ["redis://127.0.0.1:{self.redis_port}"]\n'
+            "timeout_ms = 15\n"
+            "probe_interval_ms = 250\n"
+            'key_prefix = "@@PREFIX@@"'
+        )
+        for t in [t for t in targets if t in GATEWAY_TARGETS]:
+            port, admin_port = next(ports), next(ports)
+            subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
+                        UPSTREAM_ADDR=upstream)
+            dest = cfg / f"{t}.toml"
+            tls_port = next(ports) if t == "gateway_tls" else None
+            if t == "gateway_off":
+                self.render("gateway.off.toml", dest, **subs)
+            elif t == "gateway_tls":
+                self.render("gateway.tls.toml", dest, **subs, TLS_LISTEN_ADDR=f"127.0.0.1:{tls_port}",
+                            CERT_FILE=self.tls["cert"], KEY_FILE=self.tls["key"])
+            else:
+                backend = "local" if t == "gateway_local" else "redis"
+                denied = t == "gateway_redis_denied"
+                self.render(
+                    "gateway.tiers.toml", dest, **subs, BACKEND=backend, API_KEY=API_KEY,
+                    REDIS_SECTION=redis_section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
+                    ROUTE_CAPACITY=1 if denied else 1000000000,
+                    ROUTE_REFILL="0.000001" if denied else 1000000000,
+                )
+            chk = subprocess.run([str(self.gateway), "check", "-c", str(dest)], capture_output=True, text=True)
+            (logs / f"{t}-check.txt").write_text(chk.stdout + chk.stderr)
+            if chk.returncode != 0:
+                raise BenchError(f"gateway check -c {dest} failed:\n{chk.stdout}{chk.stderr}")
+            gl = logs / f"{t}.log"
+            env = dict(os.environ, GATEWAY_LOG="warn")
+            p = self.procs.start(t, [str(self.gateway), "run", "-c", str(dest)], gl, stop_sig=signal.SIGINT, env=env)
+            admin = f"127.0.0.1:{admin_port}"
+            url = f"https://127.0.0.1:{tls_port}{PATH}" if tls_port else f"http://127.0.0.1:{port}{PATH}"
+            self.t[t] = {"url": url, "pids": lambda p=p: [p.pid], "admin": admin,
+                         "headers": {"x-api-key": API_KEY} if t in LIMITED_TARGETS else {}, "proc": p, "log": gl,
+                         "ssl": self.tls_client if tls_port else None}
+            self.our_pids.append(p.pid)
+
+        for t in [t for t in targets if t in GATEWAY_TARGETS]:
+            info = self.t[t]
+            want = "redis" if t in REDIS_TARGETS else "local"
+
+            def ready(info=info, want=want):
+                st, _, body = http_get(f"http://{info['admin']}/readyz")
+                j = json.loads(body)
+                return st == 200 and j.get("ready") and j.get("backend") == want
+
+            wait_until(f"{t} (/readyz backend {want})", ready, 30, info["proc"], info["log"])
+
+    def start_nginx(self, t: str, port: int, upstream: str) -> None:
+        """One nginx (master + workers) for nginx_limit_req or nginx_tls, from nginx.conf."""
+        a, out, logs = self.a, self.out, self.out / "logs"
+        tls = t in TLS_TARGETS
+        (out / "nginx-tmp").mkdir(exist_ok=True)
+        conf = self.render("nginx.conf", out / "config" / f"{t}.conf", THREADS=a.threads, RUN_DIR=out, NAME=t,
+                           UPSTREAM_ADDR=upstream, LISTEN=f"127.0.0.1:{port}" + (" ssl" if tls else ""),
+                           SSL_DIRECTIVES=nginx_ssl_directives(self.tls) if tls else "# plaintext")
+        argv = ["nginx", "-p", str(out), "-c", str(conf), "-e", str(logs / f"{t}-error.log")]
+        chk = subprocess.run(argv[:1] + ["-t", "-q"] + argv[1:], capture_output=True, text=True)
+        if chk.returncode != 0:
+            raise BenchError(f"nginx -t ({t}) failed:\n{chk.stderr}")
+        nl = logs / f"{t}.log"
+        p = self.procs.start(t, argv, nl)
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}{PATH}"
+        ctx = self.tls_client if tls else None
+        wait_until(t, lambda: http_get(url, context=ctx)[0] == 200, 10, p, nl)
+        workers = children_of(p.pid)
+        if len(workers) != a.threads:
+            warn(f"{t}: nginx has {len(workers)} worker processes, expected {a.threads}", self.warnings)
+        self.t[t] = {"url": url, "pids": lambda p=p: [p.pid] + children_of(p.pid),
+                     "headers": {}, "proc": p, "workers": workers, "ssl": ctx}
+        self.our_pids += [p.pid] + workers
+
+    def negotiated(self, targets: list[str]) -> dict:
+        """The TLS version and cipher each TLS target negotiates (openssl s_client)."""
+        res = {}
+        for t in [t for t in targets if t in TLS_TARGETS]:
+            res[t] = negotiated_tls(self.t[t]["url"].split("/")[2])
+            log(f"{t}: {res[t]['protocol']} {res[t]['cipher']} ({res[t]['key_exchange']})")
+        return res
+
+    def prime(self, targets: list[str]) -> None:
+        """One request per target, its answer kept; the denied client spends its token."""
+        for t in targets:
+            info = self.t[t]
+            hdr = info["headers"]
+            statuses = []
+            for _ in range(3 if t == "gateway_redis_denied" else 1):
+                st, headers, body = http_get(info["url"], hdr, context=info.get("ssl"))
+                statuses.append(st)
+            with open(self.out / "logs" / f"{t}-first-response.txt", "w") as f:
+                f.write(f"GET {info['url']} {hdr}\n{statuses}\n")
+                for k, v in headers.items():
+                    f.write(f"{k}: {v}\n")
+                f.write("\n" + body.decode(errors="replace")[:2000] + "\n")
+            want = 429 if t == "gateway_redis_denied" else 200
+            if statuses[-1] != want:
+                raise BenchError(f"{t}: expected {want} from {info['url']}, got {statuses} "
+                                 f"(see logs/{t}-first-response.txt)")
