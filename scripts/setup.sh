@@ -22,6 +22,16 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# The browser CORS test (tests/browser_cors_e2e.rs) drives a real headless
+# Chromium: Debian's chromium package (about 10 s to install from a mirror).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: installing chromium (apt-get)"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi
 # A redis-server installed by the package may start as a system service on
 # :6379; nothing here uses that one: tests and demos start their own.
 if ! command -v cargo >/dev/null 2>&1; then
