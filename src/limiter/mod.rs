@@ -20,7 +20,7 @@ use async_trait::async_trait;
 pub use algorithms::{Decision, Micros};
 pub use fallback::{Fallback, FallbackState, Outcome, Reset};
 pub use local::LocalBackend;
-pub use redis::RedisBackend;
+pub use redis::{slot, RedisBackend};
 
 use crate::config::Algorithm;
 

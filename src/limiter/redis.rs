@@ -5,13 +5,15 @@
 //! - standalone: one multiplexed, auto-reconnecting connection for all requests;
 //! - sentinel: the master is discovered from the sentinels, and re-discovered
 //!   by the failback probe after a failure, so a failover is followed;
-//! - cluster: slot routing with MOVED/ASK handled by the cluster client. A
-//!   request's tiers usually hash to different slots, so each tier is
-//!   reserved with its own call, all concurrently (one round trip of wall
-//!   time); if an enforcing tier rejects, the others are refunded
-//!   (`refund.lua`), so a rejection still charges no tier. Between the two
-//!   round trips the reserved quota is held: concurrent requests can see less
-//!   quota, never more. A refund that fails leaves the client charged.
+//! - cluster: slot routing with MOVED/ASK handled by the cluster client.
+//!   Requests are batched as in standalone, then each batch is split by hash
+//!   slot: one call per slot decides every request's tiers in that slot, all
+//!   slots at once (`decide_by_slot`). A request's tiers usually hash to
+//!   different slots; if an enforcing tier rejects, the shares that admitted
+//!   are refunded (`refund.lua`), so a rejection still charges no tier.
+//!   Between the two round trips the reserved quota is held: concurrent
+//!   requests can see less quota, never more. A refund that fails leaves the
+//!   client charged.
 //!
 //! Every call has a budget, `redis.timeout_ms`, counted from when the call is
 //! sent. A call still unanswered past it is *late*: it is reported to the
@@ -389,10 +391,6 @@ impl RedisBackend {
         checks: Arc<[Check]>,
         epoch: u64,
     ) -> Result<Verdict, LimiterError> {
-        if matches!(**self.inner.topology.load(), Topology::Cluster(_)) {
-            let conn = self.inner.connection()?;
-            return self.inner.decide_clustered(conn, &checks, epoch).await;
-        }
         self.batcher
             .submit(&self.inner, checks, epoch)
             .await
@@ -745,107 +743,161 @@ impl Inner {
             .map_err(redis_err)
     }
 
-    /// Cluster mode across slots: reserve each tier concurrently, then refund
-    /// the admitted ones if the request as a whole is rejected.
-    async fn decide_across_slots(
+    /// Cluster mode: a batch split by hash slot. Each slot's share of every
+    /// request (its tiers whose buckets hash there) goes in one call to the
+    /// node that owns the slot, all slots' calls at once (one round trip of
+    /// wall time); within a call the shares are decided in order, all or
+    /// nothing, as `limiter.lua` does for standalone. A request is admitted
+    /// when every share admits; otherwise the shares that admitted are
+    /// refunded (`refund.lua`), so a rejected request charges no tier.
+    /// Between the two round trips the reserved quota is held: later
+    /// requests of the batch can see less quota, never more. A refund that
+    /// fails leaves the client charged. On any failed call the whole batch
+    /// fails (and falls back), its admitted shares refunded.
+    async fn decide_by_slot(
         &self,
         conn: &Conn,
-        checks: &[Check],
-    ) -> Result<Verdict, LimiterError> {
-        let reserves: Vec<_> = checks
+        requests: &[&[Check]],
+    ) -> Result<Vec<Verdict>, LimiterError> {
+        // Per slot: its shares, each (request, the request's tiers there).
+        let mut slots: Vec<(u16, Vec<Share>)> = Vec::new();
+        // Per request and tier: (slot group, share, position in the share).
+        let mut placed: Vec<Vec<(usize, usize, usize)>> = Vec::with_capacity(requests.len());
+        for (r, checks) in requests.iter().enumerate() {
+            let mut at = Vec::with_capacity(checks.len());
+            for c in checks.iter() {
+                let sl = slot(&c.key);
+                let g = match slots.iter().position(|(s, _)| *s == sl) {
+                    Some(g) => g,
+                    None => {
+                        slots.push((sl, Vec::new()));
+                        slots.len() - 1
+                    }
+                };
+                let shares = &mut slots[g].1;
+                if shares.last().is_none_or(|(q, _)| *q != r) {
+                    shares.push((r, Vec::new()));
+                }
+                let share = shares.len() - 1;
+                shares[share].1.push(c.clone());
+                at.push((g, share, shares[share].1.len() - 1));
+            }
+            placed.push(at);
+        }
+        let calls: Vec<_> = slots
             .iter()
-            .map(|c| {
-                let (mut conn, script, clock, c) = (
-                    conn.clone(),
-                    self.script.clone(),
-                    self.clock.clone(),
-                    c.clone(),
-                );
+            .map(|(_, shares)| {
+                let (mut conn, script, clock) =
+                    (conn.clone(), self.script.clone(), self.clock.clone());
+                let shares: Vec<Vec<Check>> = shares.iter().map(|(_, c)| c.clone()).collect();
                 tokio::spawn(async move {
-                    run_script(
-                        &script,
-                        clock.as_ref(),
-                        &mut conn,
-                        &[std::slice::from_ref(&c)],
-                    )
-                    .await
-                    .map(|mut v| v.remove(0))
+                    let parts: Vec<&[Check]> = shares.iter().map(Vec::as_slice).collect();
+                    run_script(&script, clock.as_ref(), &mut conn, &parts).await
                 })
             })
             .collect();
-        let mut replies = Vec::with_capacity(checks.len());
+        let mut answers: Vec<Option<Vec<Verdict>>> = Vec::with_capacity(calls.len());
         let mut failed = None;
-        for r in reserves {
-            match r.await {
-                Ok(Ok(v)) => replies.push(Some(v)),
+        for call in calls {
+            match call.await {
+                Ok(Ok(v)) => answers.push(Some(v)),
                 Ok(Err(e)) => {
-                    replies.push(None);
+                    answers.push(None);
                     failed = Some(e);
                 }
                 Err(e) => {
-                    replies.push(None);
+                    answers.push(None);
                     failed = Some(LimiterError::Redis(e.to_string()));
                 }
             }
         }
-        let decisions: Vec<Option<Decision>> = replies
-            .iter()
-            .map(|r| r.as_ref().map(|v: &Verdict| v.decisions[0]))
-            .collect();
-        let admitted = failed.is_none()
-            && checks
+        // A share admitted as a whole took its admitting tiers' tokens.
+        let share_admitted = |g: usize, share: usize| {
+            answers[g].as_ref().is_some_and(|v| {
+                let checks = &slots[g].1[share].1;
+                v[share].admitted(checks)
+            })
+        };
+        let mut verdicts = Vec::with_capacity(requests.len());
+        let mut refunds = Vec::new();
+        for (r, checks) in requests.iter().enumerate() {
+            let decisions: Option<Vec<Decision>> = placed[r]
                 .iter()
-                .zip(&decisions)
-                .all(|(c, d)| c.shadow || d.is_some_and(|d| d.allowed));
-        if !admitted {
-            // Give back what was taken: a rejected (or undecided) request charges no tier.
-            let refunds: Vec<_> = checks
-                .iter()
-                .zip(&replies)
-                .filter_map(|(c, r)| {
-                    let r = r.as_ref()?;
-                    let d = r.decisions[0];
-                    d.allowed.then(|| {
-                        let mut conn = conn.clone();
-                        let refund = self.refund.clone();
-                        let (kind, p1, p2) = script_args(&c.algorithm);
-                        let (key, now, remaining) = (c.key.clone(), r.now_us, d.remaining);
-                        let cost = c.cost;
-                        tokio::spawn(async move {
-                            let mut inv = refund.prepare_invoke();
-                            inv.key(key).arg(kind).arg(p1).arg(p2).arg(now).arg(remaining);
-                            inv.arg(cost);
-                            let r: Result<i64, _> = match &mut conn {
-                                Conn::Single(c) => inv.invoke_async(c).await,
-                                Conn::Cluster(c) => inv.invoke_async(c).await,
-                            };
-                            if let Err(e) = r {
-                                // The error's class only: its text could name the server.
-                                tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged");
-                            }
-                        })
-                    })
-                })
+                .map(|&(g, share, i)| Some(answers[g].as_ref()?[share].decisions[i]))
                 .collect();
-            for r in refunds {
-                let _ = r.await;
+            let admitted = failed.is_none()
+                && decisions
+                    .as_ref()
+                    .is_some_and(|d| checks.iter().zip(d).all(|(c, d)| d.allowed || c.shadow));
+            if !admitted {
+                // Give back what its admitted shares took.
+                let mut seen: Vec<(usize, usize)> = Vec::new();
+                for &(g, share, _) in &placed[r] {
+                    if seen.contains(&(g, share)) || !share_admitted(g, share) {
+                        continue;
+                    }
+                    seen.push((g, share));
+                    let v = &answers[g].as_ref().expect("admitted share")[share];
+                    for (c, d) in slots[g].1[share].1.iter().zip(&v.decisions) {
+                        if d.allowed {
+                            refunds.push(self.refund_one(conn, c, v.now_us, d.remaining));
+                        }
+                    }
+                }
+            }
+            if let Some(decisions) = decisions {
+                let now_us = placed[r]
+                    .iter()
+                    .filter_map(|&(g, share, _)| Some(answers[g].as_ref()?[share].now_us))
+                    .max()
+                    .unwrap_or(0);
+                verdicts.push(Verdict { decisions, now_us });
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
+        for r in refunds {
+            let _ = r.await;
         }
-        let now_us = replies
-            .iter()
-            .flatten()
-            .map(|r| r.now_us)
-            .max()
-            .unwrap_or(0);
-        Ok(Verdict {
-            decisions: decisions.into_iter().flatten().collect(),
-            now_us,
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(verdicts),
+        }
+    }
+
+    /// Gives back one tier's admission (`refund.lua`), in a task of its own.
+    fn refund_one(
+        &self,
+        conn: &Conn,
+        c: &Check,
+        now_us: i64,
+        remaining: u64,
+    ) -> tokio::task::JoinHandle<()> {
+        let mut conn = conn.clone();
+        let refund = self.refund.clone();
+        let (kind, p1, p2) = script_args(&c.algorithm);
+        let (key, cost) = (c.key.clone(), c.cost);
+        tokio::spawn(async move {
+            let mut inv = refund.prepare_invoke();
+            inv.key(key)
+                .arg(kind)
+                .arg(p1)
+                .arg(p2)
+                .arg(now_us)
+                .arg(remaining);
+            inv.arg(cost);
+            let r: Result<i64, _> = match &mut conn {
+                Conn::Single(c) => inv.invoke_async(c).await,
+                Conn::Cluster(c) => inv.invoke_async(c).await,
+            };
+            if let Err(e) = r {
+                // The error's class only: its text could name the server.
+                tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged");
+            }
         })
     }
 }
+
+/// A request's tiers in one slot: (the request's index in its batch, the tiers).
+type Share = (usize, Vec<Check>);
 
 /// One call of limiter.lua over a batch of requests: EVALSHA, and on NOSCRIPT
 /// (after a restart or SCRIPT FLUSH) load the script and send it again.
@@ -1040,32 +1092,6 @@ fn decision(c: &Check, r: &[i64]) -> Decision {
 }
 
 impl Inner {
-    /// Cluster mode: one request per call (a batch's keys would span slots),
-    /// its tiers reserved slot by slot when they span slots.
-    async fn decide_clustered(
-        &self,
-        mut conn: Conn,
-        checks: &[Check],
-        epoch: u64,
-    ) -> Result<Verdict, LimiterError> {
-        let mut abandon = self.abandon.subscribe();
-        if *abandon.borrow_and_update() != epoch {
-            return Err(LimiterError::Abandoned);
-        }
-        let across_slots = checks
-            .windows(2)
-            .any(|w| slot(&w[0].key) != slot(&w[1].key));
-        let work = async {
-            if across_slots {
-                return self.decide_across_slots(&conn, checks).await;
-            }
-            let mut verdicts =
-                run_script(&self.script, self.clock.as_ref(), &mut conn, &[checks]).await?;
-            Ok(verdicts.remove(0))
-        };
-        self.answer(work, &mut abandon).await
-    }
-
     /// Waits for a call sent now: within the budget, its answer; past it the
     /// watchdog is told, and the call is awaited until it answers, the
     /// breaker opens (`abandon`) or `max_wait` has passed.
@@ -1116,6 +1142,10 @@ impl Decider for Inner {
         abandon: &mut tokio::sync::watch::Receiver<u64>,
     ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
+        if let Conn::Cluster(_) = conn {
+            let call = self.decide_by_slot(&conn, requests);
+            return self.answer(call, abandon).await;
+        }
         let call = run_script(&self.script, self.clock.as_ref(), &mut conn, requests);
         self.answer(call, abandon).await
     }
