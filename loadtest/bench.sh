@@ -7,6 +7,8 @@
 #                     [--wrk-threads N] [--upstream-threads N] [--rate RPS]
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
 #                     [--memory-clients N] [--memory-max-entries N]
+#                     [--clients N [--zipf S] [--over PCT]]
+#                     [--gateway-bin PATH [--gateway-note TEXT]]
 #                     [--perf] [--publish] [--out DIR] [--no-build]
 #
 # Targets, each measured in every round, rounds alternating the order
@@ -20,6 +22,9 @@
 #   gateway_off           the gateway with no limits configured
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
 #   gateway_redis         all three tiers on Redis, admitting everything
+#   gateway_redis_cluster the same on a Redis Cluster: three masters, no
+#                         replicas, on 127.0.0.1 (redis-cli --cluster create);
+#                         [redis] mode = "cluster" with the three seed URLs
 #   gateway_redis_denied  one client already over its route limit, flooding: all 429
 #   gateway_tls           gateway_off on its [server.tls] listener: HTTP/1.1 with
 #                         keep-alive over TLS (wrk and fixedrate to https://)
@@ -37,7 +42,12 @@
 # workers), then p50/p99 latency at a fixed rate of half gateway_off's median
 # max, measured from each request's intended send time (loadtest/bench/
 # fixedrate.c: coordinated-omission corrected). For the Redis targets, Redis's
-# CPU per request (INFO cpu) and script calls per request (INFO commandstats).
+# CPU per request (INFO cpu) and script calls per request (INFO commandstats),
+# both summed over the nodes for the cluster (each node's share kept too),
+# bytes on the wire to Redis per request, and bytes per bucket (MEMORY USAGE
+# of sampled keys; used_memory growth per key when many are held). The
+# cluster's targets of #17, passed or failed: its Redis CPU per decision
+# <= 1.5x standalone's, its gateway CPU per request <= 1.2x standalone's.
 # Each number reported is the median of the rounds. For context (reported, never
 # pass/fail): gateway_off's and nginx_limit_req's CPU per request relative to
 # pingora_bare's.
@@ -55,6 +65,18 @@
 #                    each in X-Forwarded-For from trusted 127.0.0.1); its VmRSS
 #                    before, at the cap and after
 #   --memory-only    only the memory step
+#   --clients N      many-clients mode: in the max-throughput windows of
+#                    gateway_local, gateway_redis and gateway_redis_cluster,
+#                    wrk (wrk-clients.lua) sends each request from one of N
+#                    clients, named in X-Forwarded-For from trusted 127.0.0.1,
+#                    Zipf-distributed (--zipf S, 1.0: rank r sends in proportion
+#                    to 1/r^S); --over PCT (3) % of the clients are over their
+#                    limit (a route allowing each one request: 429s after).
+#                    The per-client buckets refill at 0.01/s so they stay in
+#                    Redis to be counted. Latency windows keep one client.
+#   --gateway-bin    measure this gateway binary, not target/release/gateway
+#                    (an A/B, or a commit built elsewhere); --gateway-note says
+#                    what it is, in the summary
 #   --perf           also record a perf profile of each proxy during one extra
 #                    max-throughput window (perf-<target>.txt, .data)
 #   --publish        copy the table and chart into BENCHMARKS.md

@@ -17,6 +17,7 @@ Targets, side by side (see BENCHMARKS.md):
     gateway_off           the gateway with no limiter work at all
     gateway_local         all three tiers on the local backend
     gateway_redis         all three tiers on Redis, admitting everything
+    gateway_redis_cluster the same on a Redis Cluster of three masters
     gateway_redis_denied  one client over its route limit, flooding: all 429
     gateway_tls           gateway_off on its [server.tls] listener (HTTP/1.1, keep-alive)
     nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
@@ -30,7 +31,9 @@ the proxy's processes spent per request (/proc/PID/stat utime+stime; nginx:
 master + workers), and p50/p99 latency at a fixed rate of half gateway_off's
 median maximum, measured from each request's intended send time (fixedrate.c:
 coordinated-omission corrected). For the Redis targets, Redis's CPU per
-request (INFO cpu) and script calls per request (INFO commandstats). Rounds
+request (INFO cpu) and script calls per request (INFO commandstats), summed
+over the nodes for the cluster. With --clients N, the limited targets' max-
+throughput windows come from N Zipf-distributed clients (wrk-clients.lua). Rounds
 alternate the order of the targets (forward, then reversed), so drift in the
 machine hits all of them alike; each number reported is the median of rounds.
 """
@@ -50,7 +53,8 @@ from pathlib import Path
 # (the servers), measure (a window's numbers), checks (medians and the issue's
 # targets), report (summary.md, charts, BENCHMARKS.md).
 from checks import summarize
-from common import BARE, GATEWAY_TARGETS, LIMITED_TARGETS, PATH, REDIS_TARGETS, RESULTS, ROOT, TARGETS, log, warn
+from common import (BARE, GATEWAY_TARGETS, LIMITED_TARGETS, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
+                    RESULTS, ROOT, TARGETS, log, warn)
 from common import BenchError, median
 from measure import Meter, busy_others, machine_info
 from report import publish, write_report
@@ -86,6 +90,9 @@ def run(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     started = dt.datetime.now().isoformat(timespec="seconds")
     machine = machine_info(tg.gateway)
+    machine["gateway_binary"] = str(tg.gateway_source)
+    if args.gateway_bin:
+        machine["gateway_note"] = args.gateway_note or "--gateway-bin"
     thr: dict[str, list] = {t: [] for t in targets}
     lat: dict[str, list] = {t: [] for t in targets}
     extra: dict = {}
@@ -115,9 +122,14 @@ def run(args) -> int:
                     r = meter.throughput(t, f"thr{rnd + 1}")
                     thr[t].append(r)
                     extra_s = ""
-                    if t in REDIS_TARGETS:
+                    if t in REDIS_TARGETS and "redis_cpu_us_per_req" in r:
                         extra_s = (f", Redis {r['redis_cpu_us_per_req']:.2f} µs/req, "
                                    f"{r['script_calls_per_req']:.3f} script calls/req")
+                        if "redis_nodes_cpu_us_per_req" in r:
+                            extra_s += " (summed over nodes: " + " + ".join(
+                                f"{x:.1f}" for x in r["redis_nodes_cpu_us_per_req"]) + " µs)"
+                    if r.get("share_429") is not None:
+                        extra_s += f", {r['clients']:,} clients, {100 * r['share_429']:.1f}% 429"
                     log(f"[max {rnd + 1}/{args.rounds}] {t:<21} {r['rps']:>9,.0f} rps  "
                         f"{r['cpu_us_per_req']:6.1f} µs/req CPU ({r['proxy_cpu_cores']:.2f} cores){extra_s}"
                         f"  other load {r['other_cpu_pct']:.0f}%")
@@ -190,6 +202,10 @@ def run(args) -> int:
         "warmup_s": args.warmup, "connections": args.connections, "threads": args.threads,
         "wrk_threads": args.wrk_threads, "upstream_threads": args.upstream_threads,
         "path": PATH, "api_key_header_on": LIMITED_TARGETS,
+        "clients": {"n": args.clients, "zipf": args.zipf, "over_pct": args.over, "over_path": OVER_PATH,
+                    "targets": [t for t in targets if t in MANY_CLIENTS_TARGETS],
+                    "note": "max-throughput windows only; the fixed-rate windows keep one client"}
+        if args.clients else None,
         "started_at": started, "finished_at": dt.datetime.now().isoformat(timespec="seconds"),
         "load_generators": {"max_throughput": "wrk (closed loop, fixed connections)",
                             "latency": "loadtest/bench/fixedrate.c (open loop, latency from the intended send time)"},
@@ -240,6 +256,11 @@ def main() -> int:
     r.add_argument("--memory-clients", type=int, default=1_200_000)
     r.add_argument("--memory-max-entries", type=int, default=1_000_000)
     r.add_argument("--memory-timeout", type=int, default=600)
+    r.add_argument("--clients", type=int, default=0)
+    r.add_argument("--zipf", type=float, default=1.0)
+    r.add_argument("--over", type=float, default=3.0)
+    r.add_argument("--gateway-bin")
+    r.add_argument("--gateway-note")
     r.add_argument("--perf", action="store_true")
     r.add_argument("--publish", action="store_true")
     r.add_argument("--out")
@@ -273,6 +294,10 @@ def main() -> int:
     for k in ("duration", "latency_duration", "rounds", "connections", "threads", "wrk_threads", "upstream_threads"):
         if getattr(args, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be positive")
+    if args.clients < 0 or args.clients > 4_194_304:
+        ap.error("--clients must be between 1 and 4,194,304 (addresses from 100.64.0.0/10)")
+    if args.zipf < 0 or not 0 <= args.over <= 100:
+        ap.error("--zipf must be >= 0 and --over a percentage")
     if args.connections < args.wrk_threads:
         ap.error("--connections must be at least --wrk-threads")
     return run(args)

@@ -3,7 +3,7 @@ the issue's targets passed or failed, and the ratios given for context."""
 
 from __future__ import annotations
 
-from common import REDIS_TARGETS, TLS_TARGETS, median
+from common import CLUSTER_NODES, REDIS_TARGETS, TLS_TARGETS, median
 
 # The issue's targets: (key, label, op, limit).
 CHECKS = [
@@ -13,6 +13,12 @@ CHECKS = [
     ("denied_script_calls_per_req", "script calls per denied request", "<=", 0.1),
     ("redis_cpu_us_per_decision", "Redis CPU µs per three-tier decision", "<=", 10.0),
     ("off_vs_nginx_cpu", "gateway_off CPU / nginx_limit_req CPU per request", "<=", 1.5),
+    # #17, "Outgrow one Redis": the Redis Cluster (three masters) against the
+    # one standalone Redis, measured side by side in the same rounds.
+    ("cluster_vs_standalone_redis_cpu",
+     f"Redis CPU per three-tier decision, cluster (summed over {CLUSTER_NODES} nodes) / standalone (#17)", "<=", 1.5),
+    ("cluster_vs_standalone_gateway_cpu", "gateway CPU per request, gateway_redis_cluster / gateway_redis (#17)",
+     "<=", 1.2),
 ]
 
 # Context, not targets of the issue (never pass/fail, no effect on the exit
@@ -46,11 +52,27 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
             d["redis_cpu_us_per_req"] = median(r.get("redis_cpu_us_per_req") for r in tr)
             d["script_calls_per_req"] = median(r.get("script_calls_per_req") for r in tr)
             d["redis_script_usec_per_call"] = median(r.get("redis_script_usec_per_call") for r in tr)
+            d["redis_net_bytes_per_req"] = median(r.get("redis_net_bytes_per_req") for r in tr)
             # Every Redis command per request, the ones scripts run inside included.
             cmds = sorted({c for r in tr for c in r.get("redis_calls", {})})
             d["redis_commands_per_req"] = {
                 c: round(median(r.get("redis_calls", {}).get(c, 0) / max(r["requests"], 1) for r in tr), 4)
                 for c in cmds}
+            nodes = [r["redis_nodes_cpu_us_per_req"] for r in tr if "redis_nodes_cpu_us_per_req" in r]
+            if nodes:
+                d["redis_nodes_cpu_us_per_req"] = [median(x[i] for x in nodes) for i in range(len(nodes[0]))]
+                calls = [r["redis_nodes_script_calls_per_req"] for r in tr]
+                d["redis_nodes_script_calls_per_req"] = [median(x[i] for x in calls) for i in range(len(calls[0]))]
+            mem = [r["redis_memory"] for r in tr if r.get("redis_memory")]
+            if mem:
+                d["redis_memory"] = {
+                    "keys_max": max(m["keys"] for m in mem),
+                    "memory_usage_bytes_per_key": median(m["memory_usage_bytes_per_key"] for m in mem),
+                    "used_memory_growth_per_key": median(m["used_memory_growth_per_key"] for m in mem),
+                }
+        if any(r.get("share_429") is not None for r in tr):
+            d["clients"] = max(r.get("clients", 0) for r in tr)
+            d["share_429"] = median(r.get("share_429") for r in tr)
         statuses: dict = {}
         for r in lr:
             for k, v in r["status"].items():
@@ -61,7 +83,18 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
         g = s["targets"]["gateway_redis"]
         s["redis"] = {"cpu_us_per_req": g["redis_cpu_us_per_req"], "script_calls_per_req": g["script_calls_per_req"],
                       "script_usec_per_call": g["redis_script_usec_per_call"],
-                      "commands_per_req": g["redis_commands_per_req"]}
+                      "commands_per_req": g["redis_commands_per_req"],
+                      "net_bytes_per_req": g["redis_net_bytes_per_req"], **redis_memory_figures(g)}
+    if "gateway_redis_cluster" in s["targets"]:
+        g = s["targets"]["gateway_redis_cluster"]
+        s["redis_cluster"] = {"nodes": CLUSTER_NODES, "cpu_us_per_req": g["redis_cpu_us_per_req"],
+                              "script_calls_per_req": g["script_calls_per_req"],
+                              "script_usec_per_call": g["redis_script_usec_per_call"],
+                              "commands_per_req": g["redis_commands_per_req"],
+                              "net_bytes_per_req": g["redis_net_bytes_per_req"],
+                              "nodes_cpu_us_per_req": g.get("redis_nodes_cpu_us_per_req"),
+                              "nodes_script_calls_per_req": g.get("redis_nodes_script_calls_per_req"),
+                              **redis_memory_figures(g)}
     if "gateway_redis_denied" in s["targets"]:
         g = s["targets"]["gateway_redis_denied"]
         s.setdefault("redis", {})["denied_cpu_us_per_req"] = g["redis_cpu_us_per_req"]
@@ -73,6 +106,13 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
     if any(t in s["targets"] for t in TLS_TARGETS):
         s["tls"] = compute_tls(s["targets"], extra.get("tls_negotiated", {}))
     return s
+
+
+def redis_memory_figures(d: dict) -> dict:
+    """A Redis target's bytes per bucket (key), for summary.json's redis and redis_cluster."""
+    m = d.get("redis_memory") or {}
+    return {"memory_usage_bytes_per_key": m.get("memory_usage_bytes_per_key"),
+            "used_memory_growth_per_key": m.get("used_memory_growth_per_key"), "keys_max": m.get("keys_max")}
 
 
 def compute_tls(T: dict, negotiated: dict) -> dict:
@@ -126,6 +166,10 @@ def compute_checks(s: dict) -> list[dict]:
         "denied_script_calls_per_req": get("gateway_redis_denied", "script_calls_per_req"),
         "redis_cpu_us_per_decision": get("gateway_redis", "redis_cpu_us_per_req"),
         "off_vs_nginx_cpu": ratio(get("gateway_off", "cpu_us_per_req"), get("nginx_limit_req", "cpu_us_per_req")),
+        "cluster_vs_standalone_redis_cpu": ratio(get("gateway_redis_cluster", "redis_cpu_us_per_req"),
+                                                 get("gateway_redis", "redis_cpu_us_per_req")),
+        "cluster_vs_standalone_gateway_cpu": ratio(get("gateway_redis_cluster", "cpu_us_per_req"),
+                                                   get("gateway_redis", "cpu_us_per_req")),
     }
     checks = list(CHECKS)
     mem = s.get("memory")

@@ -23,17 +23,27 @@ TARGETS = [
     "gateway_off",
     "gateway_local",
     "gateway_redis",
+    "gateway_redis_cluster",
     "gateway_redis_denied",
     "gateway_tls",
     "nginx_tls",
 ]
 GATEWAY_TARGETS = [t for t in TARGETS if t.startswith("gateway_")]
-REDIS_TARGETS = ["gateway_redis", "gateway_redis_denied"]
-LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_denied"]
+REDIS_TARGETS = ["gateway_redis", "gateway_redis_cluster", "gateway_redis_denied"]
+# On the Redis Cluster (three masters) rather than the one standalone Redis.
+CLUSTER_TARGETS = ["gateway_redis_cluster"]
+CLUSTER_NODES = 3
+LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster", "gateway_redis_denied"]
+# With --clients N, these are sent traffic from N clients (wrk-clients.lua);
+# the others keep one client (the denied target's point is one client over).
+MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster"]
 NGINX_TARGETS = ["nginx_limit_req", "nginx_tls"]
 TLS_TARGETS = ["gateway_tls", "nginx_tls"]
 API_KEY = "bench-key-0001"
 PATH = "/api/bench"
+# Many-clients mode: the clients over their limit ask for this path, whose
+# route allows each client one request (gateway.tiers.toml's bench-over route).
+OVER_PATH = "/api/over"
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 
 
@@ -49,7 +59,6 @@ def warn(msg: str, warnings: list | None = None) -> None:
 
 class BenchError(Exception):
     pass
-
 
 
 def median(xs):

@@ -14,7 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import CLK_TCK, HERE, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS, TLS_TARGETS, BenchError, log, warn
+from common import (CLK_TCK, HERE, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS,
+                    TLS_TARGETS, BenchError, log, warn)
 from targets import Targets, free_ports, http_get, wait_until
 
 # --- /proc and Redis counters -----------------------------------------------------------
@@ -77,6 +78,23 @@ def gateway_metrics(admin: str) -> dict:
     return out
 
 
+NET_KEYS = ("total_net_input_bytes", "total_net_output_bytes")
+
+
+def merge_info(infos: list[dict]) -> dict:
+    """Several Redis nodes' INFO as one: CPU and command counters summed."""
+    if len(infos) == 1:
+        return infos[0]
+    cmd: dict = {}
+    for i in infos:
+        for c, v in i["cmd"].items():
+            t = cmd.setdefault(c, {"calls": 0, "usec": 0})
+            t["calls"] += v["calls"]
+            t["usec"] += v["usec"]
+    return {"cmd": cmd, "cpu": sum(i["cpu"] for i in infos),
+            **{k: str(sum(int(i.get(k, 0)) for i in infos)) for k in NET_KEYS}}
+
+
 def delta_counts(a: dict, b: dict) -> dict:
     keys = set(a) | set(b)
     return {k: int(b.get(k, 0) - a.get(k, 0)) for k in sorted(keys) if b.get(k, 0) - a.get(k, 0)}
@@ -102,8 +120,12 @@ class Meter:
         s["pids"] = pids
         s["proxy"] = sum(cpu_ticks(p) for p in pids)
         s["upstream"] = cpu_ticks(self.tg.mock_proc.pid)
-        if self.tg.redis is not None:
-            s["redis"] = self.tg.redis.info()
+        nodes = self.tg.redis_nodes(target)
+        if nodes:
+            infos = [r.info() for r in nodes]
+            s["redis"] = merge_info(infos)
+            if len(infos) > 1:
+                s["redis_nodes"] = infos
         if "admin" in info:
             s["metrics"] = gateway_metrics(info["admin"])
         return s
@@ -137,6 +159,17 @@ class Meter:
             usec = sum(re_["cmd"].get(c, {"usec": 0})["usec"] - rb["cmd"].get(c, {"usec": 0})["usec"]
                        for c in SCRIPT_COMMANDS)
             r["redis_script_usec_per_call"] = usec / script if script else None
+            # Bytes on the wire to and from Redis (clients, not the cluster bus).
+            r["redis_net_bytes_per_req"] = sum(int(re_.get(k, 0)) - int(rb.get(k, 0)) for k in NET_KEYS) / n
+        if "redis_nodes" in b:
+            # Each node's share: a hot key (one bucket every request touches)
+            # loads one node more than the others.
+            r["redis_nodes_cpu_us_per_req"] = [(y["cpu"] - x["cpu"]) * 1e6 / n
+                                               for x, y in zip(b["redis_nodes"], e["redis_nodes"])]
+            r["redis_nodes_script_calls_per_req"] = [
+                sum(y["cmd"].get(c, {"calls": 0})["calls"] - x["cmd"].get(c, {"calls": 0})["calls"]
+                    for c in SCRIPT_COMMANDS) / n
+                for x, y in zip(b["redis_nodes"], e["redis_nodes"])]
         if "metrics" in b:
             mb, me = b["metrics"], e["metrics"]
             r["gateway_status"] = delta_counts(mb["status"], me["status"])
@@ -174,14 +207,24 @@ class Meter:
                 p.returncode = -9
             raise
 
+    def many_clients(self, target: str) -> bool:
+        """Whether the target is sent --clients N clients (wrk-clients.lua) rather than one."""
+        return bool(self.a.clients) and target in MANY_CLIENTS_TARGETS
+
     def wrk_argv(self, target: str, secs: float, json_path: Path | None) -> tuple[list[str], dict]:
         info = self.tg.t[target]
+        many = self.many_clients(target)
+        script = HERE / ("wrk-clients.lua" if many else "wrk-summary.lua")
         argv = ["wrk", "-t", str(self.a.wrk_threads), "-c", str(self.a.connections), "-d", f"{secs:g}s",
-                "--timeout", "5s", "-s", str(HERE / "wrk-summary.lua")]
+                "--timeout", "5s", "-s", str(script)]
         for k, v in info["headers"].items():
             argv += ["-H", f"{k}: {v}"]
         argv.append(info["url"])
         env = dict(os.environ, WRK_JSON=str(json_path) if json_path else "/dev/null")
+        if many:
+            env.update(WRK_SUMMARY_LUA=str(HERE / "wrk-summary.lua"), CLIENTS_N=str(self.a.clients),
+                       CLIENTS_ZIPF=f"{self.a.zipf:g}", CLIENTS_OVER_PCT=f"{self.a.over:g}", CLIENTS_PATH=PATH,
+                       CLIENTS_OVER_PATH=OVER_PATH)
         return argv, env
 
     def throughput(self, target: str, tag: str) -> dict:
@@ -203,8 +246,33 @@ class Meter:
              "wrk_latency_ms": {k: v / 1000 for k, v in w["latency_us"].items()}}
         r.update(self.diff(target, b, e, w["requests"], e["wall"] - b["wall"], lg_ticks))
         r["loadgen_cpu_cores"] = lg_ticks / CLK_TCK / (e["wall"] - b["wall"])
+        if self.many_clients(target):
+            r["clients"] = self.a.clients
         self.check_statuses(target, "wrk", r, w)
+        if self.tg.redis_nodes(target) and target in REDIS_TARGETS:
+            r["redis_memory"] = self.redis_memory(target)
         return r
+
+    def redis_memory(self, target: str, samples: int = 100) -> dict:
+        """Bytes per bucket in Redis, right after a window (token buckets expire
+        once full, so later most would be gone): MEMORY USAGE of up to
+        `samples` random keys of the target's, and, with many keys, the growth
+        of used_memory since the server started over the keys it holds now."""
+        prefix = f"bench-{target}:"
+        keys = used = 0
+        sizes: list[int] = []
+        for r in self.tg.redis_nodes(target):
+            info = r.info()
+            used += int(info.get("used_memory", 0)) - self.tg.used_memory_start.get(r.port, 0)
+            keys += sum(int(m.group(1)) for m in re.finditer(r"keys=(\d+)", " ".join(
+                v for k, v in info.items() if isinstance(v, str) and k.startswith("db"))))
+            names = [k for k in r.pipe(["RANDOMKEY"] * samples) if k.startswith(prefix) and "replicas" not in k]
+            names = sorted(set(names))
+            if names:
+                sizes += [int(x) for x in r.pipe([f"MEMORY USAGE {k} SAMPLES 0" for k in names]) if x.isdigit()]
+        return {"keys": keys, "sampled": len(sizes),
+                "memory_usage_bytes_per_key": round(sum(sizes) / len(sizes), 1) if sizes else None,
+                "used_memory_growth_per_key": round(used / keys, 1) if keys >= 1000 else None}
 
     def fixed_rate(self, target: str, tag: str, rate: float) -> dict:
         a = self.a
@@ -238,10 +306,17 @@ class Meter:
     def check_statuses(self, target: str, tool: str, r: dict, raw: dict) -> None:
         want = "429" if target == "gateway_redis_denied" else "200"
         odd = []
+        # --clients: the clients over their limit are answered 429, by design.
+        mixed = tool == "wrk" and self.many_clients(target)
+        full = r.get("gateway_status")
+        if mixed and full is not None:
+            served = sum(v for k, v in full.items() if k in ("200", "429"))
+            r["share_429"] = round(full.get("429", 0) / served, 4) if served else None
+            r["gateway_status"] = {k: v for k, v in full.items() if k != "429"}
         if tool == "wrk":
             errs = dict(raw["errors"])
             non2xx = errs.pop("status", 0)
-            if want == "200" and non2xx:
+            if want == "200" and non2xx and not mixed:
                 odd.append(f"{non2xx} non-2xx responses (wrk)")
             if want == "429" and non2xx != raw["requests"]:
                 odd.append(f"{raw['requests'] - non2xx} of {raw['requests']} responses were 2xx/3xx, not 429 (wrk)")
@@ -269,6 +344,8 @@ class Meter:
                 r["aborted_at_wrk_stop"] = aborted
             elif others:
                 odd.append(f"gateway /metrics counted statuses other than {want}: {others}")
+        if mixed and full is not None:
+            r["gateway_status"] = full
         for o in odd:
             warn(f"{target}: {o}", self.warnings)
         if odd:

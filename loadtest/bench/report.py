@@ -50,7 +50,9 @@ def markdown(s: dict) -> str:
     L.append("")
     L.append(f"Machine: {m['nproc']} × {m['cpu_model']}, Linux {m['kernel']}, {m['mem_gib']} GiB; "
              f"{m['nginx']}; {m['wrk']}; {m['redis'].split(' sha=')[0]}; {m['gateway']} "
-             f"(commit {m['git_commit']}{', dirty tree' if m['git_dirty'] else ''}, binary built {m['gateway_binary_built']}).")
+             f"(commit {m['git_commit']}{', dirty tree' if m['git_dirty'] else ''}, binary built {m['gateway_binary_built']}"
+             + (f"; the gateway measured: `{m['gateway_binary']}`, {m['gateway_note']}" if m.get("gateway_note") else "")
+             + ").")
     L.append("")
     L.append("| target | max rps | proxy CPU µs/req | upstream CPU µs/req | p50 ms | p99 ms | Redis CPU µs/req | script calls/req | other load % |")
     L.append("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
@@ -68,6 +70,8 @@ def markdown(s: dict) -> str:
                  + (f", {fmt(rd['script_usec_per_call'], 2)} µs inside the script per call" if rd.get('script_usec_per_call') else "")
                  + (f"; commands per request (those a script runs included): {cmds}" if cmds else "") + ".")
         L.append("")
+    L += cluster_md(s)
+    L += clients_md(s)
     L.append("*proxy CPU*: the proxy's processes (for `direct`, the upstream itself) from `/proc/PID/stat` over the "
              "max-throughput window, per request. *other load*: CPU used meanwhile by processes this benchmark did "
              "not start, in % of one core (noise; kernel threads and processes that came and went inside a window are not "
@@ -89,6 +93,61 @@ def markdown(s: dict) -> str:
         L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | {res} |")
     L += memory_md(s)
     return "\n".join(L) + "\n"
+
+
+def cluster_md(s: dict) -> list[str]:
+    """gateway_redis_cluster beside gateway_redis (#17): the side-by-side table."""
+    T, rc = s["targets"], s.get("redis_cluster")
+    if not rc or "gateway_redis" not in T:
+        return []
+    a, b = T["gateway_redis"], T["gateway_redis_cluster"]
+
+    def ratio(x, y):
+        return fmt(x / y, 2) + "×" if x is not None and y else "n/a"
+
+    def nodes(xs, nd):
+        return " + ".join(fmt(x, nd) for x in xs) if xs else ""
+
+    rows = [
+        ("max rps", fmt(a["rps"], 0), fmt(b["rps"], 0), ratio(b["rps"], a["rps"])),
+        ("gateway CPU µs/req", fmt(a["cpu_us_per_req"], 1), fmt(b["cpu_us_per_req"], 1),
+         ratio(b["cpu_us_per_req"], a["cpu_us_per_req"])),
+        (f"Redis CPU µs/req (cluster: summed over {rc['nodes']} nodes)", fmt(a["redis_cpu_us_per_req"], 2),
+         f"{fmt(b['redis_cpu_us_per_req'], 2)} ({nodes(rc.get('nodes_cpu_us_per_req'), 1)})",
+         ratio(b["redis_cpu_us_per_req"], a["redis_cpu_us_per_req"])),
+        ("script calls/req (cluster: summed over nodes)", fmt(a["script_calls_per_req"], 3),
+         f"{fmt(b['script_calls_per_req'], 3)} ({nodes(rc.get('nodes_script_calls_per_req'), 3)})",
+         ratio(b["script_calls_per_req"], a["script_calls_per_req"])),
+        ("µs inside the script per call", fmt(a.get("redis_script_usec_per_call"), 2),
+         fmt(b.get("redis_script_usec_per_call"), 2), ""),
+        ("p50 / p99 ms at the fixed rate", f"{fmt(a['p50_ms'], 3)} / {fmt(a['p99_ms'], 3)}",
+         f"{fmt(b['p50_ms'], 3)} / {fmt(b['p99_ms'], 3)}", ""),
+        ("Redis bytes per bucket (MEMORY USAGE)", fmt((s.get("redis") or {}).get("memory_usage_bytes_per_key"), 0),
+         fmt(rc.get("memory_usage_bytes_per_key"), 0), ""),
+    ]
+    if a.get("share_429") is not None or b.get("share_429") is not None:
+        rows.append(("share answered 429 (clients over their limit)", fmt(100 * (a.get("share_429") or 0), 1) + " %",
+                     fmt(100 * (b.get("share_429") or 0), 1) + " %", ""))
+    cmds = ", ".join(f"{k} {v:g}" for k, v in (rc.get("commands_per_req") or {}).items())
+    L = [f"Redis Cluster ({rc['nodes']} masters, no replicas) beside the standalone Redis, same rounds (#17):", "",
+         "| | `gateway_redis` | `gateway_redis_cluster` | cluster / standalone |", "|---|--:|--:|--:|"]
+    L += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
+    L += ["", f"Commands per request on the cluster, summed over its nodes (those a script runs included): {cmds}.", ""]
+    return L
+
+
+def clients_md(s: dict) -> list[str]:
+    """The many-clients mode's line: who sent the max-throughput windows."""
+    c = (s.get("run") or {}).get("clients")
+    if not c:
+        return []
+    shares = ", ".join(f"`{t}` {fmt(100 * s['targets'][t]['share_429'], 1)} %" for t in c["targets"]
+                       if s["targets"].get(t, {}).get("share_429") is not None)
+    return [f"Many clients (`--clients {c['n']} --zipf {c['zipf']:g} --over {c['over_pct']:g}`): in the max-throughput "
+            f"windows of {', '.join(f'`{t}`' for t in c['targets'])}, every request came from one of {c['n']:,} clients "
+            f"(X-Forwarded-For from trusted 127.0.0.1), the client of rank r sending in proportion to 1/r^{c['zipf']:g}; "
+            f"{c['over_pct']:g} % of the clients are over their limit (answered 429 after their first request). "
+            f"Share answered 429: {shares or 'n/a'}. The fixed-rate (latency) windows keep one client.", ""]
 
 
 def tls_md(s: dict) -> list[str]:
@@ -141,7 +200,7 @@ def chart(s: dict, path: Path) -> None:
     names = list(T)
     x = range(len(names))
     colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e",
-              "nginx_tls": "#98df8a", "gateway_tls": "#9467bd"}
+              "nginx_tls": "#98df8a", "gateway_tls": "#9467bd", "gateway_redis_cluster": "#17becf"}
     col = [colors.get(n, "#1f77b4") for n in names]
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
 
@@ -158,7 +217,8 @@ def chart(s: dict, path: Path) -> None:
     cpu = [T[n]["cpu_us_per_req"] or 0 for n in names]
     red = [(T[n].get("redis_cpu_us_per_req") or 0) if n in REDIS_TARGETS else 0 for n in names]
     ax.bar(x, cpu, color=col, label="proxy process")
-    ax.bar(x, red, bottom=cpu, color="#d62728", label="Redis")
+    ax.bar(x, red, bottom=cpu, color="#d62728", label="Redis (cluster: summed over its nodes)"
+           if "gateway_redis_cluster" in T else "Redis")
     for i in x:
         ax.text(i, cpu[i] + red[i], f"{cpu[i] + red[i]:.1f}", ha="center", va="bottom", fontsize=8)
     # Room for the labels: a zero-height Redis bar on top of the tallest bar

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -20,8 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import (API_KEY, BARE, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS, MOCK, NGINX_TARGETS, PATH,
-                    REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
+from common import (API_KEY, BARE, CLUSTER_NODES, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS,
+                    MOCK, NGINX_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
 
 # --- processes ------------------------------------------------------------------
 
@@ -37,6 +38,31 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+    return ports
+
+
+def cluster_ports(n: int) -> list[int]:
+    """Free ports for Redis Cluster nodes: each at most 55535, its cluster bus
+    (the port + 10000) free too. Below the usual ephemeral range (32768+) as
+    far as possible, so no outgoing connection takes one meanwhile."""
+    rng = random.Random(os.getpid())
+    ports: list[int] = []
+    while len(ports) < n:
+        p = rng.randrange(20000, 32000)
+        if p in ports:
+            continue
+        socks = []
+        try:
+            for q in (p, p + 10000):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            ports.append(p)
+        except OSError:
+            pass
+        finally:
+            for s in socks:
+                s.close()
     return ports
 
 
@@ -168,6 +194,7 @@ def children_of(pid: int) -> list[int]:
 class Redis:
     def __init__(self, port: int) -> None:
         self.port = port
+        self.proc: subprocess.Popen | None = None  # a cluster node's process
 
     def cmd(self, *args: str) -> str:
         out = subprocess.run(
@@ -192,6 +219,14 @@ class Redis:
         d["cpu"] = float(d.get("used_cpu_sys", 0)) + float(d.get("used_cpu_user", 0))
         return d
 
+    def pipe(self, commands: list[str]) -> list[str]:
+        """Many commands over one connection (redis-cli reading stdin): one answer line each."""
+        out = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(self.port)], input="\n".join(commands) + "\n",
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise BenchError(f"redis-cli (pipe of {len(commands)}): {out.stderr.strip()}")
+        return out.stdout.splitlines()
+
 
 
 # --- the servers --------------------------------------------------------------------------
@@ -211,6 +246,8 @@ class Targets:
         self.tls_client: ssl.SSLContext | None = None  # trusts that CA
         self.redis: Redis | None = None
         self.redis_proc = None
+        self.cluster: list[Redis] = []  # the Redis Cluster's masters, for CLUSTER_TARGETS
+        self.used_memory_start: dict[int, int] = {}  # port -> used_memory before any gateway ran
         self.mock_proc = None
         self.our_pids: list[int] = []
         # Copies of the binaries, taken at the start: a rebuild during the run
@@ -219,7 +256,8 @@ class Targets:
         self.gateway = out / "bin" / "gateway"
         self.mock = out / "bin" / "mock-upstream"
         self.bare = out / "bin" / "bare_proxy"
-        shutil.copy2(GATEWAY, self.gateway)
+        self.gateway_source = Path(args.gateway_bin).resolve() if getattr(args, "gateway_bin", None) else GATEWAY
+        shutil.copy2(self.gateway_source, self.gateway)
         shutil.copy2(MOCK, self.mock)
         if "pingora_bare" in targets:
             shutil.copy2(BARE, self.bare)
@@ -243,7 +281,7 @@ class Targets:
         self.mock_port = next(ports)
         upstream = f"127.0.0.1:{self.mock_port}"
 
-        if any(t in REDIS_TARGETS for t in targets):
+        if any(t in REDIS_TARGETS and t not in CLUSTER_TARGETS for t in targets):
             rl = logs / "redis.log"
             self.redis_proc = self.procs.start(
                 "redis",
@@ -254,6 +292,11 @@ class Targets:
             self.redis = Redis(self.redis_port)
             wait_until("redis-server", lambda: self.redis.cmd("PING").strip() == "PONG", 10, self.redis_proc, rl)
             self.our_pids.append(self.redis_proc.pid)
+
+        if any(t in CLUSTER_TARGETS for t in targets):
+            self.start_cluster(cluster_ports(CLUSTER_NODES))
+        for r in ([self.redis] if self.redis else []) + self.cluster:
+            self.used_memory_start[r.port] = int(r.info().get("used_memory", 0))
 
         ml = logs / "mock-upstream.log"
         self.mock_proc = self.procs.start(
@@ -293,6 +336,22 @@ class Targets:
             "probe_interval_ms = 250\n"
             'key_prefix = "@@PREFIX@@"'
         )
+        cluster_section = (
+            "[redis]\n"
+            'mode = "cluster"\n'
+            "urls = [" + ", ".join(f'"redis://127.0.0.1:{r.port}"' for r in self.cluster) + "]\n"
+            "timeout_ms = 15\n"
+            "probe_interval_ms = 250\n"
+            'key_prefix = "@@PREFIX@@"'
+        )
+        many = bool(a.clients)
+        over_route = (
+            "[[routes]]\n"
+            'name = "bench-over"\n'
+            f'path_prefix = "{OVER_PATH}"\n'
+            'upstream = "mock"\n'
+            'limit = { algorithm = "token_bucket", capacity = 1, refill_per_sec = 0.000001, scope = "client" }\n'
+        )
         for t in [t for t in targets if t in GATEWAY_TARGETS]:
             port, admin_port = next(ports), next(ports)
             subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
@@ -307,11 +366,17 @@ class Targets:
             else:
                 backend = "local" if t == "gateway_local" else "redis"
                 denied = t == "gateway_redis_denied"
+                section = cluster_section if t in CLUSTER_TARGETS else redis_section
                 self.render(
                     "gateway.tiers.toml", dest, **subs, BACKEND=backend, API_KEY=API_KEY,
-                    REDIS_SECTION=redis_section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
+                    REDIS_SECTION=section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
                     ROUTE_CAPACITY=1 if denied else 1000000000,
-                    ROUTE_REFILL="0.000001" if denied else 1000000000,
+                    ROUTE_REFILL="0.000001" if denied else ("0.01" if many else 1000000000),
+                    CLIENT_REFILL="0.01" if many else 1000000000,
+                    OVER_PATH=OVER_PATH,
+                    TRUSTED_PROXIES='trusted_proxies = ["127.0.0.1/32"]   # --clients: wrk plays the load balancer'
+                    if many else "# one client: no trusted proxy",
+                    OVER_ROUTE=over_route if many else "",
                 )
             chk = subprocess.run([str(self.gateway), "check", "-c", str(dest)], capture_output=True, text=True)
             (logs / f"{t}-check.txt").write_text(chk.stdout + chk.stderr)
@@ -337,6 +402,42 @@ class Targets:
                 return st == 200 and j.get("ready") and j.get("backend") == want
 
             wait_until(f"{t} (/readyz backend {want})", ready, 30, info["proc"], info["log"])
+
+    def start_cluster(self, ports: list[int]) -> None:
+        """A Redis Cluster of CLUSTER_NODES masters (no replicas) on 127.0.0.1,
+        made with redis-cli --cluster create as tests/support/topology.rs does."""
+        base = self.out / "redis-cluster"
+        for port in ports:
+            d = base / str(port)
+            d.mkdir(parents=True, exist_ok=True)
+            rl = self.out / "logs" / f"redis-cluster-{port}.log"
+            p = self.procs.start(
+                f"redis-cluster-{port}",
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--daemonize", "no", "--loglevel", "warning", "--dir", str(d), "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"],
+                rl,
+            )
+            r = Redis(port)
+            r.proc = p
+            wait_until(f"redis-server (cluster node {port})", lambda r=r: r.cmd("PING").strip() == "PONG", 10, p, rl)
+            self.cluster.append(r)
+            self.our_pids.append(p.pid)
+        out = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        (self.out / "logs" / "redis-cluster-create.txt").write_text(out.stdout + out.stderr)
+        if out.returncode != 0:
+            raise BenchError(f"redis-cli --cluster create failed (logs/redis-cluster-create.txt):\n{out.stdout[-2000:]}")
+        wait_until("the Redis Cluster (cluster_state:ok on every node)",
+                   lambda: all("cluster_state:ok" in r.cmd("CLUSTER", "INFO") for r in self.cluster), 30)
+        log(f"Redis Cluster up: {CLUSTER_NODES} masters on ports {', '.join(map(str, ports))}")
+
+    def redis_nodes(self, target: str) -> list[Redis]:
+        """The Redis servers a target's limiter uses (none for the others):
+        the cluster's masters or the standalone Redis."""
+        if target in CLUSTER_TARGETS:
+            return list(self.cluster)
+        return [self.redis] if self.redis is not None else []
 
     def start_nginx(self, t: str, port: int, upstream: str) -> None:
         """One nginx (master + workers) for nginx_limit_req or nginx_tls, from nginx.conf."""
