@@ -45,6 +45,11 @@ if [ -x scripts/check_deploy.sh ]; then
   scripts/check_deploy.sh target/release/gateway
 fi
 
+if [ -x scripts/image.sh ]; then
+  step "container image (scripts/image.sh: build the Dockerfile with buildah, run it as uid 65532, read-only)"
+  scripts/image.sh
+fi
+
 if [ -x loadtest/surge.sh ]; then
   step "surge load test (smoke)"
   loadtest/surge.sh --smoke
