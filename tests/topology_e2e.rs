@@ -224,3 +224,64 @@ fn sentinel_failover_is_followed() {
         "the promoted replica now runs the limiter"
     );
 }
+
+/// A route whose one global bucket's slot is moved to another master while
+/// requests flow: through MIGRATING/IMPORTING (the key reached by ASK once
+/// moved) to the new owner, no limiter 5xx and never more admitted than the
+/// bucket allows (capacity + refill over the whole run: the bucket refills
+/// throughout, so admissions happen in every state of the move).
+#[test]
+fn cluster_slot_migrated_under_load() {
+    let cluster = ClusterGuard::start();
+    let up = UpstreamGuard::start();
+    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let (capacity, refill) = (50, 200.0);
+    let tiers = format!(
+        r#"
+[[routes]]
+name = "m"
+path_prefix = "/m"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {refill}, scope = "global" }}
+"#
+    );
+    let gw = GatewayGuard::start(&config(&redis, &up, &tiers));
+    let alg = ratelimit_gateway::config::Algorithm::TokenBucket {
+        capacity,
+        refill_per_sec: refill,
+    };
+    let key = ratelimit_gateway::limiter::keys::bucket_key("rl", "route", "m", &alg, "global");
+    let slot = ratelimit_gateway::limiter::slot(&key);
+    let from = cluster.owner(slot);
+    let to = *cluster
+        .masters()
+        .iter()
+        .find(|&&m| m != from)
+        .expect("another master");
+    let load = Load::start(vec![gw.addr], gw.admin, "/m", 2, 60);
+    std::thread::sleep(Duration::from_millis(300));
+    let fault = load.now();
+    cluster.migrate_slot(slot, to, Duration::from_millis(400));
+    let moved = load.now();
+    assert_eq!(cluster.owner(slot), to, "slot {slot} moved");
+    std::thread::sleep(Duration::from_millis(500));
+    let ran = load.now();
+    let r = load.stop();
+    r.print_figures("cluster-slot-migrated", fault, moved);
+    let bound = (capacity as f64 + refill * ran.as_secs_f64()).floor() as usize;
+    let during = r.count(|s| s.status == 200 && s.at >= fault && s.at <= moved);
+    let admitted = r.count(|s| s.status == 200);
+    let refused = r.count(|s| s.status == 429);
+    eprintln!(
+        "FIGURES cluster-slot-migrated: slot {slot} from node {from} to node {to}; {} requests in {:.2} s, {admitted} admitted (bound {bound} = {capacity} + {refill}/s), {during} of them during the move, {refused} refused, upstream {}",
+        r.count(|_| true),
+        ran.as_secs_f64(),
+        up.count("/m")
+    );
+    assert_eq!(r.server_errors(), 0);
+    assert_eq!(admitted + refused, r.count(|_| true), "only 200 and 429");
+    assert!(admitted <= bound, "{admitted} admitted, bound {bound}");
+    assert!(refused > 0, "the load must exceed the bound to test it");
+    assert!(during > 0, "admissions while the slot moved");
+    assert_eq!(up.count("/m"), admitted as u64);
+}

@@ -140,6 +140,80 @@ impl ClusterGuard {
     pub fn kill(&mut self, i: usize) {
         self.nodes[i] = None;
     }
+
+    /// The master serving `slot`: the one whose own line of CLUSTER NODES
+    /// lists it.
+    #[allow(dead_code)]
+    pub fn owner(&self, slot: u16) -> usize {
+        *self
+            .masters()
+            .iter()
+            .find(|&&i| {
+                let n = self.nodes[i].as_ref().expect("live master");
+                n.cmd(&["CLUSTER", "NODES"]).lines().any(|l| {
+                    l.contains("myself") && l.split(' ').skip(8).any(|r| in_range(r, slot))
+                })
+            })
+            .expect("an owner")
+    }
+
+    /// Moves `slot` from its master to master `to` as `redis-cli --cluster
+    /// reshard` does, key by key: IMPORTING/MIGRATING, MIGRATE, then the new
+    /// owner announced to every master. `pause` is spent in each of the
+    /// three states (keys on the source; some moved, reached by ASK; done).
+    #[allow(dead_code)]
+    pub fn migrate_slot(&self, slot: u16, to: usize, pause: Duration) {
+        let from = self.owner(slot);
+        assert_ne!(from, to, "slot {slot} already on node {to}");
+        let (src, dst) = (
+            self.nodes[from].as_ref().expect("source"),
+            self.nodes[to].as_ref().expect("target"),
+        );
+        let id = |n: &RedisGuard| n.cmd(&["CLUSTER", "MYID"]).trim().to_string();
+        let (src_id, dst_id) = (id(src), id(dst));
+        let s = slot.to_string();
+        assert!(dst
+            .cmd(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &src_id])
+            .contains("OK"));
+        assert!(src
+            .cmd(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &dst_id])
+            .contains("OK"));
+        std::thread::sleep(pause);
+        let port = dst.port.to_string();
+        loop {
+            let keys: Vec<String> = src
+                .cmd(&["CLUSTER", "GETKEYSINSLOT", &s, "100"])
+                .lines()
+                .map(str::to_string)
+                .filter(|k| !k.is_empty())
+                .collect();
+            if keys.is_empty() {
+                break;
+            }
+            let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            args.extend(keys.iter().map(String::as_str));
+            let out = src.cmd(&args);
+            assert!(
+                out.contains("OK") || out.contains("NOKEY"),
+                "MIGRATE: {out}"
+            );
+        }
+        std::thread::sleep(pause);
+        for i in self.masters() {
+            let n = self.nodes[i].as_ref().expect("master");
+            n.cmd(&["CLUSTER", "SETSLOT", &s, "NODE", &dst_id]);
+        }
+        std::thread::sleep(pause);
+    }
+}
+
+/// Whether a CLUSTER NODES slot field (`5`, `0-5460`) holds `slot`.
+fn in_range(field: &str, slot: u16) -> bool {
+    let (a, b) = field.split_once('-').unwrap_or((field, field));
+    match (a.parse::<u16>(), b.parse::<u16>()) {
+        (Ok(a), Ok(b)) => (a..=b).contains(&slot),
+        _ => false,
+    }
 }
 
 /// A sentinel process.
