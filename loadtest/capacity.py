@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A capacity plan from a benchmark run's measured constants.
 
-    loadtest/capacity.py SUMMARY.json [SUMMARY.json ...] [--md OUT.md]
+    loadtest/capacity.py SUMMARY.json [SUMMARY.json ...] [--md OUT.md] [--publish]
 
 Reads loadtest/bench.sh's summary.json (one run, or several: a figure found
 in a later file replaces the same figure from an earlier one, so a
@@ -9,7 +9,8 @@ many-clients run can follow a one-client run) and prints, for 10k, 100k and
 1M requests per second and 1M, 10M and 100M distinct clients: how many
 gateway cores, Redis Cluster nodes and how much Redis memory carry the load,
 and what saturates first. The same table as markdown goes to --md (default:
-capacity.md beside the last SUMMARY.json).
+capacity.md beside the last SUMMARY.json); --publish also puts it, with the
+command that made it, into BENCHMARKS.md between <!-- capacity:begin/end -->.
 
 Measured, from the run(s), each printed with where it came from:
   gateway CPU µs per request by path (gateway_off, gateway_local,
@@ -30,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # --- assumptions ----------------------------------------------------------------------------
 
@@ -236,6 +240,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="capacity.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("summaries", nargs="+", type=Path, help="summary.json of loadtest/bench.sh runs")
     ap.add_argument("--md", type=Path, help="where the markdown goes (default: capacity.md beside the last summary)")
+    ap.add_argument("--publish", action="store_true", help="also into BENCHMARKS.md, between its capacity markers")
     a = ap.parse_args()
     for p in a.summaries:
         if not p.exists():
@@ -249,6 +254,18 @@ def main() -> int:
     out = a.md or a.summaries[-1].parent / "capacity.md"
     out.write_text(md)
     print(f"\nwrote {out}", file=sys.stderr)
+    if a.publish:
+        rel = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)
+               for p in a.summaries]
+        body = f"```sh\nloadtest/capacity.py {' '.join(rel)}\n```\n\n" + md
+        bm = ROOT / "BENCHMARKS.md"
+        text = bm.read_text()
+        begin = "<!-- capacity:begin (written by loadtest/capacity.py --publish) -->"
+        block = f"{begin}\n{body}\n<!-- capacity:end -->"
+        pat = re.compile(r"<!-- capacity:begin.*?<!-- capacity:end -->", re.S)
+        text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
+        bm.write_text(text)
+        print(f"published into {bm}", file=sys.stderr)
     return 0
 
 

@@ -4,6 +4,7 @@
     bench.py run [options]          the benchmark: see loadtest/bench.sh --help
     bench.py report RUN_DIR         (re)write summary.md and chart.png from summary.json
     bench.py publish RUN_DIR        copy a run's table and chart into BENCHMARKS.md
+    bench.py publish-cluster RUN_DIR...  runs with gateway_redis_cluster into its section
 
 Every server it needs is started here, on 127.0.0.1 and free ports, and
 stopped by PID on exit: a Redis, the mock upstream, nginx (Debian's, in the
@@ -57,7 +58,7 @@ from common import (BARE, GATEWAY_TARGETS, LIMITED_TARGETS, MANY_CLIENTS_TARGETS
                     RESULTS, ROOT, TARGETS, log, warn)
 from common import BenchError, median
 from measure import Meter, busy_others, machine_info
-from report import publish, write_report
+from report import publish, publish_cluster, write_report
 from targets import Targets
 
 
@@ -267,6 +268,8 @@ def main() -> int:
     r.add_argument("--tools", required=True)
     rep = sub.add_parser("report")
     rep.add_argument("dir")
+    pc = sub.add_parser("publish-cluster")
+    pc.add_argument("dirs", nargs="+")
     pub = sub.add_parser("publish")
     pub.add_argument("dir")
     args = ap.parse_args()
@@ -274,6 +277,9 @@ def main() -> int:
     if args.cmd == "report":
         write_report(Path(args.dir))
         print((Path(args.dir) / "summary.md").read_text())
+        return 0
+    if args.cmd == "publish-cluster":
+        publish_cluster([Path(d).resolve() for d in args.dirs])
         return 0
     if args.cmd == "publish":
         publish(Path(args.dir).resolve())

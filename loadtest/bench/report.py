@@ -124,6 +124,12 @@ def cluster_md(s: dict) -> list[str]:
          f"{fmt(b['p50_ms'], 3)} / {fmt(b['p99_ms'], 3)}", ""),
         ("Redis bytes per bucket (MEMORY USAGE)", fmt((s.get("redis") or {}).get("memory_usage_bytes_per_key"), 0),
          fmt(rc.get("memory_usage_bytes_per_key"), 0), ""),
+        ("Redis bytes per bucket (used_memory growth / keys held)",
+         fmt((s.get("redis") or {}).get("used_memory_growth_per_key"), 0), fmt(rc.get("used_memory_growth_per_key"), 0),
+         ""),
+        ("bytes to and from Redis per request", fmt((s.get("redis") or {}).get("net_bytes_per_req"), 0),
+         fmt(rc.get("net_bytes_per_req"), 0), ratio(rc.get("net_bytes_per_req"),
+                                                    (s.get("redis") or {}).get("net_bytes_per_req"))),
     ]
     if a.get("share_429") is not None or b.get("share_429") is not None:
         rows.append(("share answered 429 (clients over their limit)", fmt(100 * (a.get("share_429") or 0), 1) + " %",
@@ -289,13 +295,65 @@ def write_report(out: Path) -> dict:
     return s
 
 
-def replace_block(text: str, name: str, body: str) -> str:
-    begin = f"<!-- {name}:begin (written by loadtest/bench.sh --publish) -->"
+def replace_block(text: str, name: str, body: str, by: str = "loadtest/bench.sh --publish") -> str:
+    begin = f"<!-- {name}:begin (written by {by}) -->"
     block = f"{begin}\n{body}\n<!-- {name}:end -->"
     pat = re.compile(rf"<!-- {name}:begin.*?<!-- {name}:end -->", re.S)
     if pat.search(text):
         return pat.sub(lambda _: block, text)
     return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def cluster_run_md(s: dict, chart_name: str) -> list[str]:
+    """One run's part of BENCHMARKS.md's Redis Cluster section."""
+    run, m, T = s["run"], s["machine"], s["targets"]
+    c = run.get("clients")
+    who = (f"{c['n']:,} clients, Zipf {c['zipf']:g}, {c['over_pct']:g} % over their limit (max-throughput windows)"
+           if c else "one client (127.0.0.1, one API key)")
+    binary = (f"; the gateway measured: {m['gateway_note']}" if m.get("gateway_note")
+              else f"; commit {m['git_commit']}{', dirty tree' if m['git_dirty'] else ''}")
+    L = [f"**Run `{run['dir']}`** ({run['mode']}: {run['rounds']} rounds of {run['duration_s']:g} s + "
+         f"{run['latency_duration_s']:g} s, alternating order; {who}; {m['gateway']}{binary}; "
+         f"binary built {m['gateway_binary_built']}; other load up to "
+         f"{max((d.get('other_cpu_pct') or 0) for d in T.values()):.0f} % of a core):", "",
+         "| target | max rps | proxy CPU µs/req | Redis CPU µs/req | script calls/req | other load % |",
+         "|---|--:|--:|--:|--:|--:|"]
+    for t, d in T.items():
+        L.append(f"| `{t}` | {fmt(d['rps'], 0)} | {fmt(d['cpu_us_per_req'], 1)} | "
+                 f"{fmt(d.get('redis_cpu_us_per_req'), 2) if t in REDIS_TARGETS else ''} | "
+                 f"{fmt(d.get('script_calls_per_req'), 3) if t in REDIS_TARGETS else ''} | "
+                 f"{fmt(d['other_cpu_pct'], 0)} |")
+    L.append("")
+    L += cluster_md(s)
+    L += clients_md(s)
+    for ch in s["checks"]:
+        if ch["key"].startswith("cluster_") and ch["value"] is not None:
+            L.append(f"- {ch['label']}: {fmt(ch['value'], 3)} (limit {ch['op']} {ch['limit']:g}): "
+                     f"{'**pass**' if ch['pass'] else '**FAIL**'}")
+    failovers = [w for w in s.get("warnings", []) if "failed over" in w]
+    if failovers:
+        L.append(f"- the limiter failed over to the local backend in {len(failovers)} windows (Redis slower than "
+                 f"`timeout_ms` = 15 on the loaded machine): those windows' Redis figures count some decisions "
+                 f"made locally")
+    L += ["", f"![{run['dir']}](loadtest/bench/{chart_name})", ""]
+    return L
+
+
+def publish_cluster(outs: list[Path]) -> None:
+    """Puts runs with gateway_redis_cluster into BENCHMARKS.md between
+    <!-- bench-cluster:begin/end -->; their charts go to loadtest/bench/."""
+    body: list[str] = []
+    for i, out in enumerate(outs):
+        s = write_report(out)
+        if "redis_cluster" not in s:
+            raise SystemExit(f"{out}: no gateway_redis_cluster in this run")
+        name = f"cluster-chart-{i + 1}.png"
+        shutil.copyfile(out / "chart.png", HERE / name)
+        body += cluster_run_md(s, name)
+    bm = ROOT / "BENCHMARKS.md"
+    bm.write_text(replace_block(bm.read_text(), "bench-cluster", "\n".join(body).rstrip("\n") + "\n",
+                                "loadtest/bench/bench.py publish-cluster"))
+    log(f"published {', '.join(o.name for o in outs)} into {bm} (Redis Cluster)")
 
 
 def publish(out: Path) -> None:
