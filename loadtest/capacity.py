@@ -91,7 +91,7 @@ def measured(paths: list[Path]) -> dict:
 
     for p in paths:
         s = json.loads(p.read_text())
-        name = p.parent.name or str(p)
+        name = Path((s.get("run") or {}).get("dir") or p.parent.name).name
         clients = (s.get("run") or {}).get("clients")
         tag = f"{name}" + (f", {clients['n']:,} clients" if clients else ", one client")
         T = s.get("targets", {})

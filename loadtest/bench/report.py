@@ -252,8 +252,11 @@ def chart(s: dict, path: Path) -> None:
         ax.set_xticklabels([n.replace("gateway_", "gw_") for n in names], rotation=30, ha="right", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     m = s["machine"]
-    fig.suptitle(f"loadtest/bench.sh {s['run']['mode']} — {m['nproc']} vCPU {m['cpu_model']}, {s['run']['started_at']}",
-                 fontsize=10)
+    c = s["run"].get("clients")
+    who = f", --clients {c['n']:,} (Zipf {c['zipf']:g}, {c['over_pct']:g} % over)" if c else ""
+    note = f", gateway: {m['gateway_note']}" if m.get("gateway_note") else ""
+    fig.suptitle(f"loadtest/bench.sh {s['run']['mode']}{who} — {m['nproc']} vCPU {m['cpu_model']}, "
+                 f"{s['run']['started_at']}{note}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
