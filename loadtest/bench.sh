@@ -57,8 +57,9 @@
 # logs and every raw wrk/fixedrate result.
 #
 #   (default)        3 rounds, 15 s max-throughput + 15 s fixed-rate windows,
-#                    then the memory step: about 16 minutes
-#   --quick          3 rounds of 5 s + 4 s windows, no memory step: under 5 minutes
+#                    then the memory step: about 20 minutes (all 10 targets)
+#   --quick          3 rounds of 5 s + 4 s windows, no memory step: about 6 minutes
+#                    (all 10 targets; each takes 3 × 12.4 s)
 #   --memory         add the memory step (the default outside --quick): a gateway
 #                    on the local backend with local_max_entries = 1,000,000 and
 #                    an ip tier is sent 1.2 million distinct clients (wrk naming
