@@ -35,7 +35,7 @@ root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd -- "$root"
 
 cache=${IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ratelimit-gateway/image}
-runroot=/run/ratelimit-gateway-image
+runroot=$cache/run
 tag=localhost/ratelimit-gateway:test
 mirror=${IMAGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${IMAGE_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
@@ -61,19 +61,19 @@ trap 'on_err "$LINENO" "$BASH_COMMAND" "$?"' ERR
 
 # --- cleanup ------------------------------------------------------------------
 
-work=$(mktemp -d /tmp/ratelimit-image.XXXXXX)
-chmod 755 "$work"
+work="" # made once this run holds the lock
 pids=()       # processes this script started, stopped by PID
 containers=() # buildah working containers this script made
 
-# Unmounts whatever is still mounted below a working container's root
-# (debootstrap's /proc when it failed half-way).
+# unmount_below: unmounts whatever is still mounted below a working
+# container's root (debootstrap's /proc when it failed half-way).
+# unmount_below all: every mount of the private storage too (the containers'
+# roots, overlay/ bind-mounted on itself), as after a reboot.
 unmount_below() {
   local dir
   [[ -d $cache/storage ]] || return 0
   { findmnt -rn -o TARGET | grep -F "$cache/storage/" || true; } | sort -r | while read -r dir; do
-    # Not the storage's own mounts (overlay/ is bind-mounted on itself).
-    if [[ $dir == */merged/* || $dir == "$cache/storage/vfs/dir/"*/* ]]; then
+    if [[ ${1:-} == all || $dir == */merged/* || $dir == "$cache/storage/vfs/dir/"*/* ]]; then
       umount -l -- "$dir" 2>/dev/null || true
     fi
   done
@@ -96,9 +96,10 @@ cleanup() {
   done
   unmount_below
   for c in "${containers[@]}"; do
-    bah rm "$c" >/dev/null 2>&1
+    [[ -z $c ]] || bah rm "$c" >/dev/null 2>&1
   done
-  rm -rf -- "$work"
+  unmount_below all
+  [[ -z $work ]] || rm -rf -- "$work"
   if ((rc != 0)); then
     echo "image.sh: failed after $((SECONDS - t0)) s (logs: $cache/logs)" >&2
   fi
@@ -150,13 +151,17 @@ say "  $(buildah --version)"
 
 # --- 2. private storage -------------------------------------------------------
 
-mkdir -p "$cache/logs" "$cache/storage" "$runroot"
+mkdir -p "$cache/logs" "$cache/storage"
 # One run at a time per cache (a second one waits).
 exec 9>"$cache/lock"
 if ! flock -n 9; then
   say "  another scripts/image.sh holds $cache/lock: waiting"
   flock -w 3600 9 || die "timed out waiting for $cache/lock"
 fi
+# Another run's scratch dir here was left by a run that was SIGKILLed.
+rm -rf /tmp/ratelimit-image.*
+work=$(mktemp -d /tmp/ratelimit-image.XXXXXX)
+chmod 755 "$work"
 
 # overlay when this filesystem supports it (much faster), vfs otherwise; kept
 # once chosen, since a storage root cannot change its driver.
@@ -197,9 +202,12 @@ bah() {
 }
 policy=(--signature-policy "$cache/policy.json")
 
-# Leftovers of an earlier run that was killed: every working container in this
-# private storage is this script's.
-unmount_below
+# Leftovers of an earlier run that was killed: nothing of this storage stays
+# mounted between runs, so its run state starts afresh (as after a reboot), and
+# every working container in it is this script's.
+unmount_below all
+rm -rf -- "$runroot"
+mkdir -p "$runroot"
 bah rm --all >/dev/null 2>&1 || true
 say "  storage: $cache/storage ($driver), runroot $runroot"
 
@@ -390,18 +398,35 @@ fi
 stage "buildah bud --layers (the Dockerfile as it is; log: $cache/logs/build.log)"
 build_log=$cache/logs/build.log
 : >"$build_log"
-# Shows STEP lines, whether each was cached, and a heartbeat every 30 s.
+# Shows each step that runs (a step taken from the layer cache is only
+# counted), a heartbeat every 30 s, and how many steps came from the cache.
 progress() {
-  local line="" buf="" last=$SECONDS crates=0 rc
+  local line="" buf="" last=$SECONDS crates=0 steps=0 cached=0 pending="" rc words
   while true; do
     if IFS= read -r -t 30 line; then
       line=$buf$line
       buf=""
       printf '%s\n' "$line" >>"$build_log"
       case $line in
-        STEP\ * | \[*\]\ STEP\ *) say "  ${line:0:110}" ;;
-        "--> Using cache "*) say "    (cached)" ;;
-        *" Compiling "*) crates=$((crates + 1)) ;;
+        STEP\ * | \[*\]\ STEP\ *)
+          [[ -z $pending ]] || say "  $pending"
+          pending=""
+          read -ra words <<<"$line" # squeezes the continuation lines' blanks
+          line="${words[*]}"
+          if [[ $line != *" FROM "* ]]; then
+            steps=$((steps + 1))
+            pending=${line:0:100}
+          fi
+          ;;
+        "--> Using cache "*)
+          [[ -z $pending ]] || cached=$((cached + 1))
+          pending=""
+          ;;
+        *)
+          [[ -z $pending ]] || say "  $pending"
+          pending=""
+          [[ $line != *" Compiling "* ]] || crates=$((crates + 1))
+          ;;
       esac
     else
       rc=$?
@@ -413,10 +438,13 @@ progress() {
       fi
     fi
     if ((SECONDS - last >= 30)); then
+      [[ -z $pending ]] || say "  $pending"
+      pending=""
       say "    ... building ($crates crates compiled so far)"
       last=$SECONDS
     fi
   done
+  say "  $cached of $steps steps from the layer cache"
 }
 build_start=$SECONDS
 if ! bah bud "${policy[@]}" --pull=never --layers --isolation chroot \
@@ -451,9 +479,10 @@ mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB", b / 1e6 }'; }
 # build's chain (the ids it printed) and the tagged image.
 keep=$(
   { grep -oE '^--> (Using cache )?[0-9a-f]{11,64}' "$build_log" || true; } | grep -oE '[0-9a-f]{11,64}$' || true
-  echo "$image_id"
-  bah inspect --type image --format '{{.FromImageID}}' "$runtime_base"
-  bah inspect --type image --format '{{.FromImageID}}' "$builder_base"
+  # (inspect prints no newline of its own)
+  printf '%s\n' "$image_id" \
+    "$(bah inspect --type image --format '{{.FromImageID}}' "$runtime_base")" \
+    "$(bah inspect --type image --format '{{.FromImageID}}' "$builder_base")"
 )
 stale=()
 while read -r id; do
@@ -463,7 +492,9 @@ while read -r id; do
   done
   [[ -n $used ]] || stale+=("$id")
 done < <(bah images --all --noheading --no-trunc --format '{{.ID}}' | sed 's/^sha256://' | sort -u)
-if ((${#stale[@]})); then
+if ! grep -qE '^--> ' "$build_log"; then
+  say "  warning: no layer ids in $build_log: the layer cache is not pruned"
+elif ((${#stale[@]})); then
   if bah rmi -f "${stale[@]}" >"$cache/logs/prune.log" 2>&1; then
     say "  dropped ${#stale[@]} stale cache images"
   else
