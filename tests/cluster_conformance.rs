@@ -21,7 +21,7 @@ struct Pair {
     clock: Arc<ManualClock>,
     local: LocalBackend,
     cluster: RedisBackend,
-    _nodes: ClusterGuard,
+    nodes: ClusterGuard,
 }
 
 impl Pair {
@@ -46,7 +46,7 @@ impl Pair {
             local: LocalBackend::new(100_000, clock.clone()),
             cluster,
             clock,
-            _nodes: nodes,
+            nodes,
         }
     }
 }
@@ -203,4 +203,52 @@ async fn a_rejection_in_one_slot_charges_no_tier_in_another() {
         let local = p.local.decide(checks).await.expect("local");
         assert_eq!(local.decisions, got.decisions);
     }
+}
+
+/// Once the slot map is read, a batch costs one call per node however many
+/// slots its buckets hash to: 30 requests over 9 buckets in 9 slots, on a
+/// 3-master cluster, are at most 3 script calls (not 9, and not 90).
+#[tokio::test]
+async fn a_batch_is_one_call_per_node() {
+    let p = Pair::new().await;
+    let clients: Vec<Vec<Check>> = (0..3)
+        .map(|c| {
+            vec![
+                check(
+                    Tier::Ip,
+                    "ip",
+                    tb(1_000_000, 1.0),
+                    &format!("ip:10.1.0.{c}"),
+                ),
+                check(Tier::Key, "pro", tb(1_000_000, 1.0), &format!("k:{c}")),
+                check(
+                    Tier::Route,
+                    "log",
+                    Algorithm::SlidingLog {
+                        limit: 1_000_000,
+                        window_secs: 60,
+                    },
+                    &format!("k:{c}"),
+                ),
+            ]
+        })
+        .collect();
+    let slots: std::collections::BTreeSet<u16> =
+        clients.iter().flatten().map(|c| slot(&c.key)).collect();
+    assert_eq!(slots.len(), 9, "nine buckets in nine slots");
+    let batch: Vec<&[Check]> = (0..30).map(|i| clients[i % 3].as_slice()).collect();
+    let mut calls = Vec::new();
+    let mut used = u64::MAX;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // The first batches may go slot by slot, until the map has been read.
+    while used > 3 && std::time::Instant::now() < deadline {
+        let before = p.nodes.evalsha_calls();
+        let got = p.cluster.decide_many(&batch).await.expect("batch");
+        assert!(got.iter().zip(&batch).all(|(v, c)| v.admitted(c)));
+        used = p.nodes.evalsha_calls() - before;
+        calls.push(used);
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(used <= 3, "script calls per batch: {calls:?}");
+    println!("FIGURES cluster-batch: 30 requests over 9 slots: script calls per batch {calls:?} (3 masters)");
 }

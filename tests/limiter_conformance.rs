@@ -574,7 +574,7 @@ fn malformed_calls_change_nothing() {
     // sliding log of 10 per 60 s); the shape names both; each request names
     // the shape. Valid, then broken one way at a time.
     let good = [
-        "2", "1", // requests, shapes
+        "2", "1", "0", // requests, shapes, buckets named beyond KEYS
         "1", "10", "5", "5", "10", "60", // the buckets
         "2", "1", "1", "2", "3", // the shape: two tiers, bucket 1 costing 1 and 2 costing 3
         "1", "1", // the requests
@@ -589,14 +589,16 @@ fn malformed_calls_change_nothing() {
     assert_eq!(server.dbsize(), 2, "the valid call wrote both buckets");
     server.cmd(&["FLUSHALL"]);
     let broken: &[(&str, usize, &str)] = &[
-        ("kind 3.5", 2, "3.5"),
-        ("capacity NaN", 3, "nan"),
-        ("negative shape length", 8, "-1"),
-        ("shape names bucket 3 of 2", 9, "3"),
-        ("cost 0", 10, "0"),
-        ("cost 2.5", 12, "2.5"),
-        ("request names shape 2 of 1", 14, "2"),
+        ("kind 3.5", 3, "3.5"),
+        ("capacity NaN", 4, "nan"),
+        ("negative shape length", 9, "-1"),
+        ("shape names bucket 3 of 2", 10, "3"),
+        ("cost 0", 11, "0"),
+        ("cost 2.5", 13, "2.5"),
+        ("request names shape 2 of 1", 15, "2"),
         ("requests counted as 1.5", 0, "1.5"),
+        ("more names beyond KEYS than arguments", 2, "99"),
+        ("names beyond KEYS counted as -1", 2, "-1"),
     ];
     for (what, at, value) in broken {
         let mut args = good.to_vec();

@@ -265,9 +265,17 @@ limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {
     let moved = load.now();
     assert_eq!(cluster.owner(slot), to, "slot {slot} moved");
     std::thread::sleep(Duration::from_millis(500));
-    let ran = load.now();
     let r = load.stop();
     r.print_figures("cluster-slot-migrated", fault, moved);
+    // Every decision fell between the first request's start and the last's end.
+    let first = r.samples.iter().map(|s| s.at).min().unwrap_or_default();
+    let last = r
+        .samples
+        .iter()
+        .map(|s| s.at + s.latency)
+        .max()
+        .unwrap_or_default();
+    let ran = last - first;
     let bound = (capacity as f64 + refill * ran.as_secs_f64()).floor() as usize;
     let during = r.count(|s| s.status == 200 && s.at >= fault && s.at <= moved);
     let admitted = r.count(|s| s.status == 200);

@@ -12,7 +12,14 @@ KEYS     the distinct buckets of the batch (built by keys.rs; never a secret)
 ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME
 ARGV[2]  m, the number of requests
 ARGV[3]  s, the number of request shapes
-then per bucket (KEYS[k], in order) three values:
+ARGV[4]  x, the number of further buckets named in ARGV[5 .. 4 + x]: in
+         Redis Cluster, KEYS may hold the names of one slot only, so a call
+         deciding the buckets of several slots of one node declares one and
+         names the rest here (Redis lets a script without flags reach keys
+         of other slots its node serves; a key the node does not serve is an
+         error before anything is written, as every bucket is read first)
+The buckets are KEYS then those names: bucket k is the kth of them.
+then per bucket (in order) three values:
          kind    1 token_bucket   p1 = capacity  p2 = refill per second
                  2 leaky_bucket   p1 = rate/s    p2 = max delay in ms
                  3 fixed_window   p1 = limit     p2 = window seconds
@@ -41,7 +48,7 @@ admits are the admitting tiers charged. A rejected request charges no tier.
 Worked example: one request, a token bucket of 20 at 10/s for its key and a
 fixed window of 10/min for the route, at now = 1700000000000000:
   EVALSHA <sha> 2 rl:key:free:tb-20-10:k:demo rl:route:zone-stats:fw-10-60:global
-          1700000000000000 1 1  1 20 10  3 10 60  2 1 1 2 1  1
+          1700000000000000 1 1 0  1 20 10  3 10 60  2 1 1 2 1  1
   -> 19 100000   9 40000000   1700000000000000
 (the bucket is full after 100 ms; the window ends 40 s later).
 
@@ -192,13 +199,22 @@ end
 
 -- The arguments are checked whole before anything is read or written, so a
 -- malformed call changes nothing.
-local nk = #KEYS
+local na = #ARGV
+local nx = tonum(ARGV[4])
+if nx == nil or nx ~= nx or nx % 1 ~= 0 or nx < 0 or nx > na - 4 then
+  return redis.error_reply('limiter.lua: expected the number of buckets named in ARGV (' .. #KEYS .. ' keys, ' .. na .. ' arguments)')
+end
+local names = KEYS
+if nx > 0 then
+  names = {unpack(KEYS)}
+  for i = 1, nx do names[#KEYS + i] = ARGV[4 + i] end
+end
+local nk = #names
 -- A count or an index: a whole number in range (tonumber also reads "nan",
 -- "inf" and hex; none of those is one).
 local function whole(x, lo, hi)
   return x ~= nil and x == x and x % 1 == 0 and x >= lo and x <= hi
 end
-local na = #ARGV
 local m, ns = tonum(ARGV[2]), tonum(ARGV[3])
 if not whole(m, 0, na) or not whole(ns, 0, na) then
   return bad('expected the numbers of requests and shapes')
@@ -208,7 +224,7 @@ end
 -- GCRA: emission interval, tolerance and size; windows: length in us.
 local kinds, p1s, ts, taus, lims, ws = {}, {}, {}, {}, {}, {}
 for k = 1, nk do
-  local b = 3 * k + 1
+  local b = 3 * k + 2 + nx
   local kind, p1, p2 = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2])
   if not whole(kind, 1, 5) or p1 == nil or p2 == nil or not (p1 > 0 and p1 < huge)
       or not (p2 >= 0 and p2 < huge) then
@@ -229,7 +245,7 @@ end
 -- each a bucket index, negative for a shadow tier, with its cost in costs[].
 local refs, costs, start, len, shape = {}, {}, {}, {}, {}
 do
-  local a, nrefs = 3 * nk + 4, 0
+  local a, nrefs = 3 * nk + 5 + nx, 0
   for q = 1, ns do
     local n = tonum(ARGV[a])
     if not whole(n, 0, (na - a) / 2) then return bad('arguments end inside shape ' .. q) end
@@ -256,7 +272,14 @@ end
 -- One read for every bucket of the batch; after that the batch works on
 -- `state` and writes each changed bucket once at the end.
 local state = {}
-if nk > 0 then
+if nx > 0 then
+  -- Several slots: one read per bucket (MGET cannot span slots); a log is
+  -- only checked to be here (its entries are read when it is decided).
+  for k = 1, nk do
+    if kinds[k] == 5 then call('EXISTS', names[k])
+    else state[k] = decode(kinds[k], call('GET', names[k])) end
+  end
+elseif nk > 0 then
   local raw = call('MGET', unpack(KEYS))
   for k = 1, nk do state[k] = decode(kinds[k], raw[k]) end
 end
@@ -283,7 +306,7 @@ for r = 1, m do
     elseif kind == 4 then
       ok, remaining, reset, delay, new, ttl = sliding_window(s, p1s[k], ws[k], now, c)
     else
-      ok, remaining, reset, delay, new, ttl = sliding_log(KEYS[k], p1s[k], ws[k], now, c)
+      ok, remaining, reset, delay, new, ttl = sliding_log(names[k], p1s[k], ws[k], now, c)
     end
     if not ok and not shadow then admit = false end
     t_key[i], t_ok[i], t_new[i], t_ttl[i], t_cost[i] = k, ok, new, ttl, c
@@ -301,7 +324,7 @@ for r = 1, m do
         local k = t_key[i]
         if kinds[k] == 5 then
           -- A log is written at once: the next request of the batch counts it.
-          local key, w, count = KEYS[k], t_ttl[i], t_new[i]
+          local key, w, count = names[k], t_ttl[i], t_new[i]
           call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - w))
           local at = format('%d', now)
           for e = 0, t_cost[i] - 1 do
@@ -323,7 +346,7 @@ end
 
 for j = 1, ndirty do
   local ki = dirty[j]
-  call('SET', KEYS[ki], encode(kinds[ki], state[ki]), 'PX', max(1, ceil(ttl_of[ki] / 1000)))
+  call('SET', names[ki], encode(kinds[ki], state[ki]), 'PX', max(1, ceil(ttl_of[ki] / 1000)))
 end
 out[no + 1] = now
 return out

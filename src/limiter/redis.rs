@@ -50,6 +50,9 @@ static HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
 const CHARGE_BATCH: usize = 200;
 
 mod admin;
+mod slots;
+
+use slots::SlotMap;
 
 #[derive(Clone)]
 enum Conn {
@@ -221,6 +224,11 @@ struct Inner {
     secrets: ArcSwap<Vec<String>>,
     /// Set when the password comes from a file that may be rotated.
     rotation: parking_lot::Mutex<Option<Rotation>>,
+    /// Cluster: which master serves each slot (`None`: not known yet, or
+    /// found wrong: batches are then decided slot by slot).
+    slot_map: Arc<ArcSwapOption<SlotMap>>,
+    /// Cluster: a read of the slot map is under way.
+    slot_map_reading: Arc<std::sync::atomic::AtomicBool>,
 }
 
 pub struct RedisBackend {
@@ -344,6 +352,8 @@ impl RedisBackend {
             single: ArcSwapOption::empty(),
             probe_single: ArcSwapOption::empty(),
             request_conn: ArcSwapOption::empty(),
+            slot_map: Arc::new(ArcSwapOption::empty()),
+            slot_map_reading: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
             charge: redis::Script::new(CHARGE_LUA),
@@ -743,38 +753,95 @@ impl Inner {
             .map_err(redis_err)
     }
 
-    /// Cluster mode: a batch split by hash slot. Each slot's share of every
-    /// request (its tiers whose buckets hash there) goes in one call to the
-    /// node that owns the slot, all slots' calls at once (one round trip of
-    /// wall time); within a call the shares are decided in order, all or
-    /// nothing, as `limiter.lua` does for standalone. A request is admitted
-    /// when every share admits; otherwise the shares that admitted are
-    /// refunded (`refund.lua`), so a rejected request charges no tier.
-    /// Between the two round trips the reserved quota is held: later
-    /// requests of the batch can see less quota, never more. A refund that
-    /// fails leaves the client charged. On any failed call the whole batch
-    /// fails (and falls back), its admitted shares refunded.
-    async fn decide_by_slot(
+    /// Cluster mode: a batch split by the node that serves each bucket
+    /// (when the slot map is known) and otherwise by hash slot. Each group's
+    /// share of every request (its tiers there) goes in one call, all
+    /// groups' calls at once (one round trip of wall time); within a call
+    /// the shares are decided in order, all or nothing, as `limiter.lua`
+    /// does for standalone. A request is admitted when every share admits;
+    /// otherwise the shares that admitted are refunded (`refund.lua`), so a
+    /// rejected request charges no tier. Between the two round trips the
+    /// reserved quota is held: later requests of the batch can see less
+    /// quota, never more. A refund that fails leaves the client charged. On
+    /// any failed call the whole batch fails, its admitted shares refunded;
+    /// when the map sent a call to a node that no longer serves a slot, the
+    /// batch is decided again slot by slot.
+    async fn decide_clustered(
         &self,
         conn: &Conn,
         requests: &[&[Check]],
     ) -> Result<Vec<Verdict>, LimiterError> {
-        // Per slot: its shares, each (request, the request's tiers there).
-        let mut slots: Vec<(u16, Vec<Share>)> = Vec::new();
-        // Per request and tier: (slot group, share, position in the share).
+        self.refresh_slot_map(conn, false);
+        if let Some(map) = self.slot_map.load_full() {
+            match self.decide_grouped(conn, requests, Some(&map)).await {
+                Err(e) if misplaced(&e) => {
+                    self.slot_map.store(None);
+                    self.refresh_slot_map(conn, true);
+                }
+                other => return other,
+            }
+        }
+        self.decide_grouped(conn, requests, None).await
+    }
+
+    /// Reads the slot map again when it is missing or old, in a task of
+    /// its own (never on a request's path); `force`: now.
+    fn refresh_slot_map(&self, conn: &Conn, force: bool) {
+        use std::sync::atomic::Ordering;
+        let now = Instant::now();
+        let fresh = self.slot_map.load().as_ref().is_some_and(|m| m.fresh(now));
+        if (fresh && !force) || self.slot_map_reading.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (map, reading, mut conn) = (
+            self.slot_map.clone(),
+            self.slot_map_reading.clone(),
+            conn.clone(),
+        );
+        tokio::spawn(async move {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            let reply: redis::RedisResult<redis::Value> = query(&mut conn, &cmd).await;
+            map.store(
+                reply
+                    .ok()
+                    .and_then(|v| SlotMap::from_reply(&v, now))
+                    .map(Arc::new),
+            );
+            reading.store(false, Ordering::Release);
+        });
+    }
+
+    /// One round of `decide_clustered`: grouped by node with `map`, else by slot.
+    async fn decide_grouped(
+        &self,
+        conn: &Conn,
+        requests: &[&[Check]],
+        map: Option<&SlotMap>,
+    ) -> Result<Vec<Verdict>, LimiterError> {
+        // A group: a node (or, unmapped, a slot): its first slot, whether
+        // it spans several, and its shares.
+        let group_of = |sl: u16| match map.and_then(|m| m.node(sl)) {
+            Some(node) => node as u32,
+            None => 0x1_0000 | sl as u32,
+        };
+        let mut groups: Vec<(u32, u16, bool, Vec<Share>)> = Vec::new();
+        // Per request and tier: (group, share, position in the share).
         let mut placed: Vec<Vec<(usize, usize, usize)>> = Vec::with_capacity(requests.len());
         for (r, checks) in requests.iter().enumerate() {
             let mut at = Vec::with_capacity(checks.len());
             for c in checks.iter() {
                 let sl = slot(&c.key);
-                let g = match slots.iter().position(|(s, _)| *s == sl) {
+                let id = group_of(sl);
+                let g = match groups.iter().position(|(x, ..)| *x == id) {
                     Some(g) => g,
                     None => {
-                        slots.push((sl, Vec::new()));
-                        slots.len() - 1
+                        groups.push((id, sl, false, Vec::new()));
+                        groups.len() - 1
                     }
                 };
-                let shares = &mut slots[g].1;
+                let (_, first, spans, shares) = &mut groups[g];
+                *spans |= *first != sl;
                 if shares.last().is_none_or(|(q, _)| *q != r) {
                     shares.push((r, Vec::new()));
                 }
@@ -784,15 +851,20 @@ impl Inner {
             }
             placed.push(at);
         }
+        let slots: Vec<(bool, Vec<Share>)> = groups
+            .into_iter()
+            .map(|(_, _, spans, shares)| (spans, shares))
+            .collect();
         let calls: Vec<_> = slots
             .iter()
-            .map(|(_, shares)| {
+            .map(|(spans, shares)| {
                 let (mut conn, script, clock) =
                     (conn.clone(), self.script.clone(), self.clock.clone());
                 let shares: Vec<Vec<Check>> = shares.iter().map(|(_, c)| c.clone()).collect();
+                let spans = *spans;
                 tokio::spawn(async move {
                     let parts: Vec<&[Check]> = shares.iter().map(Vec::as_slice).collect();
-                    run_script(&script, clock.as_ref(), &mut conn, &parts).await
+                    run_script(&script, clock.as_ref(), &mut conn, &parts, spans).await
                 })
             })
             .collect();
@@ -896,17 +968,33 @@ impl Inner {
     }
 }
 
-/// A request's tiers in one slot: (the request's index in its batch, the tiers).
+/// A request's tiers on one node (or in one slot): (the request's index in
+/// its batch, the tiers).
 type Share = (usize, Vec<Check>);
+
+/// Whether a cluster call failed because it reached a node that does not
+/// serve one of its keys (a stale slot map, a slot on the move): nothing was
+/// written, and the batch can be decided again slot by slot.
+fn misplaced(e: &LimiterError) -> bool {
+    match e {
+        LimiterError::CrossSlot => true,
+        LimiterError::Redis(text) => ["non local key", "MOVED", "ASK", "TRYAGAIN"]
+            .iter()
+            .any(|m| text.contains(m)),
+        _ => false,
+    }
+}
 
 /// One call of limiter.lua over a batch of requests: EVALSHA, and on NOSCRIPT
 /// (after a restart or SCRIPT FLUSH) load the script and send it again.
-/// Returns one verdict per request.
+/// Returns one verdict per request. `across_slots`: the buckets are in
+/// several slots of one cluster node (only one is declared as a key).
 async fn run_script(
     script: &redis::Script,
     clock: Option<&Arc<dyn Clock>>,
     conn: &mut Conn,
     requests: &[&[Check]],
+    across_slots: bool,
 ) -> Result<Vec<Verdict>, LimiterError> {
     // Each bucket is named once, with its rule's parameters (a bucket's name
     // carries them, so they are the same for every tier naming it); tiers
@@ -943,16 +1031,27 @@ async fn run_script(
             })
         })
         .collect();
+    // Across slots (one cluster node's), one name is declared, to route the
+    // call, and the others are passed as arguments.
+    let declared = match across_slots {
+        true => buckets.len().min(1),
+        false => buckets.len(),
+    };
     let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script.get_hash()).arg(buckets.len());
-    for c in &buckets {
+    cmd.arg(script.get_hash()).arg(declared);
+    for c in &buckets[..declared] {
         cmd.arg(c.key.as_str());
     }
     match clock {
         Some(clock) => cmd.arg(clock.now_us()),
         None => cmd.arg(""),
     };
-    cmd.arg(requests.len()).arg(shapes.len());
+    cmd.arg(requests.len())
+        .arg(shapes.len())
+        .arg(buckets.len() - declared);
+    for c in &buckets[declared..] {
+        cmd.arg(c.key.as_str());
+    }
     for c in &buckets {
         let (kind, p1, p2) = script_args(&c.algorithm);
         cmd.arg(kind).arg(p1).arg(p2);
@@ -1143,10 +1242,16 @@ impl Decider for Inner {
     ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
         if let Conn::Cluster(_) = conn {
-            let call = self.decide_by_slot(&conn, requests);
+            let call = self.decide_clustered(&conn, requests);
             return self.answer(call, abandon).await;
         }
-        let call = run_script(&self.script, self.clock.as_ref(), &mut conn, requests);
+        let call = run_script(
+            &self.script,
+            self.clock.as_ref(),
+            &mut conn,
+            requests,
+            false,
+        );
         self.answer(call, abandon).await
     }
 
