@@ -14,6 +14,9 @@
 # Reports the image's size, the binary layer's size and the build time.
 #
 #   scripts/image.sh
+#   IMAGE_ARCHIVE=/tmp/gateway.tar scripts/image.sh   # also saves the image
+#       (docker-archive, tagged ratelimit-gateway:0.1.0: docker load -i, kind
+#       load image-archive, skopeo copy docker-archive:... docker://...)
 #
 # Registries are not reachable here, so the two bases the Dockerfile's FROM
 # lines name are made locally once and reused ("stand-ins"), under the same
@@ -330,13 +333,15 @@ for d in "$rustup_home/toolchains/$rust_version"*-x86_64-unknown-linux-gnu; do
   fi
 done
 if [[ -z $sysroot ]] && command -v rustc >/dev/null 2>&1; then
+  # The default toolchain: a stand-in with another version still builds the
+  # Dockerfile as it is (the real image has exactly RUST_VERSION).
   d=$(rustc --print sysroot)
-  if [[ -x $d/bin/cargo && $("$d/bin/rustc" -V) == "rustc $rust_version"* ]]; then
-    sysroot=$d
-  fi
+  [[ ! -x $d/bin/cargo ]] || sysroot=$d
 fi
-[[ -n $sysroot ]] || die "no Rust $rust_version toolchain on this host for the stand-in $builder_base (rustup toolchain install $rust_version)"
+[[ -n $sysroot ]] || die "no Rust toolchain with cargo on this host for the stand-in $builder_base (rustup toolchain install $rust_version)"
 rustc_v=$("$sysroot/bin/rustc" -V)
+[[ $rustc_v == "rustc $rust_version"* ]] ||
+  say "  warning: no Rust $rust_version toolchain here: the stand-in $builder_base gets $rustc_v"
 toolchain=$(basename -- "$sysroot")
 [[ $toolchain == *-x86_64-unknown-linux-gnu ]] || toolchain=$rust_version-x86_64-unknown-linux-gnu
 
@@ -751,5 +756,10 @@ stop_gateway "$gw" "$work/gw-redis.log" "redis backend" "$p_proxy2"
 stage "report"
 bin_bytes=$(stat -c %s "$rootfs/usr/local/bin/gateway")
 say "  image $tag: $(mb "$image_bytes") in $nlayers layers (runtime base $(mb "$base_bytes"), binary layer $(mb "$binary_layer_bytes"), binary $(mb "$bin_bytes"), $(file -b "$rootfs/usr/local/bin/gateway" 2>/dev/null | grep -o 'not stripped\|stripped' || echo 'stripped?'))"
+if [[ -n ${IMAGE_ARCHIVE:-} ]]; then
+  rm -f -- "$IMAGE_ARCHIVE"
+  quiet save bah push "${policy[@]}" "$tag" "docker-archive:$IMAGE_ARCHIVE:ratelimit-gateway:0.1.0"
+  say "  saved to $IMAGE_ARCHIVE (docker-archive, ratelimit-gateway:0.1.0)"
+fi
 say "  build ${build_secs} s; whole script $((SECONDS - t0)) s"
 echo "image checks: passed"
