@@ -293,3 +293,75 @@ limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {
     assert!(during > 0, "admissions while the slot moved");
     assert_eq!(up.count("/m"), admitted as u64);
 }
+
+/// The master serving a route's global bucket killed while requests flow:
+/// the replica that takes over has the bucket (replicated), the fallback in
+/// between spends from what this replica last knew and its debt is charged
+/// back at failback, so across the whole run no limiter 5xx and never more
+/// admitted than the bucket allows (capacity + refill over the run).
+#[test]
+fn cluster_master_killed_under_load_keeps_the_bound() {
+    let mut cluster = ClusterGuard::start();
+    let up = UpstreamGuard::start();
+    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let (capacity, refill) = (50, 100.0);
+    let tiers = format!(
+        r#"
+[[routes]]
+name = "k"
+path_prefix = "/k"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {refill}, scope = "global" }}
+"#
+    );
+    let gw = GatewayGuard::start(&config(&redis, &up, &tiers));
+    let alg = ratelimit_gateway::config::Algorithm::TokenBucket {
+        capacity,
+        refill_per_sec: refill,
+    };
+    let key = ratelimit_gateway::limiter::keys::bucket_key("rl", "route", "k", &alg, "global");
+    let victim = cluster.owner(ratelimit_gateway::limiter::slot(&key));
+    let load = Load::start(vec![gw.addr], gw.admin, "/k", 2, 60);
+    std::thread::sleep(Duration::from_millis(500));
+    let fault = load.now();
+    cluster.kill(victim);
+    gw.wait_backend("local", Duration::from_secs(20));
+    cluster.wait_ok(); // a replica has been promoted
+    let recovered = load.now();
+    gw.wait_backend("redis", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(500));
+    let r = load.stop();
+    r.print_figures("cluster-master-killed-bound", fault, recovered);
+    let first = r.samples.iter().map(|s| s.at).min().unwrap_or_default();
+    let last = r
+        .samples
+        .iter()
+        .map(|s| s.at + s.latency)
+        .max()
+        .unwrap_or_default();
+    let bound = (capacity as f64 + refill * (last - first).as_secs_f64()).floor() as usize;
+    let admitted = r.count(|s| s.status == 200);
+    let local_at = r.backend_at("local", fault).unwrap_or(fault);
+    let back_at = r.backend_at("redis", local_at).unwrap_or(last);
+    let phase = |from: Duration, to: Duration| {
+        let n = r.count(|s| s.status == 200 && s.at >= from && s.at < to);
+        (n, (to.saturating_sub(from)).as_millis())
+    };
+    eprintln!(
+        "FIGURES cluster-master-killed-bound: {} requests in {:.2} s, {admitted} admitted (bound {bound} = {capacity} + {refill}/s), upstream {}; admitted (ms) before the kill {:?}, until local {:?}, on local {:?}, after failback {:?}",
+        r.count(|_| true),
+        (last - first).as_secs_f64(),
+        up.count("/k"),
+        phase(Duration::ZERO, fault),
+        phase(fault, local_at),
+        phase(local_at, back_at),
+        phase(back_at, last + Duration::from_millis(1)),
+    );
+    assert_eq!(r.server_errors(), 0);
+    assert!(admitted <= bound, "{admitted} admitted, bound {bound}");
+    assert!(
+        r.count(|s| s.status == 429) > 0,
+        "the load must exceed the bound"
+    );
+    assert_eq!(up.count("/k"), admitted as u64);
+}

@@ -358,8 +358,8 @@ impl Fallback {
         } = &outcome
         {
             if verdict.admitted(s) {
-                let ok = verdict.decisions.iter().map(|d| d.allowed);
-                self.ledger.record(checks, ok, verdict.now_us);
+                self.ledger
+                    .record(checks, s, &verdict.decisions, verdict.now_us);
             }
         }
         outcome

@@ -13,7 +13,7 @@ use indexmap::IndexMap;
 use parking_lot::Mutex;
 
 use super::algorithms::outage::{self, Debt};
-use super::algorithms::Micros;
+use super::algorithms::{Decision, Micros};
 use super::Check;
 
 const SHARDS: usize = 16;
@@ -44,10 +44,12 @@ impl Ledger {
     }
 
     /// Records one admission of every tier that admitted it. `shared` are the
-    /// request's checks under the shared rules (not this replica's share).
-    pub fn record(&self, shared: &[Check], admitted: impl Iterator<Item = bool>, now: Micros) {
-        for (c, ok) in shared.iter().zip(admitted) {
-            if !ok {
+    /// request's checks under the shared rules, `local` under this replica's
+    /// share, and `decisions` the share's answers (a bucket's first debt
+    /// starts where its seeded share stood: `outage::open`).
+    pub fn record(&self, shared: &[Check], local: &[Check], decisions: &[Decision], now: Micros) {
+        for ((c, l), d) in shared.iter().zip(local).zip(decisions) {
+            if !d.allowed {
                 continue;
             }
             let mut shard = self.shard(&c.key).lock();
@@ -58,8 +60,7 @@ impl Ledger {
             if shard.len() >= self.per_shard {
                 evict(&mut shard, now);
             }
-            let mut debt = None;
-            outage::record(&c.algorithm, &mut debt, now, c.cost);
+            let debt = outage::open(&c.algorithm, &l.algorithm, d, now, c.cost);
             shard.insert(c.key.clone(), (c.clone(), debt));
         }
     }
@@ -147,11 +148,20 @@ mod tests {
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
+        let one = std::slice::from_ref(&c);
+        let full = [Decision {
+            allowed: true,
+            limit: 100,
+            remaining: 99,
+            retry_after_us: 0,
+            reset_after_us: 0,
+            delay_us: 0,
+        }];
         for i in 0..50 {
-            ledger.record(std::slice::from_ref(&c), [true].into_iter(), t0 + i);
+            ledger.record(one, one, &full, t0 + i);
         }
         let out = ledger.take();
-        ledger.record(std::slice::from_ref(&c), [true].into_iter(), t0 + 100);
+        ledger.record(one, one, &full, t0 + 100);
         ledger.restore(out);
         let back = ledger.take();
         assert_eq!(back.len(), 1);

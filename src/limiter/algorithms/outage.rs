@@ -142,6 +142,34 @@ pub enum Debt {
 
 /// Records one local admission costing `cost` at `now` against the shared
 /// rule `shared`: as `cost` admissions at that instant would be.
+/// The debt of a bucket's first admission on the fallback: `record`'s, but
+/// for a token or leaky bucket replayed from where the local share stood,
+/// not from a full bucket. The share was seeded with the shared bucket's TAT
+/// as Redis last told it, and `d` (its decision on this admission) gives it
+/// back: the share's TAT before it was `now + reset - cost * T_share`. So the
+/// debt still holds what the shared bucket owed when its key has expired in
+/// Redis by failback (its TAT then survives only here): without this, a
+/// bucket empty when Redis failed came back full.
+pub fn open(
+    shared: &Algorithm,
+    local: &Algorithm,
+    d: &Decision,
+    now: Micros,
+    cost: u64,
+) -> Option<Debt> {
+    let mut debt = None;
+    if let Some(t_share) = gcra_interval(local) {
+        let now_f = now as f64;
+        let before = (now_f + d.reset_after_us as f64 - cost as f64 * t_share).max(now_f);
+        debt = Some(Debt::Gcra {
+            count: 0,
+            tat: before,
+        });
+    }
+    record(shared, &mut debt, now, cost);
+    debt
+}
+
 pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros, cost: u64) {
     match *shared {
         Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. } => {
@@ -360,6 +388,57 @@ mod tests {
     use crate::limiter::algorithms::{check, commit};
 
     const T0: Micros = 1_700_000_000_000_000;
+
+    /// A bucket empty when Redis failed, spent on the fallback (seeded with
+    /// its TAT) and charged after its key expired in Redis: the charge
+    /// leaves it as empty as a replay from the seed would, not full. For one
+    /// replica and for three (each share seeded with the same shared TAT).
+    #[test]
+    fn a_debt_starts_where_the_seeded_share_stood() {
+        let shared = Algorithm::TokenBucket {
+            capacity: 50,
+            refill_per_sec: 100.0,
+        };
+        let t = 10_000.0;
+        let seed = T0 as f64 + 49.0 * t; // empty: TAT = now + tau
+        for replicas in [1u64, 3] {
+            let local = Algorithm::TokenBucket {
+                capacity: 50 / replicas,
+                refill_per_sec: 100.0 / replicas as f64,
+            };
+            let mut state = Some(State::Gcra { tat: seed });
+            let mut debt: Option<Debt> = None;
+            let mut admitted = 0u64;
+            // One request every 2 ms for 2 s on this replica's share.
+            for k in 1..=1000 {
+                let now = T0 + k * 2_000;
+                let e = check(&local, state.as_ref(), now, 1);
+                if !e.decision.allowed {
+                    continue;
+                }
+                commit(&mut state, &e.update);
+                admitted += 1;
+                match debt {
+                    None => debt = open(&shared, &local, &e.decision, now, 1),
+                    Some(_) => record(&shared, &mut debt, now, 1),
+                }
+            }
+            let now = T0 + 2_000_000;
+            // The exact replay of those admissions onto the shared bucket.
+            let replay = seed + admitted as f64 * t;
+            // One replica spent the whole bucket: it is owed. One of three
+            // spent its third, which the shared bucket has refilled by now.
+            let owed = charge(&shared, None, debt.as_ref().unwrap(), now);
+            assert_eq!(owed.is_some(), replay > now as f64, "{replicas} replica(s)");
+            assert_eq!(owed.is_some(), replicas == 1);
+            if let Some((State::Gcra { tat }, _)) = owed {
+                assert!(
+                    tat >= replay - 1.0,
+                    "{replicas} replica(s): {admitted} admitted, charged TAT {tat} vs replay {replay} (now {now})"
+                );
+            }
+        }
+    }
 
     /// Replaying admissions one by one onto a shared bucket equals one charge.
     #[test]
