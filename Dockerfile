@@ -1,7 +1,7 @@
 # Container image for the rate-limiting gateway.
 #
 #   docker build -t ratelimit-gateway:0.1.0 .
-#   docker run --rm -p 8080:8080 -p 9901:9901 \
+#   docker run --rm --read-only --tmpfs /tmp -p 8080:8080 -p 9901:9901 \
 #     -v "$PWD/gateway.toml:/etc/gateway/gateway.toml:ro" ratelimit-gateway:0.1.0
 #
 # The image ships no config: mount one at /etc/gateway/gateway.toml (in
