@@ -173,7 +173,9 @@ impl CorsRules {
             .and_then(|v| v.to_str().ok())
             .filter(|m| http::Method::from_bytes(m.as_bytes()).is_ok())
             .ok_or(CorsError::Method(None))?;
-        if !self.methods.iter().any(|m| m == method) {
+        // HEAD is GET without a body, as routes take it.
+        let allowed = |m: &str| self.methods.iter().any(|x| x == m);
+        if !(allowed(method) || method == "HEAD" && allowed("GET")) {
             return Err(CorsError::Method(Some(method.to_string())));
         }
         // The announced headers, each allowed (or safelisted), echoed back.
@@ -220,20 +222,35 @@ impl CorsRules {
     }
 
     /// The headers an actual response carries: for an allowed origin, who
-    /// may read it and which headers scripts see; in any case `Vary: Origin`
-    /// when the answer depends on the origin, so a cache never hands one
-    /// origin's answer to another.
+    /// may read it and which headers scripts see. A `"*"` answer is the same
+    /// for every request, with an Origin or not (a cache may hand it to any
+    /// page); any other depends on the origin and says so (`Vary: Origin`),
+    /// so a cache never hands one origin's answer to another.
     pub fn response(&self, origin: Option<&HeaderValue>) -> Headers {
         let mut out = Vec::new();
+        if self.star {
+            out.push(("access-control-allow-origin", HeaderValue::from_static("*")));
+            out.push(("access-control-expose-headers", self.expose_value.clone()));
+            return out;
+        }
         if let Some(origin) = origin.filter(|o| self.allows(o.as_bytes())) {
             self.allow_origin(origin, &mut out);
             out.push(("access-control-expose-headers", self.expose_value.clone()));
         }
-        if !self.star {
-            out.push(("vary", HeaderValue::from_static("origin")));
-        }
+        out.push(("vary", HeaderValue::from_static("origin")));
         out
     }
+
+    /// The response headers this policy answers for: an upstream's own are
+    /// dropped on a route that has one.
+    pub const OWNED: &'static [&'static str] = &[
+        "access-control-allow-origin",
+        "access-control-allow-credentials",
+        "access-control-expose-headers",
+        "access-control-allow-methods",
+        "access-control-allow-headers",
+        "access-control-max-age",
+    ];
 }
 
 /// Names and tokens from a validated config: always header text.
@@ -347,6 +364,13 @@ mod tests {
             ask("https://app.example.com", "BAD METHOD", ""),
             Err(CorsError::Method(None))
         );
+        let get_only = vec!["GET".to_string()];
+        let g = CorsRules::new(&cors(&[app()], false), Some(&get_only), HeaderStyle::Both);
+        let head = req(&[
+            ("origin", "https://app.example.com"),
+            ("access-control-request-method", "HEAD"),
+        ]);
+        assert!(g.preflight(&head).is_ok(), "HEAD goes where GET does");
     }
 
     #[test]
@@ -375,6 +399,11 @@ mod tests {
         );
 
         let any = CorsRules::new(&cors(&[OriginPattern::Any], false), None, HeaderStyle::None);
+        assert_eq!(
+            any.response(None),
+            any.response(Some(&other)),
+            "the same for all"
+        );
         let hs = any.response(Some(&other));
         assert_eq!(get(&hs, "access-control-allow-origin"), Some("*"));
         assert_eq!(

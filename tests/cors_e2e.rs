@@ -170,6 +170,11 @@ fn preflights_are_answered_free_and_refusals_are_readable_by_the_page() {
     // A method the route does not take, a header the policy does not list.
     let r = preflight(&gw, path, APP, "DELETE", "");
     assert_eq!(r.status, 403);
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        None,
+        "a refused preflight lets the browser read nothing"
+    );
     assert!(
         r.text().contains("method DELETE is not allowed"),
         "{}",
@@ -202,6 +207,9 @@ fn preflights_are_answered_free_and_refusals_are_readable_by_the_page() {
     assert_eq!(r.header("access-control-allow-origin"), Some("*"));
     assert!(exposed(&r).contains(&"retry-after".to_string()));
     assert_eq!(up.count("/api/charged"), 0);
+    // A "*" answer is the same with no Origin at all (a cache may serve it to a page).
+    let r = send(&gw, "GET", "/api/charged", &[]);
+    assert_eq!(r.header("access-control-allow-origin"), Some("*"));
 
     // A key-required route: the preflight needs none; the 401 of a wrong
     // key is readable; the policy's extra exposed header is added.

@@ -229,6 +229,9 @@ struct Inner {
     slot_map: Arc<ArcSwapOption<SlotMap>>,
     /// Cluster: a read of the slot map is under way.
     slot_map_reading: Arc<std::sync::atomic::AtomicBool>,
+    /// Cluster: bumped when the map is found wrong, so a read begun before
+    /// that does not store the old map again.
+    slot_map_epoch: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub struct RedisBackend {
@@ -354,6 +357,7 @@ impl RedisBackend {
             request_conn: ArcSwapOption::empty(),
             slot_map: Arc::new(ArcSwapOption::empty()),
             slot_map_reading: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            slot_map_epoch: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
             charge: redis::Script::new(CHARGE_LUA),
@@ -775,6 +779,8 @@ impl Inner {
         if let Some(map) = self.slot_map.load_full() {
             match self.decide_grouped(conn, requests, Some(&map)).await {
                 Err(e) if misplaced(&e) => {
+                    self.slot_map_epoch
+                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                     self.slot_map.store(None);
                     self.refresh_slot_map(conn, true);
                 }
@@ -793,21 +799,25 @@ impl Inner {
         if (fresh && !force) || self.slot_map_reading.swap(true, Ordering::AcqRel) {
             return;
         }
-        let (map, reading, mut conn) = (
+        let (map, reading, epoch, mut conn) = (
             self.slot_map.clone(),
             self.slot_map_reading.clone(),
+            self.slot_map_epoch.clone(),
             conn.clone(),
         );
+        let began = epoch.load(Ordering::Acquire);
         tokio::spawn(async move {
             let mut cmd = redis::cmd("CLUSTER");
             cmd.arg("SLOTS");
             let reply: redis::RedisResult<redis::Value> = query(&mut conn, &cmd).await;
-            map.store(
-                reply
-                    .ok()
-                    .and_then(|v| SlotMap::from_reply(&v, now))
-                    .map(Arc::new),
-            );
+            if epoch.load(Ordering::Acquire) == began {
+                map.store(
+                    reply
+                        .ok()
+                        .and_then(|v| SlotMap::from_reply(&v, now))
+                        .map(Arc::new),
+                );
+            }
             reading.store(false, Ordering::Release);
         });
     }
@@ -869,18 +879,22 @@ impl Inner {
             })
             .collect();
         let mut answers: Vec<Option<Vec<Verdict>>> = Vec::with_capacity(calls.len());
-        let mut failed = None;
+        // The error the batch fails with: a misplaced call's only if every
+        // failed call was misplaced (nothing written: the batch may be
+        // decided again); any other (a timeout: the call may have run) wins.
+        let mut failed: Option<LimiterError> = None;
         for call in calls {
-            match call.await {
-                Ok(Ok(v)) => answers.push(Some(v)),
-                Ok(Err(e)) => {
-                    answers.push(None);
-                    failed = Some(e);
+            let e = match call.await {
+                Ok(Ok(v)) => {
+                    answers.push(Some(v));
+                    continue;
                 }
-                Err(e) => {
-                    answers.push(None);
-                    failed = Some(LimiterError::Redis(e.to_string()));
-                }
+                Ok(Err(e)) => e,
+                Err(e) => LimiterError::Redis(e.to_string()),
+            };
+            answers.push(None);
+            if failed.as_ref().is_none_or(misplaced) {
+                failed = Some(e);
             }
         }
         // A share admitted as a whole took its admitting tiers' tokens.
@@ -978,7 +992,7 @@ type Share = (usize, Vec<Check>);
 fn misplaced(e: &LimiterError) -> bool {
     match e {
         LimiterError::CrossSlot => true,
-        LimiterError::Redis(text) => ["non local key", "MOVED", "ASK", "TRYAGAIN"]
+        LimiterError::Redis(text) => ["non local key", "MOVED", "TRYAGAIN"]
             .iter()
             .any(|m| text.contains(m)),
         _ => false,
@@ -1004,6 +1018,25 @@ async fn run_script(
     let tiers: usize = requests.iter().map(|r| r.len()).sum();
     let mut buckets: Vec<&Check> = Vec::with_capacity(tiers);
     let mut index: HashMap<&str, i64> = HashMap::with_capacity(tiers);
+    // Across slots (one cluster node's), the call is routed by the first
+    // bucket's slot and declares every bucket of that slot: were that slot
+    // on the move and the call sent on with ASK, Redis then refuses it
+    // (TRYAGAIN) unless all of them have arrived, where a single declared
+    // name would let the others read as empty on the node importing them.
+    // The other slots' names are passed as arguments.
+    let anchor = requests
+        .iter()
+        .flat_map(|r| r.iter())
+        .next()
+        .filter(|_| across_slots)
+        .map(|c| slot(&c.key));
+    for c in requests.iter().flat_map(|r| r.iter()) {
+        if anchor.is_none_or(|a| slot(&c.key) == a) && !index.contains_key(c.key.as_str()) {
+            buckets.push(c);
+            index.insert(c.key.as_str(), buckets.len() as i64);
+        }
+    }
+    let declared = buckets.len();
     // Per tier two numbers: the bucket's index (negated for a shadow tier)
     // and the request's cost there.
     let refs: Vec<[i64; 2]> = requests
@@ -1031,12 +1064,6 @@ async fn run_script(
             })
         })
         .collect();
-    // Across slots (one cluster node's), one name is declared, to route the
-    // call, and the others are passed as arguments.
-    let declared = match across_slots {
-        true => buckets.len().min(1),
-        false => buckets.len(),
-    };
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script.get_hash()).arg(declared);
     for c in &buckets[..declared] {

@@ -264,7 +264,13 @@ impl ProxyHttp for Gateway {
             Ok(plan) => plan,
             Err(refusal) => {
                 ctx.refused_route = admission::refused_route(policy, &view);
-                return self.reply(session, ctx, responses::refusal(&refusal)).await;
+                let reply = responses::refusal(&refusal);
+                // A refused preflight carries no CORS headers: the browser
+                // then blocks the request it announced.
+                return match refusal {
+                    admission::Refusal::Cors(_) => self.send(session, ctx, reply).await,
+                    _ => self.reply(session, ctx, reply).await,
+                };
             }
         };
         let preflight = plan.preflight.take();
@@ -499,8 +505,17 @@ impl ProxyHttp for Gateway {
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
         }
-        // The route's policy answers for CORS, over the upstream's own;
-        // `Vary` is added to, never replaced.
+        // The route's policy answers for CORS, not the upstream: its own
+        // Access-Control-* headers are dropped; `Vary` is added to.
+        let policy = ctx
+            .live
+            .as_ref()
+            .and_then(|l| l.policy.cors(Self::route_index(ctx)));
+        if policy.is_some() {
+            for name in crate::cors::CorsRules::OWNED {
+                resp.remove_header(*name);
+            }
+        }
         for (name, value) in Self::cors_headers(session, ctx) {
             match name {
                 "vary" => {
