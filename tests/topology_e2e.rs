@@ -225,6 +225,50 @@ fn sentinel_failover_is_followed() {
     );
 }
 
+/// A route limited by one global token bucket: its config, the slot its
+/// bucket hashes to, and the most a run may admit (capacity + refill over
+/// the span of the run's requests).
+struct GlobalBucket {
+    route: &'static str,
+    capacity: u64,
+    refill: f64,
+}
+
+impl GlobalBucket {
+    fn tiers(&self) -> String {
+        format!(
+            r#"
+[[routes]]
+name = "{0}"
+path_prefix = "/{0}"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = {1}, refill_per_sec = {2}, scope = "global" }}
+"#,
+            self.route, self.capacity, self.refill
+        )
+    }
+
+    fn slot(&self) -> u16 {
+        let alg = ratelimit_gateway::config::Algorithm::TokenBucket {
+            capacity: self.capacity,
+            refill_per_sec: self.refill,
+        };
+        let key =
+            ratelimit_gateway::limiter::keys::bucket_key("rl", "route", self.route, &alg, "global");
+        ratelimit_gateway::limiter::slot(&key)
+    }
+
+    /// The run's span and the most it may admit.
+    fn bound(&self, r: &support::load::Report) -> (Duration, usize) {
+        let (first, last) = r.span();
+        let ran = last - first;
+        (
+            ran,
+            (self.capacity as f64 + self.refill * ran.as_secs_f64()).floor() as usize,
+        )
+    }
+}
+
 /// A route whose one global bucket's slot is moved to another master while
 /// requests flow: through MIGRATING/IMPORTING (the key reached by ASK once
 /// moved) to the new owner, no limiter 5xx and never more admitted than the
@@ -235,23 +279,13 @@ fn cluster_slot_migrated_under_load() {
     let cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
     let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
-    let (capacity, refill) = (50, 200.0);
-    let tiers = format!(
-        r#"
-[[routes]]
-name = "m"
-path_prefix = "/m"
-upstream = "up"
-limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {refill}, scope = "global" }}
-"#
-    );
-    let gw = GatewayGuard::start(&config(&redis, &up, &tiers));
-    let alg = ratelimit_gateway::config::Algorithm::TokenBucket {
-        capacity,
-        refill_per_sec: refill,
+    let bucket = GlobalBucket {
+        route: "m",
+        capacity: 50,
+        refill: 200.0,
     };
-    let key = ratelimit_gateway::limiter::keys::bucket_key("rl", "route", "m", &alg, "global");
-    let slot = ratelimit_gateway::limiter::slot(&key);
+    let gw = GatewayGuard::start(&config(&redis, &up, &bucket.tiers()));
+    let slot = bucket.slot();
     let from = cluster.owner(slot);
     let to = *cluster
         .masters()
@@ -267,23 +301,16 @@ limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {
     std::thread::sleep(Duration::from_millis(500));
     let r = load.stop();
     r.print_figures("cluster-slot-migrated", fault, moved);
-    // Every decision fell between the first request's start and the last's end.
-    let first = r.samples.iter().map(|s| s.at).min().unwrap_or_default();
-    let last = r
-        .samples
-        .iter()
-        .map(|s| s.at + s.latency)
-        .max()
-        .unwrap_or_default();
-    let ran = last - first;
-    let bound = (capacity as f64 + refill * ran.as_secs_f64()).floor() as usize;
+    let (ran, bound) = bucket.bound(&r);
     let during = r.count(|s| s.status == 200 && s.at >= fault && s.at <= moved);
     let admitted = r.count(|s| s.status == 200);
     let refused = r.count(|s| s.status == 429);
     eprintln!(
-        "FIGURES cluster-slot-migrated: slot {slot} from node {from} to node {to}; {} requests in {:.2} s, {admitted} admitted (bound {bound} = {capacity} + {refill}/s), {during} of them during the move, {refused} refused, upstream {}",
+        "FIGURES cluster-slot-migrated: slot {slot} from node {from} to node {to}; {} requests in {:.2} s, {admitted} admitted (bound {bound} = {} + {}/s), {during} of them during the move, {refused} refused, upstream {}",
         r.count(|_| true),
         ran.as_secs_f64(),
+        bucket.capacity,
+        bucket.refill,
         up.count("/m")
     );
     assert_eq!(r.server_errors(), 0);
@@ -304,23 +331,13 @@ fn cluster_master_killed_under_load_keeps_the_bound() {
     let mut cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
     let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
-    let (capacity, refill) = (50, 100.0);
-    let tiers = format!(
-        r#"
-[[routes]]
-name = "k"
-path_prefix = "/k"
-upstream = "up"
-limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {refill}, scope = "global" }}
-"#
-    );
-    let gw = GatewayGuard::start(&config(&redis, &up, &tiers));
-    let alg = ratelimit_gateway::config::Algorithm::TokenBucket {
-        capacity,
-        refill_per_sec: refill,
+    let bucket = GlobalBucket {
+        route: "k",
+        capacity: 50,
+        refill: 100.0,
     };
-    let key = ratelimit_gateway::limiter::keys::bucket_key("rl", "route", "k", &alg, "global");
-    let victim = cluster.owner(ratelimit_gateway::limiter::slot(&key));
+    let gw = GatewayGuard::start(&config(&redis, &up, &bucket.tiers()));
+    let victim = cluster.owner(bucket.slot());
     let load = Load::start(vec![gw.addr], gw.admin, "/k", 2, 60);
     std::thread::sleep(Duration::from_millis(500));
     let fault = load.now();
@@ -332,14 +349,8 @@ limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {
     std::thread::sleep(Duration::from_millis(500));
     let r = load.stop();
     r.print_figures("cluster-master-killed-bound", fault, recovered);
-    let first = r.samples.iter().map(|s| s.at).min().unwrap_or_default();
-    let last = r
-        .samples
-        .iter()
-        .map(|s| s.at + s.latency)
-        .max()
-        .unwrap_or_default();
-    let bound = (capacity as f64 + refill * (last - first).as_secs_f64()).floor() as usize;
+    let (ran, bound) = bucket.bound(&r);
+    let last = r.span().1;
     let admitted = r.count(|s| s.status == 200);
     let local_at = r.backend_at("local", fault).unwrap_or(fault);
     let back_at = r.backend_at("redis", local_at).unwrap_or(last);
@@ -348,9 +359,11 @@ limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = {
         (n, (to.saturating_sub(from)).as_millis())
     };
     eprintln!(
-        "FIGURES cluster-master-killed-bound: {} requests in {:.2} s, {admitted} admitted (bound {bound} = {capacity} + {refill}/s), upstream {}; admitted (ms) before the kill {:?}, until local {:?}, on local {:?}, after failback {:?}",
+        "FIGURES cluster-master-killed-bound: {} requests in {:.2} s, {admitted} admitted (bound {bound} = {} + {}/s), upstream {}; admitted (ms) before the kill {:?}, until local {:?}, on local {:?}, after failback {:?}",
         r.count(|_| true),
-        (last - first).as_secs_f64(),
+        ran.as_secs_f64(),
+        bucket.capacity,
+        bucket.refill,
         up.count("/k"),
         phase(Duration::ZERO, fault),
         phase(fault, local_at),

@@ -131,6 +131,19 @@ impl Report {
         self.samples.iter().filter(|s| f(s)).count()
     }
 
+    /// From the first request's start to the last one's end: every decision
+    /// of the run fell inside it.
+    pub fn span(&self) -> (Duration, Duration) {
+        let first = self.samples.iter().map(|s| s.at).min().unwrap_or_default();
+        let last = self
+            .samples
+            .iter()
+            .map(|s| s.at + s.latency)
+            .max()
+            .unwrap_or_default();
+        (first, last)
+    }
+
     pub fn server_errors(&self) -> usize {
         self.count(|s| s.status >= 500 || s.status == 0)
     }
