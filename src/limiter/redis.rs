@@ -52,6 +52,7 @@ const CHARGE_BATCH: usize = 200;
 mod admin;
 mod slots;
 
+pub use slots::slot;
 use slots::SlotMap;
 
 #[derive(Clone)]
@@ -861,19 +862,19 @@ impl Inner {
             }
             placed.push(at);
         }
-        let slots: Vec<(bool, Vec<Share>)> = groups
+        // Each group's shares' tiers, shared with its call's task (no copy).
+        let slots: Vec<(bool, Arc<Vec<Share>>)> = groups
             .into_iter()
-            .map(|(_, _, spans, shares)| (spans, shares))
+            .map(|(_, _, spans, shares)| (spans, Arc::new(shares)))
             .collect();
         let calls: Vec<_> = slots
             .iter()
             .map(|(spans, shares)| {
                 let (mut conn, script, clock) =
                     (conn.clone(), self.script.clone(), self.clock.clone());
-                let shares: Vec<Vec<Check>> = shares.iter().map(|(_, c)| c.clone()).collect();
-                let spans = *spans;
+                let (shares, spans) = (shares.clone(), *spans);
                 tokio::spawn(async move {
-                    let parts: Vec<&[Check]> = shares.iter().map(Vec::as_slice).collect();
+                    let parts: Vec<&[Check]> = shares.iter().map(|(_, c)| c.as_slice()).collect();
                     run_script(&script, clock.as_ref(), &mut conn, &parts, spans).await
                 })
             })
@@ -1145,28 +1146,6 @@ async fn query<T: redis::FromRedisValue>(
         Conn::Single(c) => cmd.query_async(c).await,
         Conn::Cluster(c) => cmd.query_async(c).await,
     }
-}
-
-/// Redis Cluster's hash slot of a key (CRC16/XMODEM, honouring `{hash tags}`).
-pub fn slot(key: &str) -> u16 {
-    let b = key.as_bytes();
-    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
-        let close = b[open + 1..].iter().position(|&c| c == b'}')?;
-        (close > 0).then(|| &b[open + 1..open + 1 + close])
-    });
-    let data = tagged.unwrap_or(b);
-    let mut crc: u16 = 0;
-    for &byte in data {
-        crc ^= (byte as u16) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
 }
 
 /// The script's numeric code for an algorithm and its two parameters, written

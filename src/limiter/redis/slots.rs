@@ -13,6 +13,42 @@ pub const SLOTS: usize = 16384;
 /// noticed at the latest this late, or at the first call it misroutes).
 pub const MAX_AGE: Duration = Duration::from_secs(1);
 
+/// CRC16/XMODEM, a byte at a time: a key's slot is computed for every tier
+/// of every request in cluster mode, so not a bit at a time.
+const CRC16: [u16; 256] = {
+    let mut table = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut crc = (i as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+            bit += 1;
+        }
+        table[i] = crc;
+        i += 1;
+    }
+    table
+};
+
+/// Redis Cluster's hash slot of a key (CRC16/XMODEM mod 16384), honouring
+/// `{hash tags}` as Redis does: the first `{...}` with something inside.
+pub fn slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let close = b[open + 1..].iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &b[open + 1..open + 1 + close])
+    });
+    let crc = tagged.unwrap_or(b).iter().fold(0u16, |crc, &byte| {
+        (crc << 8) ^ CRC16[((crc >> 8) as u8 ^ byte) as usize]
+    });
+    crc % SLOTS as u16
+}
+
 pub struct SlotMap {
     /// The serving master's index per slot; `u16::MAX` where none serves.
     owner: Vec<u16>,
