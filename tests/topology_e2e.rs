@@ -162,6 +162,28 @@ fn cluster_refunds_a_costly_tier_whole() {
     assert_eq!(up.count("/c"), 4);
 }
 
+/// Kills master `victim` while `load` runs, waits for the gateway to fall
+/// back, the cluster to promote a replica and the gateway to fail back, then
+/// stops the load: its report and when the kill came.
+fn kill_under_load(
+    cluster: &mut ClusterGuard,
+    victim: usize,
+    gw: &GatewayGuard,
+    load: Load,
+    name: &str,
+) -> (support::load::Report, Duration) {
+    let fault = load.now();
+    cluster.kill(victim);
+    gw.wait_backend("local", Duration::from_secs(20));
+    cluster.wait_ok(); // a replica has been promoted
+    let recovered = load.now();
+    gw.wait_backend("redis", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(500));
+    let r = load.stop();
+    r.print_figures(name, fault, recovered);
+    (r, fault)
+}
+
 #[test]
 fn cluster_master_killed_under_load() {
     let mut cluster = ClusterGuard::start();
@@ -172,15 +194,7 @@ fn cluster_master_killed_under_load() {
     std::thread::sleep(Duration::from_millis(500));
     let before = cluster.evalsha_calls();
     let victim = cluster.masters()[0];
-    let fault = load.now();
-    cluster.kill(victim);
-    gw.wait_backend("local", Duration::from_secs(20));
-    cluster.wait_ok(); // a replica has been promoted
-    let recovered = load.now();
-    gw.wait_backend("redis", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(500));
-    let r = load.stop();
-    r.print_figures("cluster-master-killed", fault, recovered);
+    let (r, _) = kill_under_load(&mut cluster, victim, &gw, load, "cluster-master-killed");
     assert_eq!(r.server_errors(), 0);
     assert_eq!(r.count(|s| s.status != 200), 0);
     assert!(
@@ -340,15 +354,13 @@ fn cluster_master_killed_under_load_keeps_the_bound() {
     let victim = cluster.owner(bucket.slot());
     let load = Load::start(vec![gw.addr], gw.admin, "/k", 2, 60);
     std::thread::sleep(Duration::from_millis(500));
-    let fault = load.now();
-    cluster.kill(victim);
-    gw.wait_backend("local", Duration::from_secs(20));
-    cluster.wait_ok(); // a replica has been promoted
-    let recovered = load.now();
-    gw.wait_backend("redis", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(500));
-    let r = load.stop();
-    r.print_figures("cluster-master-killed-bound", fault, recovered);
+    let (r, fault) = kill_under_load(
+        &mut cluster,
+        victim,
+        &gw,
+        load,
+        "cluster-master-killed-bound",
+    );
     let (ran, bound) = bucket.bound(&r);
     let last = r.span().1;
     let admitted = r.count(|s| s.status == 200);
