@@ -142,9 +142,7 @@ impl Policy {
             config,
         }
     }
-}
 
-impl Policy {
     /// The CORS rules of a route, or (`None`) of requests that matched none.
     pub fn cors(&self, route: Option<usize>) -> Option<&CorsRules> {
         match route {

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use toml::de::DeTable;
 
-use super::file::opt;
+use super::file::{opt, req};
 use super::model::{AllowHeaders, Cors, OriginPattern};
 use super::reader::{Reader, Value};
 
@@ -31,21 +31,7 @@ pub(super) fn read(
             "charge_preflight",
         ],
     );
-    let origins = match t.get("allow_origins") {
-        Some(v) => {
-            let path = format!("{p}.allow_origins");
-            r.spans.insert(path.clone(), v.span());
-            origins(r, &path, v)
-        }
-        None => {
-            r.error(
-                &format!("{p}.allow_origins"),
-                Some(span),
-                "missing required key (the origins browsers may call from, e.g. [\"https://app.example.com\"])",
-            );
-            None
-        }
-    };
+    let origins = req(r, t, p, Some(span), "allow_origins", origins);
     let methods = opt(r, t, p, "allow_methods", None, |r, path, v| {
         let items = r.strings(path, v)?;
         let mut ok = true;

@@ -148,7 +148,6 @@ pub(super) fn route(
     let cors = match t.get("cors") {
         Some(v) => {
             let path = join(p, "cors");
-            r.spans.insert(path.clone(), v.span());
             let ct = r.table(&path, v)?;
             let own = methods.as_ref().and_then(|m| m.as_deref());
             Some(super::cors::read(r, &path, ct, &v.span(), own)?)

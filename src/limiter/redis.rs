@@ -6,11 +6,12 @@
 //! - sentinel: the master is discovered from the sentinels, and re-discovered
 //!   by the failback probe after a failure, so a failover is followed;
 //! - cluster: slot routing with MOVED/ASK handled by the cluster client.
-//!   Requests are batched as in standalone, then each batch is split by hash
-//!   slot: one call per slot decides every request's tiers in that slot, all
-//!   slots at once (`decide_by_slot`). A request's tiers usually hash to
-//!   different slots; if an enforcing tier rejects, the shares that admitted
-//!   are refunded (`refund.lua`), so a rejection still charges no tier.
+//!   Requests are batched as in standalone, then each batch is split by the
+//!   master serving each bucket (the slot map, `slots`): one call per master
+//!   decides every request's tiers there, all masters at once
+//!   (`decide_clustered`). A request's tiers usually live on different
+//!   masters; if an enforcing tier rejects, the shares that admitted are
+//!   refunded (`refund.lua`), so a rejection still charges no tier.
 //!   Between the two round trips the reserved quota is held: concurrent
 //!   requests can see less quota, never more. A refund that fails leaves the
 //!   client charged.
@@ -863,11 +864,11 @@ impl Inner {
             placed.push(at);
         }
         // Each group's shares' tiers, shared with its call's task (no copy).
-        let slots: Vec<(bool, Arc<Vec<Share>>)> = groups
+        let groups: Vec<(bool, Arc<Vec<Share>>)> = groups
             .into_iter()
             .map(|(_, _, spans, shares)| (spans, Arc::new(shares)))
             .collect();
-        let calls: Vec<_> = slots
+        let calls: Vec<_> = groups
             .iter()
             .map(|(spans, shares)| {
                 let (mut conn, script, clock) =
@@ -901,7 +902,7 @@ impl Inner {
         // A share admitted as a whole took its admitting tiers' tokens.
         let share_admitted = |g: usize, share: usize| {
             answers[g].as_ref().is_some_and(|v| {
-                let checks = &slots[g].1[share].1;
+                let checks = &groups[g].1[share].1;
                 v[share].admitted(checks)
             })
         };
@@ -925,7 +926,7 @@ impl Inner {
                     }
                     seen.push((g, share));
                     let v = &answers[g].as_ref().expect("admitted share")[share];
-                    for (c, d) in slots[g].1[share].1.iter().zip(&v.decisions) {
+                    for (c, d) in groups[g].1[share].1.iter().zip(&v.decisions) {
                         if d.allowed {
                             refunds.push(self.refund_one(conn, c, v.now_us, d.remaining));
                         }

@@ -110,18 +110,19 @@ impl Gateway {
         Ok(true)
     }
 
-    /// The CORS headers of an answer to this request: its route's policy
-    /// (or `[cors]`'s, routeless) applied to its `Origin`.
-    fn cors_headers(session: &Session, ctx: &Ctx) -> crate::cors::Headers {
-        let origin = session.req_header().headers.get(http::header::ORIGIN);
-        match ctx
-            .live
+    /// The CORS policy answering for this request: its route's (or
+    /// `[cors]`'s, routeless).
+    fn cors_rules(ctx: &Ctx) -> Option<&crate::cors::CorsRules> {
+        ctx.live
             .as_ref()
             .and_then(|l| l.policy.cors(Self::route_index(ctx)))
-        {
-            Some(rules) => rules.response(origin),
-            None => Vec::new(),
-        }
+    }
+
+    /// The CORS headers of an answer to this request: its policy applied to
+    /// its `Origin`.
+    fn cors_headers(session: &Session, ctx: &Ctx) -> crate::cors::Headers {
+        let origin = session.req_header().headers.get(http::header::ORIGIN);
+        Self::cors_rules(ctx).map_or_else(Vec::new, |rules| rules.response(origin))
     }
 
     /// The request's route: its plan's, or the one a refusal was counted under.
@@ -507,21 +508,18 @@ impl ProxyHttp for Gateway {
         }
         // The route's policy answers for CORS, not the upstream: its own
         // Access-Control-* headers are dropped; `Vary` is added to.
-        let policy = ctx
-            .live
-            .as_ref()
-            .and_then(|l| l.policy.cors(Self::route_index(ctx)));
-        if policy.is_some() {
+        if let Some(rules) = Self::cors_rules(ctx) {
             for name in crate::cors::CorsRules::OWNED {
                 resp.remove_header(*name);
             }
-        }
-        for (name, value) in Self::cors_headers(session, ctx) {
-            match name {
-                "vary" => {
-                    resp.append_header(name, value)?;
+            let origin = session.req_header().headers.get(http::header::ORIGIN);
+            for (name, value) in rules.response(origin) {
+                match name {
+                    "vary" => {
+                        resp.append_header(name, value)?;
+                    }
+                    _ => resp.insert_header(name, value)?,
                 }
-                _ => resp.insert_header(name, value)?,
             }
         }
         resp.insert_header("x-request-id", ctx.request_id.as_str())?;
