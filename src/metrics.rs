@@ -6,7 +6,7 @@
 
 use std::sync::OnceLock;
 
-use metrics::{Counter, Histogram};
+use metrics::{Counter, Gauge, Histogram};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
@@ -39,6 +39,10 @@ pub fn install() {
         describe_counter!(
             "gateway_ratelimit_decisions_total",
             "Rate-limit decisions by tier, route and decision (allowed, rejected, shadow_rejected)"
+        );
+        describe_gauge!(
+            "gateway_requests_in_flight",
+            "Requests read and not yet finished (counted in every other series once finished)"
         );
         describe_gauge!(
             "gateway_limiter_backend",
@@ -99,6 +103,7 @@ pub fn install() {
             counter!("gateway_redis_late_calls_total", "verdict" => verdict).absolute(0);
         }
         counter!("gateway_fallback_debts_charged_total").absolute(0);
+        gauge!("gateway_requests_in_flight").set(0.0);
         describe_counter!(
             "gateway_tls_certificate_reloads_total",
             "TLS certificate files re-read after a change, by result (ok, error: the certificates in use were kept)"
@@ -192,6 +197,29 @@ pub fn redis_batch(requests: usize) {
     static H: OnceLock<Histogram> = OnceLock::new();
     H.get_or_init(|| histogram!("gateway_redis_batch_size"))
         .record(requests as f64);
+}
+
+/// Held by a request from when its header is read until it has been logged
+/// and counted: `gateway_requests_in_flight` at 0 means every answered request
+/// is in the other series (a client can read its answer before that).
+pub struct InFlight(());
+
+impl InFlight {
+    fn gauge() -> &'static Gauge {
+        static G: OnceLock<Gauge> = OnceLock::new();
+        G.get_or_init(|| gauge!("gateway_requests_in_flight"))
+    }
+
+    pub fn start() -> Self {
+        Self::gauge().increment(1.0);
+        InFlight(())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        Self::gauge().decrement(1.0);
+    }
 }
 
 pub fn local_entries(n: usize) {

@@ -171,6 +171,23 @@ fn every_metric_family_moves_as_requests_flow() {
         !text.contains("CANARY") && !text.contains("127.0.0.1"),
         "labels never carry secrets or addresses"
     );
+
+    // A request the upstream holds is in flight until it has been counted.
+    let raw_in_flight = || {
+        let text = String::from_utf8_lossy(&gw.admin_get("/metrics").body).to_string();
+        text.lines()
+            .find_map(|l| l.strip_prefix("gateway_requests_in_flight "))
+            .map(|v| v.trim().to_string())
+    };
+    assert_eq!(raw_in_flight().as_deref(), Some("0"));
+    let slow = slow_request_in_flight(&gw, &up, "600");
+    assert_eq!(raw_in_flight().as_deref(), Some("1"));
+    assert_eq!(slow.join().unwrap().expect("slow request").status, 200);
+    assert_eq!(m("gateway_requests_in_flight"), 0.0);
+    assert_eq!(
+        m("gateway_requests_total{route=\"open\",status=\"200\"}"),
+        4.0
+    );
 }
 
 #[test]

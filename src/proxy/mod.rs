@@ -94,6 +94,8 @@ pub struct Ctx {
     retries_used: u32,
     /// Request body bytes seen (against the route's `max_request_body_bytes`).
     body_bytes: u64,
+    /// Dropped with the context, after `logging` counted the request.
+    _in_flight: crate::metrics::InFlight,
 }
 
 impl Gateway {
@@ -194,6 +196,7 @@ impl ProxyHttp for Gateway {
             connect_retried: false,
             retries_used: 0,
             body_bytes: 0,
+            _in_flight: crate::metrics::InFlight::start(),
         }
     }
 

@@ -380,8 +380,24 @@ impl GatewayGuard {
             .expect("admin request")
     }
 
+    /// The Prometheus text, once every request the gateway has started is
+    /// counted in it: a client can read its answer before the gateway logs
+    /// and counts it. (A test that holds requests open on purpose gets the
+    /// text after a bounded wait.)
     pub fn metrics(&self) -> String {
-        String::from_utf8_lossy(&self.admin_get("/metrics").body).to_string()
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let text = String::from_utf8_lossy(&self.admin_get("/metrics").body).to_string();
+            let in_flight = text
+                .lines()
+                .find_map(|l| l.strip_prefix("gateway_requests_in_flight "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or(0.0);
+            if in_flight == 0.0 || Instant::now() >= deadline {
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     pub fn log(&self) -> String {
