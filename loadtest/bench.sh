@@ -7,7 +7,7 @@
 #                     [--wrk-threads N] [--upstream-threads N] [--rate RPS]
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
 #                     [--memory-clients N] [--memory-max-entries N]
-#                     [--clients N [--zipf S] [--over PCT]]
+#                     [--clients N [--zipf S] [--over PCT]] [--cluster-nodes N]
 #                     [--gateway-bin PATH [--gateway-note TEXT]]
 #                     [--perf] [--publish] [--out DIR] [--no-build]
 #
@@ -81,6 +81,8 @@
 #   --perf           also record a perf profile of each proxy during one extra
 #                    max-throughput window (perf-<target>.txt, .data)
 #   --publish        copy the table and chart into BENCHMARKS.md
+#   --cluster-nodes  the masters of gateway_redis_cluster (3); 1 is a control:
+#                    cluster mode's own cost, on one process like standalone
 #   --threads        the gateway's server.threads = nginx's worker_processes
 #                    = bare_proxy's --threads (2)
 #   --upstream-threads  mock-upstream's --threads (1)

@@ -53,6 +53,7 @@ from pathlib import Path
 # The parts, each by what it does: common (names, paths, logging), targets
 # (the servers), measure (a window's numbers), checks (medians and the issue's
 # targets), report (summary.md, charts, BENCHMARKS.md).
+import common
 from checks import summarize
 from common import (BARE, GATEWAY_TARGETS, LIMITED_TARGETS, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
                     RESULTS, ROOT, TARGETS, log, warn)
@@ -258,6 +259,7 @@ def main() -> int:
     r.add_argument("--memory-max-entries", type=int, default=1_000_000)
     r.add_argument("--memory-timeout", type=int, default=600)
     r.add_argument("--clients", type=int, default=0)
+    r.add_argument("--cluster-nodes", type=int, default=common.CLUSTER_NODES)
     r.add_argument("--zipf", type=float, default=1.0)
     r.add_argument("--over", type=float, default=3.0)
     r.add_argument("--gateway-bin")
@@ -285,6 +287,9 @@ def main() -> int:
         publish(Path(args.dir).resolve())
         return 0
 
+    if args.cluster_nodes < 1:
+        ap.error("--cluster-nodes must be at least 1")
+    common.CLUSTER_NODES = args.cluster_nodes
     if args.quick:
         defaults = dict(duration=5, latency_duration=4, warmup=1, rounds=3, memory=False)
     else:

@@ -32,7 +32,7 @@ GATEWAY_TARGETS = [t for t in TARGETS if t.startswith("gateway_")]
 REDIS_TARGETS = ["gateway_redis", "gateway_redis_cluster", "gateway_redis_denied"]
 # On the Redis Cluster (three masters) rather than the one standalone Redis.
 CLUSTER_TARGETS = ["gateway_redis_cluster"]
-CLUSTER_NODES = 3
+CLUSTER_NODES = 3  # the masters of gateway_redis_cluster (bench.py --cluster-nodes sets it)
 LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster", "gateway_redis_denied"]
 # With --clients N, these are sent traffic from N clients (wrk-clients.lua);
 # the others keep one client (the denied target's point is one client over).

@@ -352,32 +352,40 @@ class Meter:
             r["odd"] = odd
 
     def perf(self, targets: list[str]) -> dict:
-        """perf record -g on each proxy during one extra max-throughput window."""
+        """perf record -g during one extra max-throughput window per target: on
+        the proxy, and on a Redis target's Redis servers (summed over a
+        cluster's nodes) in a second report."""
         res = {}
         secs = min(self.a.duration, 10)
         for t in targets:
-            pids = self.tg.t[t]["pids"]()
-            data = self.out / f"perf-{t}.data"
-            log(f"perf: {t} for {secs:g}s (an extra window; its numbers are not used)")
-            rec = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-o", str(data), "-p", ",".join(map(str, pids)),
-                                    "--", "sleep", f"{secs + 1:g}"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            profiles = {t: self.tg.t[t]["pids"]()}
+            redis = self.tg.redis_pids(t)
+            if redis:
+                profiles[f"{t}-redis"] = redis
+            log(f"perf: {', '.join(profiles)} for {secs:g}s (an extra window; its numbers are not used)")
+            recs = [subprocess.Popen(["perf", "record", "-F", "999", "-g", "-o", str(self.out / f"perf-{name}.data"),
+                                      "-p", ",".join(map(str, pids)), "--", "sleep", f"{secs + 1:g}"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    for name, pids in profiles.items()]
             try:
                 time.sleep(0.5)
                 argv, env = self.wrk_argv(t, secs, None)
                 self.loadgen(argv, secs + 30, env)
-                rec.wait(timeout=secs + 30)
+                for rec in recs:
+                    rec.wait(timeout=secs + 30)
             except BaseException:
-                if rec.poll() is None:
-                    rec.send_signal(signal.SIGINT)
-                    rec.wait()
+                for rec in recs:
+                    if rec.poll() is None:
+                        rec.send_signal(signal.SIGINT)
+                        rec.wait()
                 raise
-            txt = self.out / f"perf-{t}.txt"
-            with open(txt, "w") as f:
-                subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "-g", "none",
-                                "--sort", "dso,symbol", "--percent-limit", "0.5"],
-                               stdout=f, stderr=subprocess.DEVNULL)
-            res[t] = str(txt.relative_to(self.out))
+            for name in profiles:
+                txt = self.out / f"perf-{name}.txt"
+                with open(txt, "w") as f:
+                    subprocess.run(["perf", "report", "-i", str(self.out / f"perf-{name}.data"), "--stdio",
+                                    "--no-children", "-g", "none", "--sort", "dso,symbol", "--percent-limit", "0.5"],
+                                   stdout=f, stderr=subprocess.DEVNULL)
+                res[name] = str(txt.relative_to(self.out))
         return res
 
     def memory(self) -> dict:

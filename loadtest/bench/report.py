@@ -106,17 +106,19 @@ def cluster_md(s: dict) -> list[str]:
         return fmt(x / y, 2) + "×" if x is not None and y else "n/a"
 
     def nodes(xs, nd):
-        return " + ".join(fmt(x, nd) for x in xs) if xs else ""
+        return f" ({' + '.join(fmt(x, nd) for x in xs)})" if xs and len(xs) > 1 else ""
+
+    n = rc["nodes"]
 
     rows = [
         ("max rps", fmt(a["rps"], 0), fmt(b["rps"], 0), ratio(b["rps"], a["rps"])),
         ("gateway CPU µs/req", fmt(a["cpu_us_per_req"], 1), fmt(b["cpu_us_per_req"], 1),
          ratio(b["cpu_us_per_req"], a["cpu_us_per_req"])),
-        (f"Redis CPU µs/req (cluster: summed over {rc['nodes']} nodes)", fmt(a["redis_cpu_us_per_req"], 2),
-         f"{fmt(b['redis_cpu_us_per_req'], 2)} ({nodes(rc.get('nodes_cpu_us_per_req'), 1)})",
+        (f"Redis CPU µs/req (cluster: summed over {n} node{'s' if n != 1 else ''})", fmt(a["redis_cpu_us_per_req"], 2),
+         f"{fmt(b['redis_cpu_us_per_req'], 2)}{nodes(rc.get('nodes_cpu_us_per_req'), 1)}",
          ratio(b["redis_cpu_us_per_req"], a["redis_cpu_us_per_req"])),
         ("script calls/req (cluster: summed over nodes)", fmt(a["script_calls_per_req"], 3),
-         f"{fmt(b['script_calls_per_req'], 3)} ({nodes(rc.get('nodes_script_calls_per_req'), 3)})",
+         f"{fmt(b['script_calls_per_req'], 3)}{nodes(rc.get('nodes_script_calls_per_req'), 3)}",
          ratio(b["script_calls_per_req"], a["script_calls_per_req"])),
         ("µs inside the script per call", fmt(a.get("redis_script_usec_per_call"), 2),
          fmt(b.get("redis_script_usec_per_call"), 2), ""),
@@ -135,7 +137,7 @@ def cluster_md(s: dict) -> list[str]:
         rows.append(("share answered 429 (clients over their limit)", fmt(100 * (a.get("share_429") or 0), 1) + " %",
                      fmt(100 * (b.get("share_429") or 0), 1) + " %", ""))
     cmds = ", ".join(f"{k} {v:g}" for k, v in (rc.get("commands_per_req") or {}).items())
-    L = [f"Redis Cluster ({rc['nodes']} masters, no replicas) beside the standalone Redis, same rounds (#17):", "",
+    L = [f"Redis Cluster ({n} master{'s' if n != 1 else ''}, no replicas) beside the standalone Redis, same rounds (#17):", "",
          "| | `gateway_redis` | `gateway_redis_cluster` | cluster / standalone |", "|---|--:|--:|--:|"]
     L += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
     L += ["", f"Commands per request on the cluster, summed over its nodes (those a script runs included): {cmds}.", ""]

@@ -21,7 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import (API_KEY, BARE, CLUSTER_NODES, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS,
+import common
+from common import (API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS,
                     MOCK, NGINX_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
 
 # --- processes ------------------------------------------------------------------
@@ -294,7 +295,7 @@ class Targets:
             self.our_pids.append(self.redis_proc.pid)
 
         if any(t in CLUSTER_TARGETS for t in targets):
-            self.start_cluster(cluster_ports(CLUSTER_NODES))
+            self.start_cluster(cluster_ports(common.CLUSTER_NODES))
         for r in ([self.redis] if self.redis else []) + self.cluster:
             self.used_memory_start[r.port] = int(r.info().get("used_memory", 0))
 
@@ -404,8 +405,9 @@ class Targets:
             wait_until(f"{t} (/readyz backend {want})", ready, 30, info["proc"], info["log"])
 
     def start_cluster(self, ports: list[int]) -> None:
-        """A Redis Cluster of CLUSTER_NODES masters (no replicas) on 127.0.0.1,
-        made with redis-cli --cluster create as tests/support/topology.rs does."""
+        """A Redis Cluster of `len(ports)` masters (no replicas) on 127.0.0.1,
+        made with redis-cli --cluster create as tests/support/topology.rs does
+        (which takes three or more; fewer are given the slots by hand)."""
         base = self.out / "redis-cluster"
         for port in ports:
             d = base / str(port)
@@ -423,14 +425,23 @@ class Targets:
             wait_until(f"redis-server (cluster node {port})", lambda r=r: r.cmd("PING").strip() == "PONG", 10, p, rl)
             self.cluster.append(r)
             self.our_pids.append(p.pid)
-        out = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
-        (self.out / "logs" / "redis-cluster-create.txt").write_text(out.stdout + out.stderr)
-        if out.returncode != 0:
-            raise BenchError(f"redis-cli --cluster create failed (logs/redis-cluster-create.txt):\n{out.stdout[-2000:]}")
+        if len(ports) >= 3:
+            out = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                                  "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            (self.out / "logs" / "redis-cluster-create.txt").write_text(out.stdout + out.stderr)
+            if out.returncode != 0:
+                raise BenchError(f"redis-cli --cluster create failed (logs/redis-cluster-create.txt):\n{out.stdout[-2000:]}")
+        else:
+            # Each node its even share of the 16384 slots, then one handshake.
+            for i, r in enumerate(self.cluster):
+                lo, hi = 16384 * i // len(ports), 16384 * (i + 1) // len(ports) - 1
+                if r.cmd("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)).strip() != "OK":
+                    raise BenchError(f"CLUSTER ADDSLOTSRANGE {lo} {hi} failed on node {r.port}")
+            for r in self.cluster[1:]:
+                self.cluster[0].cmd("CLUSTER", "MEET", "127.0.0.1", str(r.port))
         wait_until("the Redis Cluster (cluster_state:ok on every node)",
                    lambda: all("cluster_state:ok" in r.cmd("CLUSTER", "INFO") for r in self.cluster), 30)
-        log(f"Redis Cluster up: {CLUSTER_NODES} masters on ports {', '.join(map(str, ports))}")
+        log(f"Redis Cluster up: {len(ports)} masters on ports {', '.join(map(str, ports))}")
 
     def redis_nodes(self, target: str) -> list[Redis]:
         """The Redis servers a target's limiter uses (none for the others):
@@ -438,6 +449,12 @@ class Targets:
         if target in CLUSTER_TARGETS:
             return list(self.cluster)
         return [self.redis] if self.redis is not None else []
+
+    def redis_pids(self, target: str) -> list[int]:
+        """The processes of `redis_nodes(target)`."""
+        if target in CLUSTER_TARGETS:
+            return [r.proc.pid for r in self.cluster if r.proc is not None]
+        return [self.redis_proc.pid] if self.redis is not None and target in REDIS_TARGETS else []
 
     def start_nginx(self, t: str, port: int, upstream: str) -> None:
         """One nginx (master + workers) for nginx_limit_req or nginx_tls, from nginx.conf."""
