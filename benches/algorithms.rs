@@ -80,6 +80,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     algorithm: tb(400, 100.0),
                     shadow: false,
                     cost: 1,
+                    shards: 1,
                 },
                 Check {
                     tier: Tier::Key,
@@ -87,6 +88,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     algorithm: tb(20, 10.0),
                     shadow: false,
                     cost: 1,
+                    shards: 1,
                 },
                 Check {
                     tier: Tier::Route,
@@ -94,6 +96,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     algorithm: tb(20, 10.0),
                     shadow: false,
                     cost: 1,
+                    shards: 1,
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))

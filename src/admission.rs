@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,6 +48,86 @@ struct RouteRule {
     scope: Scope,
     key: LimitKey,
     missing: Missing,
+    /// A global limit's sub-buckets (`shards`), by name; empty if not split.
+    shards: Vec<String>,
+    /// Which sub-bucket the next request takes: each replica deals its
+    /// requests out in turn, so the sub-buckets fill evenly.
+    next_shard: AtomicUsize,
+}
+
+impl RouteRule {
+    fn new(key_prefix: &str, name: &str, l: &crate::config::Limit) -> Self {
+        let k = l.shards.max(1);
+        let mut rule = Rule::new(
+            key_prefix,
+            Tier::Route,
+            name,
+            share(&l.algorithm, k),
+            l.shadow,
+        );
+        rule.cost = l.cost;
+        rule.shards = k;
+        let shards = if k > 1 {
+            (0..k).map(|i| shard_name(&rule.prefix, i, k)).collect()
+        } else {
+            Vec::new()
+        };
+        RouteRule {
+            rule,
+            scope: l.scope,
+            key: l.key.clone(),
+            missing: l.missing,
+            shards,
+            next_shard: AtomicUsize::new(0),
+        }
+    }
+
+    /// The check of a request whose bucket is `identity`'s; for a split
+    /// global limit, the next sub-bucket in turn.
+    fn check(&self, identity: &str) -> Check {
+        if self.shards.is_empty() {
+            return self.rule.check(identity);
+        }
+        let i = self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards.len();
+        self.rule.check_named(self.shards[i].clone())
+    }
+}
+
+/// 1/k of a rule: what each of a global limit's k sub-buckets holds
+/// (`config::limits` checked that k divides its quota).
+fn share(alg: &Algorithm, k: u64) -> Algorithm {
+    match *alg {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        } => Algorithm::TokenBucket {
+            capacity: capacity / k,
+            refill_per_sec: refill_per_sec / k as f64,
+        },
+        Algorithm::FixedWindow { limit, window_secs } => Algorithm::FixedWindow {
+            limit: limit / k,
+            window_secs,
+        },
+        Algorithm::SlidingWindow { limit, window_secs } => Algorithm::SlidingWindow {
+            limit: limit / k,
+            window_secs,
+        },
+        other => other,
+    }
+}
+
+/// The name of sub-bucket `i` of `k`: `global/I{TAG}`, where the hash tag is
+/// the first whose Redis Cluster slot lies in the i-th k-th of the slot
+/// space. Masters serve contiguous slot ranges, so sub-buckets spread over
+/// them evenly (k a multiple of the masters: exactly), where names hashed
+/// as they come could put several on one master.
+fn shard_name(rule_prefix: &str, i: u64, k: u64) -> String {
+    let (lo, hi) = (i * 16384 / k, (i + 1) * 16384 / k);
+    let tag = (0u64..)
+        .map(|n| format!("{{s{i}.{n}}}"))
+        .find(|t| (lo..hi).contains(&(crate::limiter::slot(t) as u64)))
+        .expect("every slot range is hit by some tag");
+    format!("{rule_prefix}global/{i}{tag}")
 }
 
 /// One rule of one tier, with the constant head of its buckets' names
@@ -56,6 +137,8 @@ struct Rule {
     algorithm: Algorithm,
     shadow: bool,
     cost: u64,
+    /// How many sub-buckets share the rule (`algorithm` is one's share).
+    shards: u64,
     prefix: String,
 }
 
@@ -67,17 +150,23 @@ impl Rule {
             algorithm,
             shadow,
             cost: 1,
+            shards: 1,
         }
     }
 
     /// The check of `identity`'s bucket under this rule.
     fn check(&self, identity: &str) -> Check {
+        self.check_named(bucket_name(&self.prefix, identity))
+    }
+
+    fn check_named(&self, key: String) -> Check {
         Check {
             tier: self.tier,
-            key: bucket_name(&self.prefix, identity),
+            key,
             algorithm: self.algorithm,
             shadow: self.shadow,
             cost: self.cost,
+            shards: self.shards,
         }
     }
 }
@@ -109,17 +198,7 @@ impl Policy {
         let route_rules = config
             .routes
             .iter()
-            .map(|r| {
-                r.limit.as_ref().map(|l| RouteRule {
-                    rule: Rule {
-                        cost: l.cost,
-                        ..Rule::new(p, Tier::Route, &r.name, l.algorithm, l.shadow)
-                    },
-                    scope: l.scope,
-                    key: l.key.clone(),
-                    missing: l.missing,
-                })
-            })
+            .map(|r| r.limit.as_ref().map(|l| RouteRule::new(p, &r.name, l)))
             .collect();
         let style = config.limiter.headers;
         let route_cors = config
@@ -308,7 +387,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             }
         }
         if let (Some(rr), Some(identity)) = (&policy.route_rules[route], &route_identity) {
-            checks.push(rr.rule.check(identity));
+            checks.push(rr.check(identity));
         }
     }
     Ok(Plan {
@@ -455,10 +534,16 @@ pub fn buckets(
             (_, _, None, own) if rr.missing == Missing::Client => own.map(str::to_string),
             _ => None,
         };
-        if let Some(identity) = identity {
+        let route_name = || Some(cfg.routes[i].name.clone());
+        if rr.scope == Scope::Global && !rr.shards.is_empty() {
+            out.extend(rr.shards.iter().map(|name| Bucket {
+                check: rr.rule.check_named(name.clone()),
+                route: route_name(),
+            }));
+        } else if let Some(identity) = identity {
             out.push(Bucket {
                 check: rr.rule.check(&identity),
-                route: Some(cfg.routes[i].name.clone()),
+                route: route_name(),
             });
         }
     }
@@ -532,7 +617,7 @@ pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclu
     if verdict.admitted(checks) {
         // Most restrictive: least remaining, then the longest until reset.
         let (c, d) = pairs()
-            .min_by_key(|(_, d)| (d.remaining, std::cmp::Reverse(d.reset_after_us)))
+            .min_by_key(|(c, d)| (d.remaining * c.shards, std::cmp::Reverse(d.reset_after_us)))
             .expect("checks is not empty");
         let delay = pairs()
             .filter(|(_, d)| d.allowed)
@@ -575,8 +660,13 @@ fn headers(
     let mut out = Vec::with_capacity(6);
     if style.x_ratelimit() {
         let reset_at = (now_us.max(0) as u64 + reset_us).div_ceil(1_000_000);
-        out.push(("x-ratelimit-limit", HeaderValue::from(d.limit)));
-        out.push(("x-ratelimit-remaining", HeaderValue::from(d.remaining)));
+        // A sub-bucket of a split global limit speaks for the whole: its
+        // share times the shards (remaining: an estimate, see README).
+        out.push(("x-ratelimit-limit", HeaderValue::from(d.limit * c.shards)));
+        out.push((
+            "x-ratelimit-remaining",
+            HeaderValue::from(d.remaining * c.shards),
+        ));
         out.push(("x-ratelimit-reset", HeaderValue::from(reset_at)));
     }
     if style.ietf() {
@@ -586,12 +676,13 @@ fn headers(
                 policy.push_str(", ");
             }
             let (q, w) = quota_window(&check.algorithm);
+            let q = q * check.shards;
             let _ = write!(policy, "\"{}\";q={q};w={w}", check.tier);
         }
         let current = format!(
             "\"{}\";r={};t={}",
             c.tier,
-            d.remaining,
+            d.remaining * c.shards,
             reset_us.div_ceil(1_000_000)
         );
         // Tier names and digits: always valid header text.
@@ -630,5 +721,65 @@ pub fn backend_of(outcome: &Outcome) -> &'static str {
         Outcome::Decided { backend, .. } => backend.as_str(),
         Outcome::FailOpen => "fail-open",
         Outcome::FailClosed => "fail-closed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::slot;
+
+    fn global(capacity: u64, shards: u64) -> crate::config::Limit {
+        crate::config::Limit {
+            algorithm: Algorithm::TokenBucket {
+                capacity,
+                refill_per_sec: 4.0,
+            },
+            scope: Scope::Global,
+            shadow: false,
+            key: LimitKey::Client,
+            missing: Missing::Reject,
+            cost: 1,
+            shards,
+        }
+    }
+
+    #[test]
+    fn a_split_global_limit_deals_its_sub_buckets_in_turn_each_holding_its_share() {
+        let rr = RouteRule::new("rl", "r", &global(12, 4));
+        let names: Vec<String> = (0..8).map(|_| rr.check("global").key).collect();
+        assert_eq!(names[..4], names[4..], "in turn, then again");
+        let distinct: std::collections::BTreeSet<_> = names.iter().collect();
+        assert_eq!(distinct.len(), 4);
+        let c = rr.check("global");
+        assert_eq!(c.shards, 4);
+        assert_eq!(
+            c.algorithm,
+            Algorithm::TokenBucket {
+                capacity: 3,
+                refill_per_sec: 1.0
+            }
+        );
+        assert!(c.key.starts_with("rl:route:r:tb-3-1:global/"), "{}", c.key);
+    }
+
+    #[test]
+    fn sub_bucket_i_of_k_lies_in_the_i_th_k_th_of_the_cluster_slots() {
+        for k in [2u64, 3, 4, 6, 16, 1024] {
+            for i in 0..k {
+                let s = slot(&shard_name("rl:route:r:tb-3-1:", i, k)) as u64;
+                assert!(
+                    (i * 16384 / k..(i + 1) * 16384 / k).contains(&s),
+                    "shard {i} of {k} in slot {s}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_unsplit_limit_keeps_its_one_bucket() {
+        let rr = RouteRule::new("rl", "r", &global(12, 1));
+        let c = rr.check("global");
+        assert_eq!((c.key.as_str(), c.shards), ("rl:route:r:tb-12-4:global", 1));
     }
 }

@@ -189,7 +189,7 @@ fn every_rule_of_the_contract_is_enforced() {
         (
             "[[routes]]\nname = \"w\"\npath_prefix = \"/w\"\nupstream = \"a\"\nlimit = { algorithm = \"token_bucket\", limit = 5, window_secs = 1 }\n",
             "routes[1].limit.limit (line 17)",
-            "unknown key; expected one of: algorithm, shadow, scope, key, missing, cost, capacity, refill_per_sec",
+            "unknown key; expected one of: algorithm, shadow, scope, key, missing, cost, shards, capacity, refill_per_sec",
         ),
         (
             "[redis]\nmode = \"sentinel\"\nurls = [\"redis://127.0.0.1:26379\"]\n",
@@ -241,6 +241,32 @@ fn every_rule_of_the_contract_is_enforced() {
             &limited("capacity = 4, refill_per_sec = 1, key = \"header:x-t\", missing = \"maybe\""),
             "routes[1].limit.missing",
             "expected one of",
+        ),
+        (
+            &limited("capacity = 8, refill_per_sec = 1, shards = 4"),
+            "routes[1].limit.shards",
+            "`shards` splits a global limit across Redis",
+        ),
+        (
+            &limited("capacity = 10, refill_per_sec = 1, scope = \"global\", shards = 4"),
+            "routes[1].limit.shards",
+            "capacity = 10 does not split into 4 equal shards: expected a multiple of 4",
+        ),
+        (
+            &limited("capacity = 8, refill_per_sec = 1, scope = \"global\", shards = 4, cost = 3"),
+            "routes[1].limit.shards",
+            "a request costing 3 could never be admitted: each of the 4 shards holds 2",
+        ),
+        (
+            &limited("capacity = 8, refill_per_sec = 1, scope = \"global\", shards = 0"),
+            "routes[1].limit.shards",
+            "expected",
+        ),
+        (
+            "[[routes]]\nname = \"lb\"\npath_prefix = \"/lb\"\nupstream = \"a\"\n\
+             limit = { algorithm = \"leaky_bucket\", rate_per_sec = 4, scope = \"global\", shards = 2 }\n",
+            "routes[1].limit.shards",
+            "`shards` applies to token_bucket, fixed_window and sliding_window limits, not leaky_bucket",
         ),
     ];
     for (extra, path, message) in cases {

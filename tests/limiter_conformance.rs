@@ -70,6 +70,7 @@ fn check(tier: Tier, rule: &str, alg: Algorithm, who: &str) -> Check {
         algorithm: alg,
         shadow: false,
         cost: 1,
+        shards: 1,
     }
 }
 

@@ -42,7 +42,7 @@ pub(super) fn limit(
     })?;
     let mut keys = vec!["algorithm", "shadow"];
     if with_scope {
-        keys.extend_from_slice(&["scope", "key", "missing", "cost"]);
+        keys.extend_from_slice(&["scope", "key", "missing", "cost", "shards"]);
     }
     keys.extend_from_slice(match kind {
         Kind::Token => &["capacity", "refill_per_sec"][..],
@@ -133,6 +133,10 @@ pub(super) fn limit(
         );
         return None;
     }
+    let shards = match t.get("shards") {
+        Some(v) => shards(r, &join(p, "shards"), v, scope, &algorithm, cost)?,
+        None => 1,
+    };
     if key == LimitKey::Client && t.get("missing").is_some() {
         r.error(
             &join(p, "missing"),
@@ -148,7 +152,68 @@ pub(super) fn limit(
         key,
         missing,
         cost,
+        shards,
     })
+}
+
+/// The most sub-buckets a global limit splits into.
+pub const MAX_SHARDS: u64 = 1024;
+
+/// A global limit's `shards`: K sub-buckets, each holding exactly 1/K of the
+/// quota (and of the rate), so together they never admit more than the
+/// whole. Token buckets and windows only: a leaky bucket's shaping and a
+/// log's per-request entries do not divide.
+fn shards(
+    r: &mut Reader<'_>,
+    path: &str,
+    v: &Value<'_>,
+    scope: Scope,
+    alg: &Algorithm,
+    cost: u64,
+) -> Option<u64> {
+    let k = r.int(path, v, 1, MAX_SHARDS)?;
+    let span = Some(v.span());
+    let fail = |r: &mut Reader<'_>, msg: String| {
+        r.error(path, span.as_ref(), msg);
+        None
+    };
+    if scope != Scope::Global {
+        return fail(
+            r,
+            "`shards` splits a global limit across Redis; a client-scoped limit is already one bucket per client: set scope = \"global\" or remove `shards`".into(),
+        );
+    }
+    let (name, quota) = match *alg {
+        Algorithm::TokenBucket { capacity, .. } => ("capacity", capacity),
+        Algorithm::FixedWindow { limit, .. } | Algorithm::SlidingWindow { limit, .. } => {
+            ("limit", limit)
+        }
+        _ => return fail(
+            r,
+            format!(
+                "`shards` applies to token_bucket, fixed_window and sliding_window limits, not {}",
+                alg.name()
+            ),
+        ),
+    };
+    if quota % k != 0 {
+        return fail(
+            r,
+            format!(
+                "{name} = {quota} does not split into {k} equal shards: expected a multiple of {k}"
+            ),
+        );
+    }
+    if cost > quota / k {
+        return fail(
+            r,
+            format!(
+                "a request costing {cost} could never be admitted: each of the {k} shards holds {}",
+                quota / k
+            ),
+        );
+    }
+    Some(k)
 }
 
 /// A route limit's `key`: `client`, `header:NAME`, `query:NAME`, or

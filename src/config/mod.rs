@@ -228,6 +228,9 @@ impl Config {
                     if l.cost != 1 {
                         let _ = write!(text, " cost={}", l.cost);
                     }
+                    if l.shards != 1 {
+                        let _ = write!(text, " shards={}", l.shards);
+                    }
                     text + shadow(l)
                 }
                 None => "no route limit".to_string(),

@@ -317,6 +317,8 @@ pub struct Limit {
     pub missing: Missing,
     /// Tokens each request takes, 1 to the rule's quota.
     pub cost: u64,
+    /// A global limit split into this many sub-buckets (1: not split).
+    pub shards: u64,
 }
 
 /// A route limit's `key`: the client (API key id, else IP), a request

@@ -145,6 +145,7 @@ mod tests {
             algorithm: alg,
             shadow: false,
             cost: 1,
+            shards: 1,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;

@@ -59,6 +59,9 @@ pub struct Check {
     pub shadow: bool,
     /// Tokens this request takes (a route's `cost`; 1 elsewhere).
     pub cost: u64,
+    /// The bucket is one of this many equal sub-buckets of a global limit
+    /// (its `shards`), holding 1/shards of it; 1 for every other bucket.
+    pub shards: u64,
 }
 
 /// What the backend said about a whole request.

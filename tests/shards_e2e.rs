@@ -1,0 +1,111 @@
+//! A global limit split into sub-buckets (`shards`), through real gateways:
+//! on one Redis shared by three replicas, and on a Redis Cluster, where the
+//! sub-buckets sit on different masters. Every count is against the exact
+//! bound: the sub-buckets together hold the limit, never more.
+
+mod support;
+
+use support::topology::ClusterGuard;
+use support::{GatewayGuard, RedisGuard, UpstreamGuard};
+
+fn config(redis: &str, instances: u32, up: &UpstreamGuard, capacity: u64, shards: u64) -> String {
+    format!(
+        r#"
+[server]
+listen = ["{{listen}}"]
+admin_listen = "{{admin}}"
+threads = 1
+grace_period_secs = 1
+
+[limiter]
+backend = "redis"
+instances = {instances}
+retry_after_jitter_ms = 0
+
+[redis]
+{redis}
+timeout_ms = 200
+probe_interval_ms = 100
+
+[[upstreams]]
+name = "up"
+servers = ["{addr}"]
+
+[[routes]]
+name = "match"
+path_prefix = "/match"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = {capacity}, refill_per_sec = 0.001, scope = "global", shards = {shards} }}
+"#,
+        addr = up.addr
+    )
+}
+
+/// Sends `per_gateway` requests through each gateway in turn (one from each,
+/// then again); returns the statuses and the last admitted response's
+/// X-RateLimit-Limit.
+fn flood(gws: &[GatewayGuard], per_gateway: usize) -> (Vec<u16>, Option<String>) {
+    let mut clients: Vec<_> = gws.iter().map(|g| g.client()).collect();
+    let mut statuses = Vec::new();
+    let mut limit = None;
+    for _ in 0..per_gateway {
+        for c in clients.iter_mut() {
+            let r = c.get("/match").expect("request");
+            if r.status == 200 {
+                limit = r.header("x-ratelimit-limit").map(str::to_string);
+            } else {
+                assert_eq!(r.status, 429, "{:?}", r.text());
+                assert!(r.header("retry-after").is_some());
+            }
+            statuses.push(r.status);
+        }
+    }
+    (statuses, limit)
+}
+
+#[test]
+fn three_replicas_on_one_redis_admit_exactly_a_split_limit() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let url = format!("urls = [\"{}\"]", redis.url());
+    let gws: Vec<GatewayGuard> = (0..3)
+        .map(|_| GatewayGuard::start(&config(&url, 3, &up, 12, 4)))
+        .collect();
+    // 24 requests, 8 per replica, each replica dealing its own to the 4
+    // sub-buckets of 3 in turn: every sub-bucket is offered 6 and admits 3.
+    let (statuses, limit) = flood(&gws, 8);
+    let admitted = statuses.iter().filter(|&&s| s == 200).count();
+    println!("split limit of 12 in 4 sub-buckets, 3 replicas, 24 requests: {admitted} admitted (bound 12)");
+    assert_eq!(admitted, 12);
+    assert_eq!(up.count("/match"), 12, "the upstream saw only the admitted");
+    assert_eq!(
+        limit.as_deref(),
+        Some("12"),
+        "a sub-bucket speaks for the whole limit"
+    );
+    let keys = redis.cmd(&["KEYS", "rl:route:match:*"]);
+    assert_eq!(keys.lines().count(), 4, "{keys}");
+}
+
+#[test]
+fn on_a_cluster_each_sub_bucket_lives_on_its_own_master() {
+    let cluster = ClusterGuard::start();
+    let up = UpstreamGuard::start();
+    let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let redis = format!("mode = \"cluster\"\nurls = [{}]", urls.join(", "));
+    let gws = [GatewayGuard::start(&config(&redis, 1, &up, 12, 3))];
+    let (statuses, _) = flood(&gws, 16);
+    let admitted = statuses.iter().filter(|&&s| s == 200).count();
+    println!("split limit of 12 in 3 sub-buckets on a 3-master cluster, 16 requests: {admitted} admitted (bound 12)");
+    assert_eq!(admitted, 12);
+    assert_eq!(up.count("/match"), 12);
+    let per_master: Vec<usize> = cluster
+        .masters()
+        .iter()
+        .map(|&i| {
+            let node = cluster.nodes[i].as_ref().expect("live master");
+            node.cmd(&["KEYS", "rl:route:match:*"]).lines().count()
+        })
+        .collect();
+    assert_eq!(per_master, [1, 1, 1], "one sub-bucket per master");
+}
