@@ -3,6 +3,11 @@
 
     loadtest/capacity.py SUMMARY.json [SUMMARY.json ...] [--md OUT.md] [--publish]
 
+A SUMMARY.json may also be loadtest/bench/script_cost.py's: its ceiling of one
+hot global bucket on one master (decisions per CPU-second at HOT_BATCH
+requests per call) then sizes the hot-key node and the `shards` a global
+limit needs.
+
 Reads loadtest/bench.sh's summary.json (one run, or several: a figure found
 in a later file replaces the same figure from an earlier one, so a
 many-clients run can follow a one-client run) and prints, for 10k, 100k and
@@ -65,8 +70,12 @@ RESIDENT_SHARE = 1.0
 # all of them, however many nodes the cluster has.
 HOT_KEY_SHARE = 0.05
 # Tiers per decision (ip, plan, route): one tier's share of a decision's
-# Redis CPU, on the node owning that tier's bucket.
+# Redis CPU, on the node owning that tier's bucket (used for the hot key only
+# when no script_cost.py run gives its measured ceiling).
 TIERS_PER_DECISION = 3
+# Requests per call reaching the hot bucket's master from one busy replica:
+# the benchmark's batches held about 15.
+HOT_BATCH = 16
 # The local fallback's cap per gateway process (local_max_entries).
 LOCAL_MAX_ENTRIES = 1_000_000
 # The gateway's own CPU when Redis is on another host: the benchmark's
@@ -91,6 +100,11 @@ def measured(paths: list[Path]) -> dict:
 
     for p in paths:
         s = json.loads(p.read_text())
+        if "hot" in s:  # loadtest/bench/script_cost.py
+            row = min(s["hot"], key=lambda r: abs(r["batch"] - HOT_BATCH))
+            put("hot_ceiling", row["decisions_per_cpu_second"],
+                f"{s.get('run', p.parent.name)}: hot[batch={row['batch']}].decisions_per_cpu_second")
+            continue
         name = Path((s.get("run") or {}).get("dir") or p.parent.name).name
         clients = (s.get("run") or {}).get("clients")
         tag = f"{name}" + (f", {clients['n']:,} clients" if clients else ", one client")
@@ -138,7 +152,8 @@ def plan(c: dict) -> list[dict]:
     node_cpu_us = REDIS_NODE_CPU_CORES * REDIS_NODE_CPU_TARGET * 1e6  # µs of CPU per second per node
     node_mem = REDIS_NODE_MEMORY_GIB * GIB
     node_net = REDIS_NODE_NET_GBIT * 1e9 / 8 * REDIS_NODE_NET_TARGET
-    hot_us_per_req = redis_us / TIERS_PER_DECISION
+    ceiling = value(c, "hot_ceiling")
+    hot_us_per_req = 1e6 / ceiling if ceiling else redis_us / TIERS_PER_DECISION
     rows = []
     for rps in RPS_STEPS:
         for clients in CLIENT_STEPS:
@@ -165,6 +180,9 @@ def plan(c: dict) -> list[dict]:
                 "cpu_masters": cpu_masters, "mem_masters": mem_masters, "net_masters": net_masters,
                 "redis_data_gib": data / GIB, "redis_memory_gib": data * (1 + REPLICAS_PER_MASTER) / GIB,
                 "hot_key_cores": hot,
+                # A global limit every request passes: the sub-buckets it needs
+                # so that none of their masters passes its target.
+                "global_shards": max(1, math.ceil(rps * hot_us_per_req / 1e6 / REDIS_NODE_CPU_TARGET)),
                 "local_mib_per_gateway": min(clients * BUCKETS_PER_CLIENT, LOCAL_MAX_ENTRIES) * local / 2 ** 20
                 if local else None,
                 "saturates_first": first,
@@ -194,6 +212,7 @@ def constants_md(c: dict) -> list[str]:
         "bucket_bytes.growth": "bytes per bucket in Redis, used_memory growth per key (the plan's when present)",
         "bucket_bytes.usage": "bytes per bucket in Redis, MEMORY USAGE (a lower bound: no dict/expiry overhead)",
         "local_bytes": "bytes per bucket on the local backend (gateway RSS)",
+        "hot_ceiling": f"one hot global bucket's master: decisions per CPU-second at {HOT_BATCH} requests per call",
     }
     for k, label in names.items():
         if k in c:
@@ -206,39 +225,47 @@ def constants_md(c: dict) -> list[str]:
           f"- a gateway core at {GATEWAY_CORE_TARGET:.0%}; its CPU per request as measured on loopback",
           f"- {BUCKETS_PER_CLIENT} buckets per client (ip tier, route per client), "
           f"{RESIDENT_SHARE:.0%} of clients resident at once",
-          f"- the hottest bucket sees {HOT_KEY_SHARE:.0%} of requests; one tier costs 1/{TIERS_PER_DECISION} "
-          f"of a decision's Redis CPU on its node",
+          f"- the hottest bucket sees {HOT_KEY_SHARE:.0%} of requests; "
+          + ("its master's cost per request is the measured ceiling's" if "hot_ceiling" in c else
+             f"one tier costs 1/{TIERS_PER_DECISION} of a decision's Redis CPU on its node"),
+          "- *shards for one global limit*: the sub-buckets (`shards`) a global limit that every request passes "
+          f"needs to keep each master under {REDIS_NODE_CPU_TARGET:.0%}",
           f"- the local fallback holds at most {LOCAL_MAX_ENTRIES:,} buckets per gateway process"]
     return L
 
 
 def table_md(rows: list[dict]) -> list[str]:
     L = ["| rps | clients | gateway cores | Redis masters (CPU / memory / network) | Redis nodes with replicas "
-         "| Redis memory (data × copies) | hot-key node CPU | local fallback per gateway | saturates first |",
-         "|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+         "| Redis memory (data × copies) | hot-key node CPU | shards for one global limit "
+         "| local fallback per gateway | saturates first |",
+         "|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     for r in rows:
         local = f"{r['local_mib_per_gateway']:,.0f} MiB" if r["local_mib_per_gateway"] is not None else "n/a"
         L.append(f"| {human(r['rps'])} | {human(r['clients'])} | {r['gateway_cores']:,.1f} | "
                  f"**{r['masters']}** ({r['cpu_masters']:.2f} / {r['mem_masters']:.2f} / {r['net_masters']:.2f}) | "
                  f"{r['redis_nodes']} | {r['redis_memory_gib']:,.1f} GiB ({r['redis_data_gib']:,.1f} × "
-                 f"{1 + REPLICAS_PER_MASTER}) | {r['hot_key_cores']:.2f} cores | {local} | {r['saturates_first']} |")
+                 f"{1 + REPLICAS_PER_MASTER}) | {r['hot_key_cores']:.2f} cores | {r['global_shards']} | {local} | "
+                 f"{r['saturates_first']} |")
     return L
 
 
 def table_text(rows: list[dict]) -> str:
-    head = ("rps", "clients", "gw cores", "masters", "cpu/mem/net", "nodes", "Redis GiB", "hot key", "saturates first")
+    head = ("rps", "clients", "gw cores", "masters", "cpu/mem/net", "nodes", "Redis GiB", "hot key", "shards",
+            "saturates first")
     out = [head]
     for r in rows:
         out.append((human(r["rps"]), human(r["clients"]), f"{r['gateway_cores']:,.1f}", str(r["masters"]),
                     f"{r['cpu_masters']:.2f}/{r['mem_masters']:.2f}/{r['net_masters']:.2f}", str(r["redis_nodes"]),
-                    f"{r['redis_memory_gib']:,.1f}", f"{r['hot_key_cores']:.2f}", r["saturates_first"]))
+                    f"{r['redis_memory_gib']:,.1f}", f"{r['hot_key_cores']:.2f}", str(r["global_shards"]),
+                    r["saturates_first"]))
     w = [max(len(row[i]) for row in out) for i in range(len(head))]
     return "\n".join("  ".join(x.rjust(w[i]) if i < len(head) - 1 else x for i, x in enumerate(row)) for row in out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="capacity.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("summaries", nargs="+", type=Path, help="summary.json of loadtest/bench.sh runs")
+    ap.add_argument("summaries", nargs="+", type=Path,
+                    help="summary.json of loadtest/bench.sh runs (and of a loadtest/bench/script_cost.py run)")
     ap.add_argument("--md", type=Path, help="where the markdown goes (default: capacity.md beside the last summary)")
     ap.add_argument("--publish", action="store_true", help="also into BENCHMARKS.md, between its capacity markers")
     a = ap.parse_args()
