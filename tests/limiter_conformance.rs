@@ -145,9 +145,12 @@ async fn huge_rates_never_report_more_than_the_limit() {
 #[tokio::test]
 async fn leaky_bucket_shapes() {
     let p = Pair::new();
+    // Seconds, not milliseconds: the bucket's key lives in Redis for its
+    // delay in real time while the test's clock stands still, and a loaded
+    // machine may take milliseconds between two calls.
     let alg = Algorithm::LeakyBucket {
-        rate_per_sec: 3000.0,
-        max_delay_ms: 2,
+        rate_per_sec: 3.0,
+        max_delay_ms: 2000,
     };
     let c = [check(Tier::Route, "loc", alg, "global")];
     let mut delays = Vec::new();
@@ -159,9 +162,12 @@ async fn leaky_bucket_shapes() {
             -(d[0].retry_after_us as i64)
         });
     }
-    // 333.33 us apart (TAT is an f64 near 1.7e15 us, a quarter-microsecond
-    // grid, hence 1333); the 8th would wait 2333 us > 2 ms.
-    assert_eq!(delays, [0, 334, 667, 1000, 1333, 1667, 2000, -333]);
+    // 333,333.33 us apart (TAT is an f64 near 1.7e15 us, a quarter-microsecond
+    // grid, hence 1,333,333); the 8th would wait 2.33 s > 2 s.
+    assert_eq!(
+        delays,
+        [0, 333_334, 666_667, 1_000_000, 1_333_333, 1_666_667, 2_000_000, -333_333]
+    );
 }
 
 #[tokio::test]

@@ -188,13 +188,15 @@ fn shards(
         Algorithm::FixedWindow { limit, .. } | Algorithm::SlidingWindow { limit, .. } => {
             ("limit", limit)
         }
-        _ => return fail(
-            r,
-            format!(
+        _ => {
+            return fail(
+                r,
+                format!(
                 "`shards` applies to token_bucket, fixed_window and sliding_window limits, not {}",
                 alg.name()
             ),
-        ),
+            )
+        }
     };
     if quota % k != 0 {
         return fail(

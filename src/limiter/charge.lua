@@ -35,8 +35,11 @@ local floor, max, format = math.floor, math.max, string.format
 local call, tonum = redis.call, tonumber
 
 local now
+-- As in limiter.lua: keys of a caller naming `now` live at least a minute.
+local min_px = 1
 if ARGV[1] ~= '' then
   now = tonum(ARGV[1])
+  min_px = 60000
 else
   local t = call('TIME')
   now = tonum(t[1]) * 1000000 + tonum(t[2])
@@ -93,7 +96,7 @@ for k = 1, #KEYS do
     if replayed > now then
       local out = replayed
       if replayed == floor(replayed) then out = format('%d', replayed) end
-      call('SET', key, out, 'PX', max(1, math.ceil(ceil_us(replayed - now) / 1000)))
+      call('SET', key, out, 'PX', max(min_px, math.ceil(ceil_us(replayed - now) / 1000)))
       written = written + 1
     end
   elseif kind == 3 then
@@ -110,7 +113,7 @@ for k = 1, #KEYS do
       local base = 0
       if sw == n then base = sc end
       local ttl = max(0, (n + 1) * w - now)
-      call('SET', key, format('%d %d', n, base + v[2]), 'PX', max(1, math.ceil(ttl / 1000)))
+      call('SET', key, format('%d %d', n, base + v[2]), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end
   elseif kind == 4 then
@@ -128,7 +131,7 @@ for k = 1, #KEYS do
     local dp, dc = roll(v[1], v[2], v[3], n)
     if dp ~= 0 or dc ~= 0 then
       local ttl = max(0, (n + 2) * w - now)
-      call('SET', key, format('%d %d %d', n, p0 + dp, c0 + dc), 'PX', max(1, math.ceil(ttl / 1000)))
+      call('SET', key, format('%d %d %d', n, p0 + dp, c0 + dc), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end
   else
@@ -143,7 +146,7 @@ for k = 1, #KEYS do
     end
     if any then
       call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now - w))
-      call('PEXPIRE', key, max(1, math.ceil(w / 1000)))
+      call('PEXPIRE', key, max(min_px, math.ceil(w / 1000)))
       written = written + 1
     end
   end
