@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::{GatewayGuard, UpstreamGuard};
+use support::{GatewayGuard, UpstreamGuard, SERVER};
 use tempfile::TempDir;
 
 /// Requests the route admits (its token bucket's capacity).
@@ -38,11 +38,7 @@ const NO_CHROMIUM: &str = "chromium is not installed (no `chromium` on PATH): ru
 fn config(up: &UpstreamGuard, page_origin: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 backend = "local"

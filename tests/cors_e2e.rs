@@ -7,18 +7,14 @@
 mod support;
 
 use support::http::Response;
-use support::{GatewayGuard, UpstreamGuard};
+use support::{GatewayGuard, UpstreamGuard, SERVER};
 
 const APP: &str = "https://app.example.com";
 
 fn config(up: &UpstreamGuard) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 backend = "local"

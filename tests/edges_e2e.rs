@@ -9,7 +9,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::topology::{SentinelGuard, MASTER_NAME};
-use support::{wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 /// A gateway on `redis_url` with a key plan, an IP tier and a route limit
 /// (each `None`: off). `extra_limiter` goes into `[limiter]`.
@@ -41,11 +41,7 @@ impl Setup<'_> {
             .map_or(String::new(), |l| format!("limit = {l}\n"));
         format!(
             r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 {server_extra}
 
 [limiter]

@@ -9,7 +9,7 @@ mod support;
 use std::time::Duration;
 
 use support::load::{Load, Report};
-use support::{free_port, Client, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{free_port, Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER_2_THREADS};
 
 const BUDGET_MS: u64 = 15;
 
@@ -22,11 +22,7 @@ fn config(
 ) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 
 [limiter]
 backend = "redis"

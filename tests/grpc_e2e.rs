@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::pki::Pki;
-use support::{free_port, wait_for, GatewayGuard};
+use support::{free_port, wait_for, GatewayGuard, SERVER_2_THREADS};
 
 /// The repo's virtualenv interpreter, checked to have `grpc`: without it
 /// every test here would fail in a confusing way, so say how to fix it.
@@ -155,11 +155,7 @@ fn gateway(server: &EchoServer, limit: Option<&str>, extra: &str) -> GatewayGuar
     let limit = limit.map(|l| format!("limit = {l}")).unwrap_or_default();
     GatewayGuard::start(&format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 h2c = true
 {extra}
 

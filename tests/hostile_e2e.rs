@@ -8,16 +8,12 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use support::{raw_exchange, wait_for, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{raw_exchange, wait_for, GatewayGuard, RedisGuard, UpstreamGuard, SERVER_2_THREADS};
 
 fn config(backend: &str, up: &UpstreamGuard, extra: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 header_read_timeout_ms = 1000
 max_request_headers = 50
 

@@ -5,16 +5,12 @@
 
 mod support;
 
-use support::{GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 fn config(up: &UpstreamGuard, backend: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 retry_after_jitter_ms = 0

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
@@ -19,11 +19,7 @@ const TOKEN: &str = "test-admin-token-0123456789";
 fn config(up: &UpstreamGuard, backend: &str, admin: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 {admin}
 

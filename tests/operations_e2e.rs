@@ -7,16 +7,14 @@ mod support;
 
 use std::time::Duration;
 
-use support::{free_port, wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{
+    free_port, wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER_2_THREADS,
+};
 
 fn config(redis_url: &str, up: &UpstreamGuard, route_limit: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 
 [limiter]
 backend = "redis"

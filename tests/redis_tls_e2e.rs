@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use support::pki::Pki;
-use support::{free_port, wait_for, GatewayGuard, UpstreamGuard};
+use support::{free_port, wait_for, GatewayGuard, UpstreamGuard, SERVER};
 
 /// A TLS-only `redis-server`, stopped by PID on drop.
 struct TlsRedis {
@@ -86,11 +86,7 @@ impl Drop for TlsRedis {
 fn config(port: u16, ca_file: &str, up: &UpstreamGuard) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 backend = "redis"

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use support::{free_port, Client, GatewayGuard, UpstreamGuard};
+use support::{free_port, Client, GatewayGuard, UpstreamGuard, SERVER_2_THREADS};
 
 /// `curl` a path on the gateway with a Host header; returns the status.
 fn with_host(gw: &GatewayGuard, host: &str, path: &str) -> u16 {
@@ -34,11 +34,7 @@ fn with_host(gw: &GatewayGuard, host: &str, path: &str) -> u16 {
 fn base(upstreams: &str, routes: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 
 [limiter]
 backend = "local"

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{Client, GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 const CLIENTS: usize = 48;
 const HOGS: usize = 2;
@@ -33,11 +33,7 @@ const LATE_REDIS: &str = "gateway_redis_late_calls_total{verdict=\"redis\"}";
 fn config(redis: &RedisGuard, up: &UpstreamGuard) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 backend = "redis"

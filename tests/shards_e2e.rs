@@ -6,16 +6,12 @@
 mod support;
 
 use support::topology::ClusterGuard;
-use support::{GatewayGuard, RedisGuard, UpstreamGuard};
+use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 fn config(redis: &str, instances: u32, up: &UpstreamGuard, capacity: u64, shards: u64) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 backend = "redis"

@@ -9,17 +9,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{Client, GatewayGuard, RedisGuard, Response, UpstreamGuard};
+use support::{Client, GatewayGuard, RedisGuard, Response, UpstreamGuard, SERVER_2_THREADS};
 
 /// A config with one upstream, the given tiers and routes, on Redis.
 fn config(redis: &RedisGuard, up: &UpstreamGuard, body: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 
 [limiter]
 backend = "redis"

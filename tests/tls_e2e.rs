@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support::pki::Pki;
-use support::{free_port, wait_for, GatewayGuard, UpstreamGuard};
+use support::{free_port, wait_for, GatewayGuard, UpstreamGuard, SERVER, SERVER_2_THREADS};
 
 struct Setup {
     pki: Pki,
@@ -41,11 +41,7 @@ fn start(pki: Pki, certs: &[&str]) -> Setup {
         .collect();
     let cfg = format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 h2c = true
 
 [server.tls]
@@ -380,11 +376,7 @@ fn grpc_requests_get_grpc_refusals() {
 fn front(upstream: &str) -> GatewayGuard {
     GatewayGuard::start(&format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 1
-grace_period_secs = 1
+{SERVER}
 
 [limiter]
 backend = "local"

@@ -8,16 +8,12 @@ use std::time::Duration;
 
 use support::load::Load;
 use support::topology::{ClusterGuard, SentinelGuard, MASTER_NAME};
-use support::{wait_for, GatewayGuard, UpstreamGuard};
+use support::{wait_for, GatewayGuard, UpstreamGuard, SERVER_2_THREADS};
 
 fn config(redis: &str, up: &UpstreamGuard, tiers: &str) -> String {
     format!(
         r#"
-[server]
-listen = ["{{listen}}"]
-admin_listen = "{{admin}}"
-threads = 2
-grace_period_secs = 1
+{SERVER_2_THREADS}
 
 [limiter]
 backend = "redis"

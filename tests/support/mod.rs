@@ -74,6 +74,22 @@ fn print_log(name: &str, path: &PathBuf) {
     }
 }
 
+/// A test gateway's `[server]` table (for a config written with `format!`):
+/// its listeners (the guard fills them in), one worker thread and a grace
+/// period of a second, so a stop is quick.
+pub const SERVER: &str = "[server]
+listen = [\"{listen}\"]
+admin_listen = \"{admin}\"
+threads = 1
+grace_period_secs = 1";
+
+/// `SERVER` with two worker threads.
+pub const SERVER_2_THREADS: &str = "[server]
+listen = [\"{listen}\"]
+admin_listen = \"{admin}\"
+threads = 2
+grace_period_secs = 1";
+
 /// A `redis-server` of our own.
 pub struct RedisGuard {
     pub port: u16,
