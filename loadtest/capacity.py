@@ -3,10 +3,11 @@
 
     loadtest/capacity.py SUMMARY.json [SUMMARY.json ...] [--md OUT.md] [--publish]
 
-A SUMMARY.json may also be loadtest/bench/script_cost.py's: its ceiling of one
-hot global bucket on one master (decisions per CPU-second at HOT_BATCH
-requests per call) then sizes the hot-key node and the `shards` a global
-limit needs.
+A SUMMARY.json may also be loadtest/bench/script_cost.py's: from one hot
+global bucket's cost per decision at two batch sizes it takes the bucket's
+own cost per request (what a request adds to a call that its batch makes
+anyway), which then sizes the hot-key node and the `shards` a global limit
+needs.
 
 Reads loadtest/bench.sh's summary.json (one run, or several: a figure found
 in a later file replaces the same figure from an earlier one, so a
@@ -73,9 +74,9 @@ HOT_KEY_SHARE = 0.05
 # Redis CPU, on the node owning that tier's bucket (used for the hot key only
 # when no script_cost.py run gives its measured ceiling).
 TIERS_PER_DECISION = 3
-# Requests per call reaching the hot bucket's master from one busy replica:
-# the benchmark's batches held about 15.
-HOT_BATCH = 16
+# A hot bucket may take this share of its master's budget; the rest serves
+# the calls and the other buckets every batch brings that master anyway.
+HOT_BUDGET_SHARE = 0.5
 # The local fallback's cap per gateway process (local_max_entries).
 LOCAL_MAX_ENTRIES = 1_000_000
 # The gateway's own CPU when Redis is on another host: the benchmark's
@@ -101,9 +102,14 @@ def measured(paths: list[Path]) -> dict:
     for p in paths:
         s = json.loads(p.read_text())
         if "hot" in s:  # loadtest/bench/script_cost.py
-            row = min(s["hot"], key=lambda r: abs(r["batch"] - HOT_BATCH))
-            put("hot_ceiling", row["decisions_per_cpu_second"],
-                f"{s.get('run', p.parent.name)}: hot[batch={row['batch']}].decisions_per_cpu_second")
+            # us per decision at batch B = per call / B + per request: the two
+            # largest batches give both.
+            lo, hi = sorted(s["hot"], key=lambda r: r["batch"])[-2:]
+            per_call = ((lo["us_per_decision"] - hi["us_per_decision"])
+                        / (1 / lo["batch"] - 1 / hi["batch"]))
+            src = f"{s.get('run', p.parent.name)}: hot[batch={lo['batch']}, {hi['batch']}].us_per_decision"
+            put("hot_us.request", hi["us_per_decision"] - per_call / hi["batch"], src)
+            put("hot_us.call", per_call, src)
             continue
         name = Path((s.get("run") or {}).get("dir") or p.parent.name).name
         clients = (s.get("run") or {}).get("clients")
@@ -152,8 +158,7 @@ def plan(c: dict) -> list[dict]:
     node_cpu_us = REDIS_NODE_CPU_CORES * REDIS_NODE_CPU_TARGET * 1e6  # µs of CPU per second per node
     node_mem = REDIS_NODE_MEMORY_GIB * GIB
     node_net = REDIS_NODE_NET_GBIT * 1e9 / 8 * REDIS_NODE_NET_TARGET
-    ceiling = value(c, "hot_ceiling")
-    hot_us_per_req = 1e6 / ceiling if ceiling else redis_us / TIERS_PER_DECISION
+    hot_us_per_req = value(c, "hot_us.request", default=redis_us / TIERS_PER_DECISION)
     rows = []
     for rps in RPS_STEPS:
         for clients in CLIENT_STEPS:
@@ -181,8 +186,9 @@ def plan(c: dict) -> list[dict]:
                 "redis_data_gib": data / GIB, "redis_memory_gib": data * (1 + REPLICAS_PER_MASTER) / GIB,
                 "hot_key_cores": hot,
                 # A global limit every request passes: the sub-buckets it needs
-                # so that none of their masters passes its target.
-                "global_shards": max(1, math.ceil(rps * hot_us_per_req / 1e6 / REDIS_NODE_CPU_TARGET)),
+                # so that each one's work stays within its share of a master.
+                "global_shards": max(1, math.ceil(
+                    rps * hot_us_per_req / 1e6 / (REDIS_NODE_CPU_TARGET * HOT_BUDGET_SHARE))),
                 "local_mib_per_gateway": min(clients * BUCKETS_PER_CLIENT, LOCAL_MAX_ENTRIES) * local / 2 ** 20
                 if local else None,
                 "saturates_first": first,
@@ -212,7 +218,8 @@ def constants_md(c: dict) -> list[str]:
         "bucket_bytes.growth": "bytes per bucket in Redis, used_memory growth per key (the plan's when present)",
         "bucket_bytes.usage": "bytes per bucket in Redis, MEMORY USAGE (a lower bound: no dict/expiry overhead)",
         "local_bytes": "bytes per bucket on the local backend (gateway RSS)",
-        "hot_ceiling": f"one hot global bucket's master: decisions per CPU-second at {HOT_BATCH} requests per call",
+        "hot_us.request": "one hot global bucket: Redis CPU µs a request adds on its master (the plan's)",
+        "hot_us.call": "one hot global bucket: Redis CPU µs per call (paid by the batch)",
     }
     for k, label in names.items():
         if k in c:
@@ -226,10 +233,11 @@ def constants_md(c: dict) -> list[str]:
           f"- {BUCKETS_PER_CLIENT} buckets per client (ip tier, route per client), "
           f"{RESIDENT_SHARE:.0%} of clients resident at once",
           f"- the hottest bucket sees {HOT_KEY_SHARE:.0%} of requests; "
-          + ("its master's cost per request is the measured ceiling's" if "hot_ceiling" in c else
+          + ("each adds the measured µs per request on its master" if "hot_us.request" in c else
              f"one tier costs 1/{TIERS_PER_DECISION} of a decision's Redis CPU on its node"),
           "- *shards for one global limit*: the sub-buckets (`shards`) a global limit that every request passes "
-          f"needs to keep each master under {REDIS_NODE_CPU_TARGET:.0%}",
+          f"needs so that each takes at most {HOT_BUDGET_SHARE:.0%} of a master's {REDIS_NODE_CPU_TARGET:.0%}; "
+          "a batch still calls every sub-bucket's master (the call is the batch's, counted in the masters' CPU)",
           f"- the local fallback holds at most {LOCAL_MAX_ENTRIES:,} buckets per gateway process"]
     return L
 

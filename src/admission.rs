@@ -51,8 +51,9 @@ struct RouteRule {
     /// A global limit's sub-buckets (`shards`), by name; empty if not split.
     shards: Vec<String>,
     /// Which sub-bucket the next request takes: each replica deals its
-    /// requests out in turn, so the sub-buckets fill evenly.
-    next_shard: AtomicUsize,
+    /// requests out in turn, so the sub-buckets fill evenly. Kept across
+    /// reloads that keep the rule (`dealer`).
+    next_shard: Arc<AtomicUsize>,
 }
 
 impl RouteRule {
@@ -67,10 +68,11 @@ impl RouteRule {
         );
         rule.cost = l.cost;
         rule.shards = k;
-        let shards = if k > 1 {
-            (0..k).map(|i| shard_name(&rule.prefix, i, k)).collect()
+        let (shards, next_shard) = if k > 1 {
+            let names = (0..k).map(|i| shard_name(&rule.prefix, i, k)).collect();
+            (names, dealer(&rule.prefix))
         } else {
-            Vec::new()
+            (Vec::new(), Arc::default())
         };
         RouteRule {
             rule,
@@ -78,7 +80,7 @@ impl RouteRule {
             key: l.key.clone(),
             missing: l.missing,
             shards,
-            next_shard: AtomicUsize::new(0),
+            next_shard,
         }
     }
 
@@ -91,6 +93,47 @@ impl RouteRule {
         let i = self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards.len();
         self.rule.check_named(self.shards[i].clone())
     }
+
+    /// A request dealt a sub-bucket that spent nothing there gives its turn
+    /// back: another tier rejected it (the sub-bucket admitted, or was never
+    /// asked, as when a remembered denial answered first). The sub-buckets
+    /// then take turns by what they admit, not by what they are offered. A
+    /// sub-bucket that rejected keeps the turn spent: the next one is tried.
+    fn settle(&self, checks: &[Check], outcome: &Outcome) {
+        let spent_or_empty = match outcome {
+            Outcome::Decided {
+                verdict,
+                checks: decided,
+                ..
+            } => {
+                verdict.admitted(decided)
+                    || decided
+                        .iter()
+                        .zip(&verdict.decisions)
+                        .any(|(c, d)| c.tier == Tier::Route && !d.allowed)
+            }
+            // Allowed or denied without Redis: nothing was spent anywhere.
+            Outcome::FailOpen | Outcome::FailClosed => false,
+        };
+        if !spent_or_empty && checks.iter().any(|c| c.tier == Tier::Route) {
+            self.next_shard.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The turn counter of a split rule, by its buckets' names' head (which
+/// carries its parameters): a reload that keeps the rule keeps dealing where
+/// it was, rather than starting again at the first sub-bucket.
+fn dealer(rule_prefix: &str) -> Arc<AtomicUsize> {
+    static DEALERS: std::sync::OnceLock<
+        parking_lot::Mutex<std::collections::HashMap<String, Arc<AtomicUsize>>>,
+    > = std::sync::OnceLock::new();
+    DEALERS
+        .get_or_init(Default::default)
+        .lock()
+        .entry(rule_prefix.to_string())
+        .or_default()
+        .clone()
 }
 
 /// 1/k of a rule: what each of a global limit's k sub-buckets holds
@@ -117,12 +160,14 @@ fn share(alg: &Algorithm, k: u64) -> Algorithm {
 }
 
 /// The name of sub-bucket `i` of `k`: `global/I{TAG}`, where the hash tag is
-/// the first whose Redis Cluster slot lies in the i-th k-th of the slot
-/// space. Masters serve contiguous slot ranges, so sub-buckets spread over
-/// them evenly (k a multiple of the masters: exactly), where names hashed
-/// as they come could put several on one master.
+/// the first whose Redis Cluster slot lies inside the i-th k-th of the slot
+/// space, a slot clear of its ends (`redis-cli --cluster create` rounds its
+/// masters' boundaries, which may fall one slot off a k-th's). Masters serve
+/// contiguous slot ranges, so sub-buckets spread over them evenly (k a
+/// multiple of the masters: the same number on each), where names hashed as
+/// they come could put several on one master.
 fn shard_name(rule_prefix: &str, i: u64, k: u64) -> String {
-    let (lo, hi) = (i * 16384 / k, (i + 1) * 16384 / k);
+    let (lo, hi) = (i * 16384 / k + 2, (i + 1) * 16384 / k - 2);
     let tag = (0u64..)
         .map(|n| format!("{{s{i}.{n}}}"))
         .find(|t| (lo..hi).contains(&(crate::limiter::slot(t) as u64)))
@@ -219,6 +264,16 @@ impl Policy {
             plan_rules,
             route_rules,
             config,
+        }
+    }
+
+    /// After a request's decision: a split global limit's turn goes back
+    /// if the request spent nothing on it (`RouteRule::settle`).
+    pub fn settle(&self, plan: &Plan, outcome: &Outcome) {
+        if let Some(rr) = &self.route_rules[plan.route] {
+            if !rr.shards.is_empty() {
+                rr.settle(&plan.checks, outcome);
+            }
         }
     }
 
@@ -471,6 +526,24 @@ pub enum Subject {
 pub struct Bucket {
     pub check: Check,
     pub route: Option<String>,
+    /// Which sub-bucket of a split global limit (from 0), if it is one.
+    pub shard: Option<u64>,
+}
+
+impl Bucket {
+    /// What an operator is shown of the bucket: its tier, route and
+    /// algorithm, and for a sub-bucket `"2 of 4"` (its limit is its share).
+    pub fn describe(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "tier": self.check.tier.as_str(),
+            "route": self.route,
+            "algorithm": self.check.algorithm.name(),
+        });
+        if let Some(i) = self.shard {
+            v["sub_bucket"] = format!("{} of {}", i + 1, self.check.shards).into();
+        }
+        v
+    }
 }
 
 /// The buckets a subject's requests are charged to: its own tier bucket
@@ -516,6 +589,7 @@ pub fn buckets(
         out.push(Bucket {
             check: rule.check(identity),
             route: None,
+            shard: None,
         });
     }
     for i in routes {
@@ -536,14 +610,16 @@ pub fn buckets(
         };
         let route_name = || Some(cfg.routes[i].name.clone());
         if rr.scope == Scope::Global && !rr.shards.is_empty() {
-            out.extend(rr.shards.iter().map(|name| Bucket {
+            out.extend(rr.shards.iter().zip(0..).map(|(name, i)| Bucket {
                 check: rr.rule.check_named(name.clone()),
                 route: route_name(),
+                shard: Some(i),
             }));
         } else if let Some(identity) = identity {
             out.push(Bucket {
                 check: rr.rule.check(&identity),
                 route: route_name(),
+                shard: None,
             });
         }
     }
@@ -765,11 +841,12 @@ mod tests {
 
     #[test]
     fn sub_bucket_i_of_k_lies_in_the_i_th_k_th_of_the_cluster_slots() {
-        for k in [2u64, 3, 4, 6, 16, 1024] {
+        for k in [2u64, 3, 4, 6, 16, 128] {
             for i in 0..k {
                 let s = slot(&shard_name("rl:route:r:tb-3-1:", i, k)) as u64;
+                // Clear of the ends, where a master's boundary may fall.
                 assert!(
-                    (i * 16384 / k..(i + 1) * 16384 / k).contains(&s),
+                    (i * 16384 / k + 2..(i + 1) * 16384 / k - 2).contains(&s),
                     "shard {i} of {k} in slot {s}"
                 );
             }
@@ -781,5 +858,57 @@ mod tests {
         let rr = RouteRule::new("rl", "r", &global(12, 1));
         let c = rr.check("global");
         assert_eq!((c.key.as_str(), c.shards), ("rl:route:r:tb-12-4:global", 1));
+    }
+
+    fn decided_by(checks: Vec<Check>, allowed: &[bool]) -> Outcome {
+        let decisions = allowed
+            .iter()
+            .map(|&allowed| Decision {
+                allowed,
+                limit: 3,
+                remaining: 0,
+                retry_after_us: 0,
+                reset_after_us: 0,
+                delay_us: 0,
+            })
+            .collect();
+        Outcome::Decided {
+            verdict: crate::limiter::Verdict {
+                decisions,
+                now_us: 0,
+            },
+            backend: crate::limiter::FallbackState::Redis,
+            checks: checks.into(),
+        }
+    }
+
+    #[test]
+    fn a_turn_that_spent_nothing_is_given_back() {
+        // Its own rule name: the dealer is shared by every rule of the process.
+        let rr = RouteRule::new("settle", "r", &global(12, 4));
+        let ip = Check {
+            tier: Tier::Ip,
+            ..rr.rule.check("ip:1.2.3.4")
+        };
+        let settle = |route: &Check, decided: Vec<Check>, allowed: &[bool]| {
+            rr.settle(&[ip.clone(), route.clone()], &decided_by(decided, allowed));
+        };
+        // Another tier rejected it while its sub-bucket admitted (so it was
+        // refunded, or never charged): the next request gets the same one.
+        let a = rr.check("global");
+        settle(&a, vec![ip.clone(), a.clone()], &[false, true]);
+        let b = rr.check("global");
+        assert_eq!(b.key, a.key);
+        // A remembered denial of another tier answered alone: the same.
+        settle(&b, vec![ip.clone()], &[false]);
+        let c = rr.check("global");
+        assert_eq!(c.key, a.key);
+        // The sub-bucket itself was empty: the turn is spent, the next is tried.
+        settle(&c, vec![ip.clone(), c.clone()], &[true, false]);
+        let d = rr.check("global");
+        assert_ne!(d.key, c.key);
+        // Admitted: spent.
+        settle(&d, vec![ip.clone(), d.clone()], &[true, true]);
+        assert_ne!(rr.check("global").key, d.key);
     }
 }

@@ -47,10 +47,7 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
             let redis = RedisBackend::from_settings(settings, None)
                 .map_err(|e| unreachable(e.to_string()))?;
             let redact = |e: String| redis.redact(&e);
-            let describe = |i: usize| {
-                let b = &buckets[i];
-                json!({"tier": b.check.tier.as_str(), "route": b.route, "algorithm": b.check.algorithm.name()})
-            };
+            let describe = |i: usize| buckets[i].describe();
             rt.block_on(async {
                 if ask.reset {
                     let keys: Vec<&str> = checks.iter().map(|c| c.key.as_str()).collect();
@@ -171,15 +168,24 @@ pub fn table(answer: &Value) -> String {
             "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {}\n",
             "tier", "route", "algorithm", "limit", "remaining", "reset_ms", "backend"
         ));
+        // A split global limit's sub-buckets: "route (2 of 4)".
+        let route = |b: &Value| {
+            let name = b["route"].as_str().unwrap_or("-");
+            match b["sub_bucket"].as_str() {
+                Some(s) => format!("{name} ({s})"),
+                None => name.to_string(),
+            }
+        };
         for b in list {
             out.push_str(&format!(
                 "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {}\n",
                 b["tier"].as_str().unwrap_or("?"),
-                b["route"].as_str().unwrap_or("-"),
+                route(b),
                 b["algorithm"].as_str().unwrap_or("?"),
-                b["limit"],
-                b["remaining"],
-                b["reset_ms"],
+                // JSON values ignore a width: print them as text first.
+                b["limit"].to_string(),
+                b["remaining"].to_string(),
+                b["reset_ms"].to_string(),
                 b["backend"].as_str().unwrap_or("?"),
             ));
         }

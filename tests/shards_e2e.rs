@@ -81,6 +81,35 @@ fn three_replicas_on_one_redis_admit_exactly_a_split_limit() {
     );
     let keys = redis.cmd(&["KEYS", "rl:route:match:*"]);
     assert_eq!(keys.lines().count(), 4, "{keys}");
+    // An operator sees each sub-bucket (its share, spent) and resets them all.
+    let limits = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .arg("limits")
+            .args(args)
+            .args(["--ip", "127.0.0.1", "--route", "match", "--config"])
+            .arg(&gws[0].config_path)
+            .output()
+            .expect("gateway limits");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let shown = limits(&["show"]);
+    for i in 1..=4 {
+        assert!(
+            shown.contains(&format!("match ({i} of 4)")),
+            "sub-bucket {i} listed:\n{shown}"
+        );
+    }
+    let spent = shown
+        .lines()
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.windows(3).any(|w| w == ["token_bucket", "3", "0"])
+        })
+        .count();
+    assert_eq!(spent, 4, "each holds 3, all spent:\n{shown}");
+    limits(&["reset"]);
+    assert_eq!(redis.cmd(&["KEYS", "rl:route:match:*"]).trim(), "");
 }
 
 #[test]
@@ -104,4 +133,67 @@ fn on_a_cluster_each_sub_bucket_lives_on_its_own_master() {
         })
         .collect();
     assert_eq!(per_master, [1, 1, 1], "one sub-bucket per master");
+}
+
+/// Requests another tier rejects spend nothing on the split limit and give
+/// their turn back: client A, over its IP limit, sends between client B's
+/// requests, and B still gets everything the limit has left (dealt without
+/// giving turns back, B's requests would all meet the same sub-bucket and
+/// stop at half).
+#[test]
+fn rejections_by_another_tier_do_not_unbalance_the_sub_buckets() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let gw = GatewayGuard::start(&format!(
+        r#"
+{SERVER}
+
+[limiter]
+backend = "redis"
+retry_after_jitter_ms = 0
+
+[redis]
+urls = ["{url}"]
+timeout_ms = 200
+
+[clients]
+trusted_proxies = ["127.0.0.1/32"]
+
+[tiers.ip]
+algorithm = "token_bucket"
+capacity = 1
+refill_per_sec = 0.001
+
+[[upstreams]]
+name = "up"
+servers = ["{addr}"]
+
+[[routes]]
+name = "match"
+path_prefix = "/match"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = 8, refill_per_sec = 0.001, scope = "global", shards = 2 }}
+"#,
+        url = redis.url(),
+        addr = up.addr
+    ));
+    let mut c = gw.client();
+    let mut send = |client: &str| {
+        c.request("GET", "/match", &[("x-forwarded-for", client)], b"")
+            .expect("request")
+            .status
+    };
+    // A's first request spends its one IP token (and one of the 8).
+    assert_eq!(send("10.0.0.1"), 200);
+    let mut b_admitted = 0;
+    for i in 0..20 {
+        assert_eq!(send("10.0.0.1"), 429, "A is over its IP limit");
+        // B's IP bucket holds 1: each B request comes from its own address.
+        if send(&format!("10.0.1.{i}")) == 200 {
+            b_admitted += 1;
+        }
+    }
+    println!("split limit of 8 in 2 sub-buckets, A rejected by its IP tier between B's requests: B admitted {b_admitted} (bound 7)");
+    assert_eq!(b_admitted, 7, "everything the limit had left after A's one");
+    assert_eq!(up.count("/match"), 8);
 }

@@ -133,7 +133,7 @@ pub(super) fn limit(
         );
         return None;
     }
-    let shards = match t.get("shards") {
+    let shards = match t.get("shards").filter(|_| with_scope) {
         Some(v) => shards(r, &join(p, "shards"), v, scope, &algorithm, cost)?,
         None => 1,
     };
@@ -157,7 +157,9 @@ pub(super) fn limit(
 }
 
 /// The most sub-buckets a global limit splits into.
-pub const MAX_SHARDS: u64 = 1024;
+/// (An operator's reset deletes every sub-bucket one round trip at a time,
+/// within its time budget.)
+pub const MAX_SHARDS: u64 = 128;
 
 /// A global limit's `shards`: K sub-buckets, each holding exactly 1/K of the
 /// quota (and of the rate), so together they never admit more than the

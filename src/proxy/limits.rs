@@ -66,14 +66,7 @@ pub async fn serve(
         Err(e) => return error(404, e),
     };
     let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
-    let describe = |i: usize| {
-        let b = &buckets[i];
-        json!({
-            "tier": b.check.tier.as_str(),
-            "route": b.route,
-            "algorithm": b.check.algorithm.name(),
-        })
-    };
+    let describe = |i: usize| buckets[i].describe();
     if deleting {
         return match limiter.reset(&checks).await {
             Ok(done) => {

@@ -286,6 +286,7 @@ impl ProxyHttp for Gateway {
             };
         }
         let outcome = self.limiter.decide(&plan.checks).await;
+        policy.settle(&plan, &outcome);
         ctx.plan = Some(plan);
         ctx.backend = admission::backend_of(&outcome);
         if let Outcome::Decided {
