@@ -145,9 +145,9 @@ async fn huge_rates_never_report_more_than_the_limit() {
 #[tokio::test]
 async fn leaky_bucket_shapes() {
     let p = Pair::new();
-    // Seconds, not milliseconds: the bucket's key lives in Redis for its
-    // delay in real time while the test's clock stands still, and a loaded
-    // machine may take milliseconds between two calls.
+    // Seconds, not milliseconds: a key's time to live runs on Redis's own
+    // clock while the test's stands still (limiter.lua keeps such keys a
+    // minute; seconds keep this test clear of that too).
     let alg = Algorithm::LeakyBucket {
         rate_per_sec: 3.0,
         max_delay_ms: 2000,

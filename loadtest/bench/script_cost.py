@@ -95,7 +95,11 @@ def tags(nodes: list[Redis]) -> list[str]:
 
 def call_args(sha: str, requests: list[list[tuple[str, tuple]]], across_slots: bool) -> list[str]:
     """EVALSHA arguments deciding `requests` (each a list of (bucket, rule)),
-    as the gateway's run_script builds them."""
+    laid out as the gateway's run_script lays them out. `across_slots`
+    declares only the first bucket and names the rest in ARGV, where
+    run_script declares every bucket of the first one's slot: here the keys
+    share a hash tag, and this makes a call read them one GET each, as a
+    node's buckets in many slots are read."""
     buckets: list[tuple[str, tuple]] = []
     index: dict[str, int] = {}
     for r in requests:
