@@ -8,7 +8,16 @@ mod support;
 use support::topology::ClusterGuard;
 use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
-fn config(redis: &str, instances: u32, up: &UpstreamGuard, capacity: u64, shards: u64) -> String {
+/// `instances` replicas on `redis`, the route `/match` limited globally to
+/// `capacity` in `shards`; `more` goes in before the upstream (a tier).
+fn config(
+    redis: &str,
+    instances: u32,
+    up: &UpstreamGuard,
+    capacity: u64,
+    shards: u64,
+    more: &str,
+) -> String {
     format!(
         r#"
 {SERVER}
@@ -22,6 +31,8 @@ retry_after_jitter_ms = 0
 {redis}
 timeout_ms = 200
 probe_interval_ms = 100
+
+{more}
 
 [[upstreams]]
 name = "up"
@@ -65,7 +76,7 @@ fn three_replicas_on_one_redis_admit_exactly_a_split_limit() {
     let up = UpstreamGuard::start();
     let url = format!("urls = [\"{}\"]", redis.url());
     let gws: Vec<GatewayGuard> = (0..3)
-        .map(|_| GatewayGuard::start(&config(&url, 3, &up, 12, 4)))
+        .map(|_| GatewayGuard::start(&config(&url, 3, &up, 12, 4, "")))
         .collect();
     // 24 requests, 8 per replica, each replica dealing its own to the 4
     // sub-buckets of 3 in turn: every sub-bucket is offered 6 and admits 3.
@@ -118,7 +129,7 @@ fn on_a_cluster_each_sub_bucket_lives_on_its_own_master() {
     let up = UpstreamGuard::start();
     let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
     let redis = format!("mode = \"cluster\"\nurls = [{}]", urls.join(", "));
-    let gws = [GatewayGuard::start(&config(&redis, 1, &up, 12, 3))];
+    let gws = [GatewayGuard::start(&config(&redis, 1, &up, 12, 3, ""))];
     let (statuses, _) = flood(&gws, 16);
     let admitted = statuses.iter().filter(|&&s| s == 200).count();
     println!("split limit of 12 in 3 sub-buckets on a 3-master cluster, 16 requests: {admitted} admitted (bound 12)");
@@ -144,39 +155,10 @@ fn on_a_cluster_each_sub_bucket_lives_on_its_own_master() {
 fn rejections_by_another_tier_do_not_unbalance_the_sub_buckets() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
-    let gw = GatewayGuard::start(&format!(
-        r#"
-{SERVER}
-
-[limiter]
-backend = "redis"
-retry_after_jitter_ms = 0
-
-[redis]
-urls = ["{url}"]
-timeout_ms = 200
-
-[clients]
-trusted_proxies = ["127.0.0.1/32"]
-
-[tiers.ip]
-algorithm = "token_bucket"
-capacity = 1
-refill_per_sec = 0.001
-
-[[upstreams]]
-name = "up"
-servers = ["{addr}"]
-
-[[routes]]
-name = "match"
-path_prefix = "/match"
-upstream = "up"
-limit = {{ algorithm = "token_bucket", capacity = 8, refill_per_sec = 0.001, scope = "global", shards = 2 }}
-"#,
-        url = redis.url(),
-        addr = up.addr
-    ));
+    let url = format!("urls = [\"{}\"]", redis.url());
+    let ip_tier = "[clients]\ntrusted_proxies = [\"127.0.0.1/32\"]\n\n\
+                   [tiers.ip]\nalgorithm = \"token_bucket\"\ncapacity = 1\nrefill_per_sec = 0.001";
+    let gw = GatewayGuard::start(&config(&url, 1, &up, 8, 2, ip_tier));
     let mut c = gw.client();
     let mut send = |client: &str| {
         c.request("GET", "/match", &[("x-forwarded-for", client)], b"")
