@@ -59,11 +59,13 @@ struct RouteRule {
 impl RouteRule {
     fn new(key_prefix: &str, name: &str, l: &crate::config::Limit) -> Self {
         let k = l.shards.max(1);
+        // Each sub-bucket holds exactly 1/k (`config::limits` checked that
+        // k divides the quota, and that a request fits in one).
         let mut rule = Rule::new(
             key_prefix,
             Tier::Route,
             name,
-            share(&l.algorithm, k),
+            crate::limiter::share(&l.algorithm, k as u32),
             l.shadow,
         );
         rule.cost = l.cost;
@@ -134,29 +136,6 @@ fn dealer(rule_prefix: &str) -> Arc<AtomicUsize> {
         .entry(rule_prefix.to_string())
         .or_default()
         .clone()
-}
-
-/// 1/k of a rule: what each of a global limit's k sub-buckets holds
-/// (`config::limits` checked that k divides its quota).
-fn share(alg: &Algorithm, k: u64) -> Algorithm {
-    match *alg {
-        Algorithm::TokenBucket {
-            capacity,
-            refill_per_sec,
-        } => Algorithm::TokenBucket {
-            capacity: capacity / k,
-            refill_per_sec: refill_per_sec / k as f64,
-        },
-        Algorithm::FixedWindow { limit, window_secs } => Algorithm::FixedWindow {
-            limit: limit / k,
-            window_secs,
-        },
-        Algorithm::SlidingWindow { limit, window_secs } => Algorithm::SlidingWindow {
-            limit: limit / k,
-            window_secs,
-        },
-        other => other,
-    }
 }
 
 /// The name of sub-bucket `i` of `k`: `global/I{TAG}`, where the hash tag is
@@ -609,7 +588,7 @@ pub fn buckets(
             _ => None,
         };
         let route_name = || Some(cfg.routes[i].name.clone());
-        if rr.scope == Scope::Global && !rr.shards.is_empty() {
+        if !rr.shards.is_empty() {
             out.extend(rr.shards.iter().zip(0..).map(|(name, i)| Bucket {
                 check: rr.rule.check_named(name.clone()),
                 route: route_name(),

@@ -681,8 +681,8 @@ impl Fallback {
     }
 }
 
-/// A shared rule's share on one of `n` replicas: 1/n of capacity and rate,
-/// never less than one request.
+/// A shared rule's share on one of `n` replicas (or one of a global limit's
+/// `n` sub-buckets): 1/n of capacity and rate, never less than one request.
 pub fn share(alg: &Algorithm, n: u32) -> Algorithm {
     let n = n.max(1) as u64;
     let nf = n as f64;

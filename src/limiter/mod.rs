@@ -18,7 +18,7 @@ use std::fmt;
 use async_trait::async_trait;
 
 pub use algorithms::{Decision, Micros};
-pub use fallback::{Fallback, FallbackState, Outcome, Reset};
+pub use fallback::{share, Fallback, FallbackState, Outcome, Reset};
 pub use local::LocalBackend;
 pub use redis::{slot, RedisBackend};
 
