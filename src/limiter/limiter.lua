@@ -206,10 +206,15 @@ end
 
 -- The arguments are checked whole before anything is read or written, so a
 -- malformed call changes nothing.
+-- A count or an index: a whole number in range (tonumber also reads "nan",
+-- "inf" and hex; none of those is one).
+local function whole(x, lo, hi)
+  return x ~= nil and x == x and x % 1 == 0 and x >= lo and x <= hi
+end
 local na = #ARGV
 local nx = tonum(ARGV[4])
-if nx == nil or nx ~= nx or nx % 1 ~= 0 or nx < 0 or nx > na - 4 then
-  return redis.error_reply('limiter.lua: expected the number of buckets named in ARGV (' .. #KEYS .. ' keys, ' .. na .. ' arguments)')
+if not whole(nx, 0, na - 4) then
+  return bad('expected the number of buckets named in ARGV')
 end
 local names = KEYS
 if nx > 0 then
@@ -217,11 +222,6 @@ if nx > 0 then
   for i = 1, nx do names[#KEYS + i] = ARGV[4 + i] end
 end
 local nk = #names
--- A count or an index: a whole number in range (tonumber also reads "nan",
--- "inf" and hex; none of those is one).
-local function whole(x, lo, hi)
-  return x ~= nil and x == x and x % 1 == 0 and x >= lo and x <= hi
-end
 local m, ns = tonum(ARGV[2]), tonum(ARGV[3])
 if not whole(m, 0, na) or not whole(ns, 0, na) then
   return bad('expected the numbers of requests and shapes')
