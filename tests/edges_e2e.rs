@@ -8,7 +8,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::topology::{SentinelGuard, MASTER_NAME};
+use support::topology::{quoted, SentinelGuard, MASTER_NAME};
 use support::{wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 /// A gateway on `redis_url` with a key plan, an IP tier and a route limit
@@ -411,12 +411,7 @@ fn sentinel_passes_credentials_to_the_master() {
     let sentinels = SentinelGuard::start_with(Some("s3cret-pw"));
     let extra = format!("mode = \"sentinel\"\nsentinel_master = \"{MASTER_NAME}\"");
     let mut s = setup(String::new(), &up);
-    s.redis_urls = sentinels
-        .urls()
-        .iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
+    s.redis_urls = quoted(&sentinels.urls());
     s.redis_extra = &extra;
     s.route = Some(
         r#"{ algorithm = "token_bucket", capacity = 3, refill_per_sec = 0.001, scope = "global" }"#,

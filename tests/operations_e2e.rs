@@ -171,12 +171,8 @@ fn every_metric_family_moves_as_requests_flow() {
     );
 
     // A request the upstream holds is in flight until it has been counted.
-    let raw_in_flight = || {
-        let text = String::from_utf8_lossy(&gw.admin_get("/metrics").body).to_string();
-        text.lines()
-            .find_map(|l| l.strip_prefix("gateway_requests_in_flight "))
-            .map(|v| v.trim().to_string())
-    };
+    let raw_in_flight =
+        || support::series(&gw.raw_metrics(), "gateway_requests_in_flight").map(str::to_string);
     assert_eq!(raw_in_flight().as_deref(), Some("0"));
     let slow = slow_request_in_flight(&gw, &up, "600");
     assert_eq!(raw_in_flight().as_deref(), Some("1"));

@@ -127,8 +127,7 @@ fn three_replicas_on_one_redis_admit_exactly_a_split_limit() {
 fn on_a_cluster_each_sub_bucket_lives_on_its_own_master() {
     let cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
-    let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
-    let redis = format!("mode = \"cluster\"\nurls = [{}]", urls.join(", "));
+    let redis = cluster.redis_section();
     let gws = [GatewayGuard::start(&config(&redis, 1, &up, 12, 3, ""))];
     let (statuses, _) = flood(&gws, 16);
     let admitted = statuses.iter().filter(|&&s| s == 200).count();

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use support::load::Load;
-use support::topology::{ClusterGuard, SentinelGuard, MASTER_NAME};
+use support::topology::{quoted, ClusterGuard, SentinelGuard, MASTER_NAME};
 use support::{wait_for, GatewayGuard, UpstreamGuard, SERVER_2_THREADS};
 
 fn config(redis: &str, up: &UpstreamGuard, tiers: &str) -> String {
@@ -35,13 +35,6 @@ servers = ["{}"]
 "#,
         up.addr
     )
-}
-
-fn quoted(urls: &[String]) -> String {
-    urls.iter()
-        .map(|u| format!("\"{u}\""))
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Three tiers whose keys land in different slots.
@@ -104,7 +97,7 @@ limit = { algorithm = "token_bucket", capacity = 1000000000, refill_per_sec = 10
 fn cluster_tiers_in_different_slots_are_all_or_nothing() {
     let cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
-    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let redis = cluster.redis_section();
     let gw = GatewayGuard::start(&config(&redis, &up, SPREAD));
     let mut c = gw.client();
     let with_key = [("x-api-key", "alice-secret")];
@@ -133,7 +126,7 @@ fn cluster_tiers_in_different_slots_are_all_or_nothing() {
 fn cluster_refunds_a_costly_tier_whole() {
     let cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
-    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let redis = cluster.redis_section();
     let gw = GatewayGuard::start(&config(&redis, &up, COSTLY));
     let mut c = gw.client();
     let with_key = [("x-api-key", "alice-secret")];
@@ -184,7 +177,7 @@ fn kill_under_load(
 fn cluster_master_killed_under_load() {
     let mut cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
-    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let redis = cluster.redis_section();
     let gw = GatewayGuard::start(&config(&redis, &up, OPEN));
     let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 60);
     std::thread::sleep(Duration::from_millis(500));
@@ -288,7 +281,7 @@ limit = {{ algorithm = "token_bucket", capacity = {1}, refill_per_sec = {2}, sco
 fn cluster_slot_migrated_under_load() {
     let cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
-    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let redis = cluster.redis_section();
     let bucket = GlobalBucket {
         route: "m",
         capacity: 50,
@@ -340,7 +333,7 @@ fn cluster_slot_migrated_under_load() {
 fn cluster_master_killed_under_load_keeps_the_bound() {
     let mut cluster = ClusterGuard::start();
     let up = UpstreamGuard::start();
-    let redis = format!("mode = \"cluster\"\nurls = [{}]", quoted(&cluster.urls()));
+    let redis = cluster.redis_section();
     let bucket = GlobalBucket {
         route: "k",
         capacity: 50,

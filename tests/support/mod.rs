@@ -74,6 +74,15 @@ fn print_log(name: &str, path: &PathBuf) {
     }
 }
 
+/// The value of one series (exact name and labels) in a Prometheus text.
+pub fn series<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .map(str::trim)
+    })
+}
+
 /// A test gateway's `[server]` table (for a config written with `format!`):
 /// its listeners (the guard fills them in), one worker thread and a grace
 /// period of a second, so a stop is quick.
@@ -403,17 +412,20 @@ impl GatewayGuard {
     pub fn metrics(&self) -> String {
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
-            let text = String::from_utf8_lossy(&self.admin_get("/metrics").body).to_string();
-            let in_flight = text
-                .lines()
-                .find_map(|l| l.strip_prefix("gateway_requests_in_flight "))
-                .and_then(|v| v.trim().parse::<f64>().ok())
+            let text = self.raw_metrics();
+            let in_flight = series(&text, "gateway_requests_in_flight")
+                .and_then(|v| v.parse::<f64>().ok())
                 .unwrap_or(0.0);
             if in_flight == 0.0 || Instant::now() >= deadline {
                 return text;
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The Prometheus text as it is now, requests in flight or not.
+    pub fn raw_metrics(&self) -> String {
+        String::from_utf8_lossy(&self.admin_get("/metrics").body).to_string()
     }
 
     pub fn log(&self) -> String {
@@ -453,14 +465,9 @@ impl GatewayGuard {
     }
 
     /// The value of one Prometheus series (exact name and labels), or 0.
-    pub fn metric(&self, series: &str) -> f64 {
-        self.metrics()
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(series)
-                    .and_then(|rest| rest.strip_prefix(' '))
-            })
-            .and_then(|v| v.trim().parse().ok())
+    pub fn metric(&self, name: &str) -> f64 {
+        series(&self.metrics(), name)
+            .and_then(|v| v.parse().ok())
             .unwrap_or(0.0)
     }
 

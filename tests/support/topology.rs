@@ -11,6 +11,14 @@ use tempfile::TempDir;
 
 use super::{free_port, signal, wait_for, RedisGuard};
 
+/// URLs as the items of a TOML list: `"a", "b"`.
+pub fn quoted(urls: &[String]) -> String {
+    urls.iter()
+        .map(|u| format!("\"{u}\""))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub struct ClusterGuard {
     /// Indexed by position; `None` once killed.
     pub nodes: Vec<Option<RedisGuard>>,
@@ -69,6 +77,11 @@ impl ClusterGuard {
 
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().flatten().map(|n| n.url()).collect()
+    }
+
+    /// The `[redis]` lines of a gateway on this cluster: its mode and seeds.
+    pub fn redis_section(&self) -> String {
+        format!("mode = \"cluster\"\nurls = [{}]", quoted(&self.urls()))
     }
 
     /// Waits until every live node reports `cluster_state:ok`.
