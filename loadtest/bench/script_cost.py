@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, BenchError, log  # noqa: E402
-from targets import Procs, Redis, cluster_ports, free_ports, wait_until  # noqa: E402
+from targets import Procs, Redis, cluster_ports, form_cluster, free_ports, start_redis_server  # noqa: E402
 
 SCRIPT = ROOT / "src/limiter/limiter.lua"
 BIG = 1_000_000_000
@@ -48,21 +48,6 @@ BIG = 1_000_000_000
 IP = (1, BIG, 0.01)
 PLAN = (1, BIG, BIG)
 ROUTE = (1, BIG, 0.01)
-
-
-def start_redis(procs: Procs, out: Path, port: int, cluster: bool) -> Redis:
-    d = out / "redis" / str(port)
-    d.mkdir(parents=True, exist_ok=True)
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--daemonize", "no", "--loglevel", "warning", "--dir", str(d)]
-    if cluster:
-        argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"]
-    lg = out / f"redis-{port}.log"
-    p = procs.start(f"redis-{port}", argv, lg)
-    r = Redis(port)
-    r.proc = p
-    wait_until(f"redis-server {port}", lambda: r.cmd("PING").strip() == "PONG", 10, p, lg)
-    return r
 
 
 def slot_owner(nodes: list[Redis]) -> dict[int, int]:
@@ -203,13 +188,10 @@ def main() -> int:
     procs = Procs()
     try:
         (sp,) = free_ports(1)
-        standalone = start_redis(procs, out, sp, False)
-        nodes = [start_redis(procs, out, p, True) for p in cluster_ports(3)]
-        made = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                               "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
-        if made.returncode != 0:
-            raise BenchError(f"redis-cli --cluster create: {made.stdout[-1000:]}")
-        wait_until("cluster_state:ok", lambda: all("cluster_state:ok" in n.cmd("CLUSTER", "INFO") for n in nodes), 30)
+        standalone = start_redis_server(procs, "redis", sp, out / f"redis-{sp}.log")
+        nodes = [start_redis_server(procs, f"redis-cluster-{p}", p, out / f"redis-{p}.log",
+                                    cluster_dir=out / "redis" / str(p)) for p in cluster_ports(3)]
+        form_cluster(nodes, out / "redis-cluster-create.txt")
         src = SCRIPT.read_text()
         sha = {r.port: r.cmd("SCRIPT", "LOAD", src).strip() for r in [standalone, *nodes]}
         tag = tags(nodes)

@@ -230,6 +230,45 @@ class Redis:
 
 
 
+def start_redis_server(procs: Procs, name: str, port: int, log_path: Path,
+                       cluster_dir: Path | None = None) -> Redis:
+    """One redis-server on 127.0.0.1:`port` without persistence, answering
+    PING; with `cluster_dir`, a cluster node keeping its nodes.conf there."""
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--loglevel", "warning"]
+    if cluster_dir is not None:
+        cluster_dir.mkdir(parents=True, exist_ok=True)
+        argv += ["--dir", str(cluster_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", "5000"]
+    p = procs.start(name, argv, log_path)
+    r = Redis(port)
+    r.proc = p
+    wait_until(f"redis-server ({name})", lambda: r.cmd("PING").strip() == "PONG", 10, p, log_path)
+    return r
+
+
+def form_cluster(nodes: list[Redis], create_log: Path) -> None:
+    """Joins cluster nodes as masters without replicas: redis-cli --cluster
+    create for three or more (its output into `create_log`), by hand below
+    that (each its even share of the slots, then one handshake); returns once
+    every node reports cluster_state:ok."""
+    if len(nodes) >= 3:
+        out = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                              "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        create_log.write_text(out.stdout + out.stderr)
+        if out.returncode != 0:
+            raise BenchError(f"redis-cli --cluster create failed ({create_log}):\n{out.stdout[-2000:]}")
+    else:
+        for i, r in enumerate(nodes):
+            lo, hi = 16384 * i // len(nodes), 16384 * (i + 1) // len(nodes) - 1
+            if r.cmd("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)).strip() != "OK":
+                raise BenchError(f"CLUSTER ADDSLOTSRANGE {lo} {hi} failed on node {r.port}")
+        for r in nodes[1:]:
+            nodes[0].cmd("CLUSTER", "MEET", "127.0.0.1", str(r.port))
+    wait_until("the Redis Cluster (cluster_state:ok on every node)",
+               lambda: all("cluster_state:ok" in r.cmd("CLUSTER", "INFO") for r in nodes), 30)
+
+
 # --- the servers --------------------------------------------------------------------------
 
 
@@ -283,15 +322,8 @@ class Targets:
         upstream = f"127.0.0.1:{self.mock_port}"
 
         if any(t in REDIS_TARGETS and t not in CLUSTER_TARGETS for t in targets):
-            rl = logs / "redis.log"
-            self.redis_proc = self.procs.start(
-                "redis",
-                ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-                rl,
-            )
-            self.redis = Redis(self.redis_port)
-            wait_until("redis-server", lambda: self.redis.cmd("PING").strip() == "PONG", 10, self.redis_proc, rl)
+            self.redis = start_redis_server(self.procs, "redis", self.redis_port, logs / "redis.log")
+            self.redis_proc = self.redis.proc
             self.our_pids.append(self.redis_proc.pid)
 
         if any(t in CLUSTER_TARGETS for t in targets):
@@ -410,37 +442,11 @@ class Targets:
         (which takes three or more; fewer are given the slots by hand)."""
         base = self.out / "redis-cluster"
         for port in ports:
-            d = base / str(port)
-            d.mkdir(parents=True, exist_ok=True)
-            rl = self.out / "logs" / f"redis-cluster-{port}.log"
-            p = self.procs.start(
-                f"redis-cluster-{port}",
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--daemonize", "no", "--loglevel", "warning", "--dir", str(d), "--cluster-enabled", "yes",
-                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"],
-                rl,
-            )
-            r = Redis(port)
-            r.proc = p
-            wait_until(f"redis-server (cluster node {port})", lambda r=r: r.cmd("PING").strip() == "PONG", 10, p, rl)
+            r = start_redis_server(self.procs, f"redis-cluster-{port}", port,
+                                   self.out / "logs" / f"redis-cluster-{port}.log", cluster_dir=base / str(port))
             self.cluster.append(r)
-            self.our_pids.append(p.pid)
-        if len(ports) >= 3:
-            out = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                                  "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
-            (self.out / "logs" / "redis-cluster-create.txt").write_text(out.stdout + out.stderr)
-            if out.returncode != 0:
-                raise BenchError(f"redis-cli --cluster create failed (logs/redis-cluster-create.txt):\n{out.stdout[-2000:]}")
-        else:
-            # Each node its even share of the 16384 slots, then one handshake.
-            for i, r in enumerate(self.cluster):
-                lo, hi = 16384 * i // len(ports), 16384 * (i + 1) // len(ports) - 1
-                if r.cmd("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)).strip() != "OK":
-                    raise BenchError(f"CLUSTER ADDSLOTSRANGE {lo} {hi} failed on node {r.port}")
-            for r in self.cluster[1:]:
-                self.cluster[0].cmd("CLUSTER", "MEET", "127.0.0.1", str(r.port))
-        wait_until("the Redis Cluster (cluster_state:ok on every node)",
-                   lambda: all("cluster_state:ok" in r.cmd("CLUSTER", "INFO") for r in self.cluster), 30)
+            self.our_pids.append(r.proc.pid)
+        form_cluster(self.cluster, self.out / "logs" / "redis-cluster-create.txt")
         log(f"Redis Cluster up: {len(ports)} masters on ports {', '.join(map(str, ports))}")
 
     def redis_nodes(self, target: str) -> list[Redis]:
