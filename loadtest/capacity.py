@@ -37,9 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+from report import replace_block  # noqa: E402  (BENCHMARKS.md's marked blocks, as bench.py writes them)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -294,12 +296,7 @@ def main() -> int:
                for p in a.summaries]
         body = f"```sh\nloadtest/capacity.py {' '.join(rel)}\n```\n\n" + md
         bm = ROOT / "BENCHMARKS.md"
-        text = bm.read_text()
-        begin = "<!-- capacity:begin (written by loadtest/capacity.py --publish) -->"
-        block = f"{begin}\n{body}\n<!-- capacity:end -->"
-        pat = re.compile(r"<!-- capacity:begin.*?<!-- capacity:end -->", re.S)
-        text = pat.sub(lambda _: block, text) if pat.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
-        bm.write_text(text)
+        bm.write_text(replace_block(bm.read_text(), "capacity", body, by="loadtest/capacity.py --publish"))
         print(f"published into {bm}", file=sys.stderr)
     return 0
 
