@@ -107,6 +107,11 @@ pub enum LimiterError {
     /// Keys of one call in different cluster slots: a bug, never a reason to admit.
     #[error("redis refused keys spanning cluster slots (CROSSSLOT)")]
     CrossSlot,
+    /// A cluster node does not serve a key of the call (MOVED, ASK,
+    /// TRYAGAIN): refused before anything ran, so the call can be sent again
+    /// where the key lives.
+    #[error("redis cluster: a key of the call is served elsewhere ({0})")]
+    Misplaced(&'static str),
 }
 
 impl LimiterError {
@@ -114,7 +119,9 @@ impl LimiterError {
     pub fn reason(&self) -> &'static str {
         match self {
             LimiterError::Timeout(_) | LimiterError::Abandoned => "timeout",
-            LimiterError::NotConnected | LimiterError::Redis(_) => "unavailable",
+            LimiterError::NotConnected | LimiterError::Redis(_) | LimiterError::Misplaced(_) => {
+                "unavailable"
+            }
             LimiterError::Refused { reason, .. } => reason,
             LimiterError::BadReply(_) | LimiterError::CrossSlot => "protocol",
         }

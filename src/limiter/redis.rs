@@ -5,11 +5,14 @@
 //! - standalone: one multiplexed, auto-reconnecting connection for all requests;
 //! - sentinel: the master is discovered from the sentinels, and re-discovered
 //!   by the failback probe after a failure, so a failover is followed;
-//! - cluster: slot routing with MOVED/ASK handled by the cluster client.
-//!   Requests are batched as in standalone, then each batch is split by the
-//!   master serving each bucket (the slot map, `slots`): one call per master
-//!   decides every request's tiers there, all masters at once
-//!   (`decide_clustered`). A request's tiers usually live on different
+//! - cluster: requests are batched as in standalone, then each batch is
+//!   split by the master serving each bucket (the slot map, `slots`): one
+//!   call per master decides every request's tiers there, all masters at
+//!   once, each on the request path's own connection to that master
+//!   (`decide_clustered`). A call the map sent to the wrong master is
+//!   refused before it runs (MOVED, ASK, a key not served there), and the
+//!   batch is decided again slot by slot through the cluster client, which
+//!   follows redirections itself. A request's tiers usually live on different
 //!   masters; if an enforcing tier rejects, the shares that admitted are
 //!   refunded (`refund.lua`), so a rejection still charges no tier.
 //!   Between the two round trips the reserved quota is held: concurrent
@@ -77,7 +80,36 @@ enum Topology {
         /// too, verified with this CA (`None`: the system roots).
         tls: Option<Option<Vec<u8>>>,
     },
-    Cluster(Box<redis::cluster::ClusterClient>),
+    Cluster {
+        client: Box<redis::cluster::ClusterClient>,
+        /// For the request path's own connection to each master.
+        nodes: NodeAccess,
+    },
+}
+
+/// What a connection to one node of a cluster needs besides its address:
+/// the seed URLs' credentials and database, and TLS with its CA when the
+/// seeds use it.
+struct NodeAccess {
+    settings: redis::RedisConnectionInfo,
+    tls: Option<Option<Vec<u8>>>,
+}
+
+/// A client for the node at `addr` (`host:port`), with `settings`'
+/// credentials and database, over TLS (verified with the CA, else the
+/// system roots) when `tls` says so.
+fn node_client(
+    addr: &str,
+    settings: &redis::RedisConnectionInfo,
+    tls: Option<&Option<Vec<u8>>>,
+) -> Result<redis::Client, LimiterError> {
+    use redis::IntoConnectionInfo;
+    let scheme = if tls.is_some() { "rediss" } else { "redis" };
+    let info = format!("{scheme}://{addr}")
+        .into_connection_info()
+        .map_err(redis_err)?
+        .set_redis_settings(settings.clone());
+    open(info, tls.and_then(Option::as_ref))
 }
 
 /// A client for `url`: over TLS for `rediss://`, verified against `ca`
@@ -183,7 +215,16 @@ fn topology_of(
                     root_cert: Some(pem.clone()),
                 });
             }
-            Topology::Cluster(Box::new(builder.build().map_err(redis_err)?))
+            Topology::Cluster {
+                client: Box::new(builder.build().map_err(redis_err)?),
+                nodes: NodeAccess {
+                    settings: client(&s.urls[0], ca.as_ref(), password)?
+                        .get_connection_info()
+                        .redis_settings()
+                        .clone(),
+                    tls: s.urls[0].starts_with("rediss://").then(|| ca.clone()),
+                },
+            }
         }
     };
     Ok((topology, secrets))
@@ -234,6 +275,9 @@ struct Inner {
     /// Cluster: bumped when the map is found wrong, so a read begun before
     /// that does not store the old map again.
     slot_map_epoch: Arc<std::sync::atomic::AtomicU64>,
+    /// Cluster: the request path's connection to each master, by address
+    /// (those the slot map no longer names are dropped when it is read).
+    node_conns: Arc<parking_lot::Mutex<HashMap<String, ConnectionManager>>>,
 }
 
 pub struct RedisBackend {
@@ -249,6 +293,11 @@ fn redis_err(e: redis::RedisError) -> LimiterError {
     };
     match e.code() {
         Some("CROSSSLOT") => return LimiterError::CrossSlot,
+        // Redirections reach us only from a master's own connection (the
+        // cluster client follows them itself).
+        Some("MOVED") => return LimiterError::Misplaced("MOVED"),
+        Some("ASK") => return LimiterError::Misplaced("ASK"),
+        Some("TRYAGAIN") => return LimiterError::Misplaced("TRYAGAIN"),
         Some("WRONGPASS" | "NOAUTH") => return refused("auth"),
         Some("NOPERM") => return refused("permission"),
         _ => {}
@@ -341,6 +390,7 @@ impl RedisBackend {
         self.inner.probe_single.store(None);
         self.inner.connected.store(None);
         self.inner.request_conn.store(None);
+        self.inner.node_conns.lock().clear();
         r.password = password;
         Ok(true)
     }
@@ -360,6 +410,7 @@ impl RedisBackend {
             slot_map: Arc::new(ArcSwapOption::empty()),
             slot_map_reading: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             slot_map_epoch: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            node_conns: Arc::default(),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
             charge: redis::Script::new(CHARGE_LUA),
@@ -420,6 +471,7 @@ impl RedisBackend {
     pub fn renew_request_connection(&self) {
         self.inner.single.store(None);
         self.inner.request_conn.store(None);
+        self.inner.node_conns.lock().clear();
     }
 
     /// Resolves when a call has passed its budget unanswered.
@@ -591,7 +643,7 @@ impl Inner {
                 })));
                 Ok(conn)
             }
-            Topology::Cluster(_) => self.probe_connection(),
+            Topology::Cluster { .. } => self.probe_connection(),
         }
     }
 
@@ -617,7 +669,6 @@ impl Inner {
     /// A client for the master the sentinels named, with the credentials and
     /// database of the configured URL (the sentinels only say where it is).
     fn master_client(&self, addr: &str) -> Result<redis::Client, LimiterError> {
-        use redis::IntoConnectionInfo;
         let topology = self.topology.load();
         let Topology::Sentinel { sentinels, tls, .. } = &**topology else {
             return Err(LimiterError::NotConnected);
@@ -626,12 +677,27 @@ impl Inner {
             .first()
             .map(|s| s.get_connection_info().redis_settings().clone())
             .ok_or(LimiterError::NotConnected)?;
-        let scheme = if tls.is_some() { "rediss" } else { "redis" };
-        let info = format!("{scheme}://{addr}")
-            .into_connection_info()
-            .map_err(redis_err)?
-            .set_redis_settings(settings);
-        open(info, tls.as_ref().and_then(Option::as_ref))
+        node_client(addr, &settings, tls.as_ref())
+    }
+
+    /// Cluster: the request path's connection to the master at `addr`,
+    /// made on first use in the caller's runtime (the proxy's), as
+    /// standalone's is: a batch's calls go straight to their masters, with
+    /// no hop to the cluster client's task on the probe's thread.
+    fn node_connection(&self, addr: &str) -> Result<Conn, LimiterError> {
+        let mut conns = self.node_conns.lock();
+        if let Some(c) = conns.get(addr) {
+            return Ok(Conn::Single(c.clone()));
+        }
+        let topology = self.topology.load();
+        let Topology::Cluster { nodes, .. } = &**topology else {
+            return Err(LimiterError::NotConnected);
+        };
+        let client = node_client(addr, &nodes.settings, nodes.tls.as_ref())?;
+        let c =
+            ConnectionManager::new_lazy_with_config(client, manager_config()).map_err(redis_err)?;
+        conns.insert(addr.to_string(), c.clone());
+        Ok(Conn::Single(c))
     }
 
     /// Asks the sentinels, in order, where the master is.
@@ -686,7 +752,7 @@ impl Inner {
                 })));
                 Ok(())
             }
-            Topology::Cluster(client) => {
+            Topology::Cluster { client, .. } => {
                 if self.connected.load().is_some() {
                     return Ok(());
                 }
@@ -760,7 +826,9 @@ impl Inner {
     }
 
     /// Cluster mode: a batch split by the node that serves each bucket
-    /// (when the slot map is known) and otherwise by hash slot. Each group's
+    /// (when the slot map is known: each call then goes on that node's own
+    /// connection) and otherwise by hash slot (through the cluster client).
+    /// Each group's
     /// share of every request (its tiers there) goes in one call, all
     /// groups' calls at once (one round trip of wall time); within a call
     /// the shares are decided in order, all or nothing, as `limiter.lua`
@@ -786,7 +854,13 @@ impl Inner {
                     self.slot_map.store(None);
                     self.refresh_slot_map(conn, true);
                 }
-                other => return other,
+                Err(e) => {
+                    // A master that failed (killed, failed over) may no
+                    // longer be one: the next batch goes by a map read now.
+                    self.refresh_slot_map(conn, true);
+                    return Err(e);
+                }
+                ok => return ok,
             }
         }
         self.decide_grouped(conn, requests, None).await
@@ -801,10 +875,11 @@ impl Inner {
         if (fresh && !force) || self.slot_map_reading.swap(true, Ordering::AcqRel) {
             return;
         }
-        let (map, reading, epoch, mut conn) = (
+        let (map, reading, epoch, node_conns, mut conn) = (
             self.slot_map.clone(),
             self.slot_map_reading.clone(),
             self.slot_map_epoch.clone(),
+            self.node_conns.clone(),
             conn.clone(),
         );
         let began = epoch.load(Ordering::Acquire);
@@ -812,13 +887,17 @@ impl Inner {
             let mut cmd = redis::cmd("CLUSTER");
             cmd.arg("SLOTS");
             let reply: redis::RedisResult<redis::Value> = query(&mut conn, &cmd).await;
+            let read = reply.ok().and_then(|v| SlotMap::from_reply(&v, now));
+            if let Some(m) = &read {
+                // A master gone from the map (failed over, removed) keeps no
+                // connection.
+                let names: Vec<&str> = m.addresses().collect();
+                node_conns
+                    .lock()
+                    .retain(|addr, _| names.contains(&addr.as_str()));
+            }
             if epoch.load(Ordering::Acquire) == began {
-                map.store(
-                    reply
-                        .ok()
-                        .and_then(|v| SlotMap::from_reply(&v, now))
-                        .map(Arc::new),
-                );
+                map.store(read.map(Arc::new));
             }
             reading.store(false, Ordering::Release);
         });
@@ -863,46 +942,54 @@ impl Inner {
             }
             placed.push(at);
         }
-        // Each group's shares' tiers, shared with its call's task (no copy).
-        let groups: Vec<(bool, Arc<Vec<Share>>)> = groups
-            .into_iter()
-            .map(|(_, _, spans, shares)| (spans, Arc::new(shares)))
-            .collect();
-        let calls: Vec<_> = groups
+        // Each group's call goes on its master's own connection when the map
+        // says where the master is, else through the cluster client; all at
+        // once, from this task.
+        let conns: Vec<Result<Conn, LimiterError>> = groups
             .iter()
-            .map(|(spans, shares)| {
-                let (mut conn, script, clock) =
-                    (conn.clone(), self.script.clone(), self.clock.clone());
-                let (shares, spans) = (shares.clone(), *spans);
-                tokio::spawn(async move {
-                    let parts: Vec<&[Check]> = shares.iter().map(|(_, c)| c.as_slice()).collect();
-                    run_script(&script, clock.as_ref(), &mut conn, &parts, spans).await
-                })
+            .map(|(id, ..)| {
+                let node = map.filter(|_| id & 0x1_0000 == 0);
+                match node.and_then(|m| m.address(*id as u16)) {
+                    Some(addr) => self.node_connection(addr),
+                    None => Ok(conn.clone()),
+                }
             })
             .collect();
-        let mut answers: Vec<Option<Vec<Verdict>>> = Vec::with_capacity(calls.len());
+        let calls = groups.iter().zip(&conns).map(|((_, _, spans, shares), c)| {
+            let conn = c.clone();
+            async move {
+                let parts: Vec<&[Check]> = shares.iter().map(|(_, c)| c.as_slice()).collect();
+                run_script(
+                    &self.script,
+                    self.clock.as_ref(),
+                    &mut conn?,
+                    &parts,
+                    *spans,
+                )
+                .await
+            }
+        });
+        let results = futures::future::join_all(calls).await;
+        let mut answers: Vec<Option<Vec<Verdict>>> = Vec::with_capacity(results.len());
         // The error the batch fails with: a misplaced call's only if every
         // failed call was misplaced (nothing written: the batch may be
         // decided again); any other (a timeout: the call may have run) wins.
         let mut failed: Option<LimiterError> = None;
-        for call in calls {
-            let e = match call.await {
-                Ok(Ok(v)) => {
-                    answers.push(Some(v));
-                    continue;
+        for result in results {
+            match result {
+                Ok(v) => answers.push(Some(v)),
+                Err(e) => {
+                    answers.push(None);
+                    if failed.as_ref().is_none_or(misplaced) {
+                        failed = Some(e);
+                    }
                 }
-                Ok(Err(e)) => e,
-                Err(e) => LimiterError::Redis(e.to_string()),
-            };
-            answers.push(None);
-            if failed.as_ref().is_none_or(misplaced) {
-                failed = Some(e);
             }
         }
         // A share admitted as a whole took its admitting tiers' tokens.
         let share_admitted = |g: usize, share: usize| {
             answers[g].as_ref().is_some_and(|v| {
-                let checks = &groups[g].1[share].1;
+                let checks = &groups[g].3[share].1;
                 v[share].admitted(checks)
             })
         };
@@ -926,9 +1013,12 @@ impl Inner {
                     }
                     seen.push((g, share));
                     let v = &answers[g].as_ref().expect("admitted share")[share];
-                    for (c, d) in groups[g].1[share].1.iter().zip(&v.decisions) {
+                    for (c, d) in groups[g].3[share].1.iter().zip(&v.decisions) {
                         if d.allowed {
-                            refunds.push(self.refund_one(conn, c, v.now_us, d.remaining));
+                            // The node that charged it (its call answered, so
+                            // its connection was made).
+                            let node = conns[g].as_ref().unwrap_or(conn);
+                            refunds.push(self.refund_one(node, conn, c, v.now_us, d.remaining));
                         }
                     }
                 }
@@ -951,15 +1041,18 @@ impl Inner {
         }
     }
 
-    /// Gives back one tier's admission (`refund.lua`), in a task of its own.
+    /// Gives back one tier's admission (`refund.lua`), in a task of its own,
+    /// on `node` (the connection that charged it); if the bucket's slot has
+    /// moved since (MOVED, ASK), through the cluster client `cluster`.
     fn refund_one(
         &self,
-        conn: &Conn,
+        node: &Conn,
+        cluster: &Conn,
         c: &Check,
         now_us: i64,
         remaining: u64,
     ) -> tokio::task::JoinHandle<()> {
-        let mut conn = conn.clone();
+        let (mut node, mut cluster) = (node.clone(), cluster.clone());
         let refund = self.refund.clone();
         let (kind, p1, p2) = script_args(&c.algorithm);
         let (key, cost) = (c.key.clone(), c.cost);
@@ -972,10 +1065,15 @@ impl Inner {
                 .arg(now_us)
                 .arg(remaining);
             inv.arg(cost);
-            let r: Result<i64, _> = match &mut conn {
+            let mut r: Result<i64, _> = match &mut node {
                 Conn::Single(c) => inv.invoke_async(c).await,
                 Conn::Cluster(c) => inv.invoke_async(c).await,
             };
+            if let (Err(e), Conn::Cluster(c)) = (&r, &mut cluster) {
+                if matches!(e.code(), Some("MOVED" | "ASK" | "TRYAGAIN")) {
+                    r = inv.invoke_async(c).await;
+                }
+            }
             if let Err(e) = r {
                 // The error's class only: its text could name the server.
                 tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged");
@@ -993,7 +1091,7 @@ type Share = (usize, Vec<Check>);
 /// written, and the batch can be decided again slot by slot.
 fn misplaced(e: &LimiterError) -> bool {
     match e {
-        LimiterError::CrossSlot => true,
+        LimiterError::CrossSlot | LimiterError::Misplaced(_) => true,
         LimiterError::Redis(text) => ["non local key", "MOVED", "TRYAGAIN"]
             .iter()
             .any(|m| text.contains(m)),

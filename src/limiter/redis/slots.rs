@@ -52,6 +52,9 @@ pub fn slot(key: &str) -> u16 {
 pub struct SlotMap {
     /// The serving master's index per slot; `u16::MAX` where none serves.
     owner: Vec<u16>,
+    /// Each master's `host:port`, by index (`None`: the reply named no
+    /// host, meaning the node asked; reached through the cluster client).
+    addresses: Vec<Option<String>>,
     pub read_at: Instant,
 }
 
@@ -95,7 +98,34 @@ impl SlotMap {
             }
             owner[start..=end].fill(index as u16);
         }
-        Some(SlotMap { owner, read_at })
+        let addresses = masters
+            .into_iter()
+            .map(|(host, port)| {
+                let host = String::from_utf8(host)
+                    .ok()
+                    .filter(|h| !h.is_empty() && h != "?")?;
+                // An IPv6 host is bracketed in a URL.
+                Some(match host.contains(':') {
+                    true => format!("[{host}]:{port}"),
+                    false => format!("{host}:{port}"),
+                })
+            })
+            .collect();
+        Some(SlotMap {
+            owner,
+            addresses,
+            read_at,
+        })
+    }
+
+    /// Where master `node` listens, as `host:port`.
+    pub fn address(&self, node: u16) -> Option<&str> {
+        self.addresses.get(node as usize)?.as_deref()
+    }
+
+    /// Every master's address the map names.
+    pub fn addresses(&self) -> impl Iterator<Item = &str> {
+        self.addresses.iter().filter_map(|a| a.as_deref())
     }
 
     /// The master serving `slot`, if the map names one.
@@ -147,6 +177,8 @@ mod tests {
         assert_eq!(m.node(5461), Some(1));
         assert_eq!(m.node(16000), Some(2));
         assert_eq!(m.node(16383), Some(0));
+        assert_eq!(m.address(1), Some("127.0.0.1:7001"));
+        assert_eq!(m.addresses().count(), 3);
         let partial = Value::Array(vec![range(0, 100, 7000)]);
         let m = SlotMap::from_reply(&partial, Instant::now()).expect("parsed");
         assert_eq!(m.node(101), None, "a slot nobody serves");
