@@ -322,6 +322,18 @@ fn cluster_slot_migrated_under_load() {
     assert!(refused > 0, "the load must exceed the bound to test it");
     assert!(during > 0, "admissions while the slot moved");
     assert_eq!(up.count("/m"), admitted as u64);
+    // A resharding is the cluster's business: the gateway follows it
+    // without giving up on Redis.
+    assert_eq!(
+        r.backend_at("local", fault),
+        None,
+        "the move sent the gateway to its fallback: {}",
+        gw.log()
+            .lines()
+            .filter(|l| l.contains("failing over"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }
 
 /// The master serving a route's global bucket killed while requests flow:
@@ -378,4 +390,9 @@ fn cluster_master_killed_under_load_keeps_the_bound() {
         "the load must exceed the bound"
     );
     assert_eq!(up.count("/k"), admitted as u64);
+    let fallbacks = gw.metric("gateway_fallback_transitions_total{to=\"local\"}");
+    eprintln!("FIGURES cluster-master-killed-bound: fell back {fallbacks} time(s)");
+    // One fault, one fallback: the slot map read before the kill (naming the
+    // dead master) is not used again after the failback.
+    assert_eq!(fallbacks, 1.0, "fallbacks for one killed master");
 }

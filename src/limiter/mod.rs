@@ -107,11 +107,12 @@ pub enum LimiterError {
     /// Keys of one call in different cluster slots: a bug, never a reason to admit.
     #[error("redis refused keys spanning cluster slots (CROSSSLOT)")]
     CrossSlot,
-    /// A cluster node does not serve a key of the call (MOVED, ASK,
-    /// TRYAGAIN): refused before anything ran, so the call can be sent again
-    /// where the key lives.
-    #[error("redis cluster: a key of the call is served elsewhere ({0})")]
-    Misplaced(&'static str),
+    /// A cluster node refused the call before anything ran: a key it does
+    /// not serve (MOVED, ASK: with the node that does), a slot on the move
+    /// (TRYAGAIN), or a node that cannot take it now (READONLY, CLUSTERDOWN,
+    /// MASTERDOWN, LOADING). The call can be sent again.
+    #[error("redis refused the call for now ({0})")]
+    Misplaced(&'static str, Option<String>),
 }
 
 impl LimiterError {
@@ -119,7 +120,7 @@ impl LimiterError {
     pub fn reason(&self) -> &'static str {
         match self {
             LimiterError::Timeout(_) | LimiterError::Abandoned => "timeout",
-            LimiterError::NotConnected | LimiterError::Redis(_) | LimiterError::Misplaced(_) => {
+            LimiterError::NotConnected | LimiterError::Redis(_) | LimiterError::Misplaced(..) => {
                 "unavailable"
             }
             LimiterError::Refused { reason, .. } => reason,

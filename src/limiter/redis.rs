@@ -50,6 +50,10 @@ static REFUND_LUA: &str = include_str!("refund.lua");
 static CHARGE_LUA: &str = include_str!("charge.lua");
 static HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
 
+/// Cluster: how many times a batch refused as misplaced (a slot on the
+/// move) is decided again before it fails (and falls back).
+const MISPLACED_RETRIES: u32 = 3;
+
 /// Buckets per `charge.lua` call: keeps one call's run short.
 const CHARGE_BATCH: usize = 200;
 
@@ -285,6 +289,17 @@ pub struct RedisBackend {
     batcher: Batcher,
 }
 
+/// Error codes a cluster node answers before running a call.
+const CLUSTER_REFUSALS: [&str; 7] = [
+    "MOVED",
+    "ASK",
+    "TRYAGAIN",
+    "READONLY",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "LOADING",
+];
+
 fn redis_err(e: redis::RedisError) -> LimiterError {
     let text = e.to_string();
     let refused = |reason| LimiterError::Refused {
@@ -293,14 +308,17 @@ fn redis_err(e: redis::RedisError) -> LimiterError {
     };
     match e.code() {
         Some("CROSSSLOT") => return LimiterError::CrossSlot,
-        // Redirections reach us only from a master's own connection (the
-        // cluster client follows them itself).
-        Some("MOVED") => return LimiterError::Misplaced("MOVED"),
-        Some("ASK") => return LimiterError::Misplaced("ASK"),
-        Some("TRYAGAIN") => return LimiterError::Misplaced("TRYAGAIN"),
         Some("WRONGPASS" | "NOAUTH") => return refused("auth"),
         Some("NOPERM") => return refused("permission"),
-        _ => {}
+        // From a master's own connection, what the cluster client would
+        // follow or wait out itself: refused before the script ran.
+        Some(code) => {
+            if let Some(&code) = CLUSTER_REFUSALS.iter().find(|c| **c == code) {
+                let to = e.redirect_node().map(|(addr, _)| addr.to_string());
+                return LimiterError::Misplaced(code, to);
+            }
+        }
+        None => {}
     }
     match e.kind() {
         redis::ErrorKind::AuthenticationFailed => refused("auth"),
@@ -472,6 +490,11 @@ impl RedisBackend {
         self.inner.single.store(None);
         self.inner.request_conn.store(None);
         self.inner.node_conns.lock().clear();
+        // A map read before the outage may name a master that failed.
+        self.inner
+            .slot_map_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.inner.slot_map.store(None);
     }
 
     /// Resolves when a call has passed its budget unanswered.
@@ -845,25 +868,49 @@ impl Inner {
         conn: &Conn,
         requests: &[&[Check]],
     ) -> Result<Vec<Verdict>, LimiterError> {
+        use std::sync::atomic::Ordering;
         self.refresh_slot_map(conn, false);
-        if let Some(map) = self.slot_map.load_full() {
-            match self.decide_grouped(conn, requests, Some(&map)).await {
-                Err(e) if misplaced(&e) => {
-                    self.slot_map_epoch
-                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                    self.slot_map.store(None);
+        // A map kept past twice its age (no batch read it again: the
+        // breaker was open, or traffic stopped) is not trusted.
+        let mut map = self
+            .slot_map
+            .load_full()
+            .filter(|m| m.read_at.elapsed() < 2 * slots::MAX_AGE);
+        let mut attempt = 0;
+        loop {
+            // By master first; once refused, slot by slot (a master's
+            // connection still, each call following its own redirection);
+            // then through the cluster client.
+            let by_slot = attempt > 0;
+            let result = self
+                .decide_grouped(conn, requests, map.as_deref(), by_slot)
+                .await;
+            match result {
+                // Nothing ran, and the batch's other shares were refunded:
+                // decide again. At the instant a slot changes hands even the
+                // cluster client can be refused; a few ms later it is settled.
+                Err(e) if misplaced(&e) && attempt < MISPLACED_RETRIES => {
                     self.refresh_slot_map(conn, true);
+                    if attempt > 0 {
+                        map = None;
+                        tokio::time::sleep(Duration::from_millis(2 * attempt as u64)).await;
+                    }
+                    attempt += 1;
                 }
                 Err(e) => {
                     // A master that failed (killed, failed over) may no
-                    // longer be one: the next batch goes by a map read now.
+                    // longer be one: until the map is read anew, batches go
+                    // through the cluster client.
+                    if map.is_some() && !misplaced(&e) {
+                        self.slot_map_epoch.fetch_add(1, Ordering::AcqRel);
+                        self.slot_map.store(None);
+                    }
                     self.refresh_slot_map(conn, true);
                     return Err(e);
                 }
                 ok => return ok,
             }
         }
-        self.decide_grouped(conn, requests, None).await
     }
 
     /// Reads the slot map again when it is missing or old, in a task of
@@ -909,10 +956,11 @@ impl Inner {
         conn: &Conn,
         requests: &[&[Check]],
         map: Option<&SlotMap>,
+        by_slot: bool,
     ) -> Result<Vec<Verdict>, LimiterError> {
-        // A group: a node (or, unmapped, a slot): its first slot, whether
-        // it spans several, and its shares.
-        let group_of = |sl: u16| match map.and_then(|m| m.node(sl)) {
+        // A group: a node (or, by slot or unmapped, a slot): its first slot,
+        // whether it spans several, and its shares.
+        let group_of = |sl: u16| match map.and_then(|m| m.node(sl)).filter(|_| !by_slot) {
             Some(node) => node as u32,
             None => 0x1_0000 | sl as u32,
         };
@@ -947,26 +995,32 @@ impl Inner {
         // once, from this task.
         let conns: Vec<Result<Conn, LimiterError>> = groups
             .iter()
-            .map(|(id, ..)| {
-                let node = map.filter(|_| id & 0x1_0000 == 0);
-                match node.and_then(|m| m.address(*id as u16)) {
+            .map(
+                |(_, first, ..)| match map.and_then(|m| m.address(m.node(*first)?)) {
                     Some(addr) => self.node_connection(addr),
                     None => Ok(conn.clone()),
-                }
-            })
+                },
+            )
             .collect();
         let calls = groups.iter().zip(&conns).map(|((_, _, spans, shares), c)| {
             let conn = c.clone();
             async move {
                 let parts: Vec<&[Check]> = shares.iter().map(|(_, c)| c.as_slice()).collect();
-                run_script(
-                    &self.script,
-                    self.clock.as_ref(),
-                    &mut conn?,
-                    &parts,
-                    *spans,
-                )
-                .await
+                let mut conn = conn?;
+                let (script, clock) = (&self.script, self.clock.as_ref());
+                match run_script(script, clock, &mut conn, &parts, *spans, false).await {
+                    // A master's own connection redirected: follow it once,
+                    // as the cluster client would (ASK: on the node
+                    // importing the slot, this call only).
+                    Err(LimiterError::Misplaced(code @ ("ASK" | "MOVED"), Some(to)))
+                        if matches!(conn, Conn::Single(_)) =>
+                    {
+                        let mut there = self.node_connection(&to)?;
+                        let asking = code == "ASK";
+                        run_script(script, clock, &mut there, &parts, *spans, asking).await
+                    }
+                    other => other,
+                }
             }
         });
         let results = futures::future::join_all(calls).await;
@@ -1091,7 +1145,7 @@ type Share = (usize, Vec<Check>);
 /// written, and the batch can be decided again slot by slot.
 fn misplaced(e: &LimiterError) -> bool {
     match e {
-        LimiterError::CrossSlot | LimiterError::Misplaced(_) => true,
+        LimiterError::CrossSlot | LimiterError::Misplaced(..) => true,
         LimiterError::Redis(text) => ["non local key", "MOVED", "TRYAGAIN"]
             .iter()
             .any(|m| text.contains(m)),
@@ -1109,6 +1163,7 @@ async fn run_script(
     conn: &mut Conn,
     requests: &[&[Check]],
     across_slots: bool,
+    asking: bool,
 ) -> Result<Vec<Verdict>, LimiterError> {
     // Each bucket is named once, with its rule's parameters (a bucket's name
     // carries them, so they are the same for every tier naming it); tiers
@@ -1192,14 +1247,14 @@ async fn run_script(
     for q in request_shapes {
         cmd.arg(q);
     }
-    let reply: Vec<i64> = match query(conn, &cmd).await {
+    let reply: Vec<i64> = match send(conn, &cmd, asking).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             match conn {
                 Conn::Single(c) => script.load_async(c).await,
                 Conn::Cluster(c) => script.load_async(c).await,
             }
             .map_err(redis_err)?;
-            query(conn, &cmd).await
+            send(conn, &cmd, asking).await
         }
         other => other,
     }
@@ -1235,6 +1290,21 @@ async fn run_script(
             now_us,
         })
         .collect())
+}
+
+/// `cmd`, after `ASKING` when `asking` (sent together, so nothing else on
+/// the multiplexed connection comes between them).
+async fn send(conn: &mut Conn, cmd: &redis::Cmd, asking: bool) -> redis::RedisResult<Vec<i64>> {
+    if !asking {
+        return query(conn, cmd).await;
+    }
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING").ignore().add_command(cmd.clone());
+    let (reply,): (Vec<i64>,) = match conn {
+        Conn::Single(c) => pipe.query_async(c).await?,
+        Conn::Cluster(c) => pipe.query_async(c).await?,
+    };
+    Ok(reply)
 }
 
 async fn query<T: redis::FromRedisValue>(
@@ -1355,6 +1425,7 @@ impl Decider for Inner {
             self.clock.as_ref(),
             &mut conn,
             requests,
+            false,
             false,
         );
         self.answer(call, abandon).await
