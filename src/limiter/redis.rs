@@ -86,6 +86,8 @@ enum Topology {
     },
     Cluster {
         client: Box<redis::cluster::ClusterClient>,
+        /// The same, never retrying a call: for refunds.
+        refund_client: Box<redis::cluster::ClusterClient>,
         /// For the request path's own connection to each master.
         nodes: NodeAccess,
     },
@@ -205,22 +207,29 @@ fn topology_of(
             tls: s.urls[0].starts_with("rediss://").then(|| ca.clone()),
         },
         RedisMode::Cluster => {
-            let mut builder =
-                redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
-                    .connection_timeout(Duration::from_millis(500))
-                    .response_timeout(budget.max(Duration::from_millis(100)))
-                    .retries(2);
-            if let Some(pw) = password {
-                builder = builder.password(pw);
-            }
-            if let Some(pem) = &ca {
-                builder = builder.certs(redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.clone()),
-                });
-            }
+            let cluster_client = |retries: u32| {
+                let mut builder =
+                    redis::cluster::ClusterClient::builder(s.urls.iter().map(String::as_str))
+                        .connection_timeout(Duration::from_millis(500))
+                        .response_timeout(budget.max(Duration::from_millis(100)))
+                        .retries(retries);
+                if let Some(pw) = password {
+                    builder = builder.password(pw);
+                }
+                if let Some(pem) = &ca {
+                    builder = builder.certs(redis::TlsCertificates {
+                        client_tls: None,
+                        root_cert: Some(pem.clone()),
+                    });
+                }
+                builder.build().map_err(redis_err).map(Box::new)
+            };
             Topology::Cluster {
-                client: Box::new(builder.build().map_err(redis_err)?),
+                client: cluster_client(2)?,
+                // A refund must not run twice (it would give back more than
+                // was taken): its client never sends a call again, even
+                // after a timeout that may have hidden a run.
+                refund_client: cluster_client(0)?,
                 nodes: NodeAccess {
                     settings: client(&s.urls[0], ca.as_ref(), password)?
                         .get_connection_info()
@@ -282,6 +291,8 @@ struct Inner {
     /// Cluster: the request path's connection to each master, by address
     /// (those the slot map no longer names are dropped when it is read).
     node_conns: Arc<parking_lot::Mutex<HashMap<String, ConnectionManager>>>,
+    /// Cluster: the refunds' own cluster connection (`refund_client`).
+    refund_conn: ArcSwapOption<ClusterConnection>,
 }
 
 pub struct RedisBackend {
@@ -409,6 +420,7 @@ impl RedisBackend {
         self.inner.connected.store(None);
         self.inner.request_conn.store(None);
         self.inner.node_conns.lock().clear();
+        self.inner.refund_conn.store(None);
         r.password = password;
         Ok(true)
     }
@@ -429,6 +441,7 @@ impl RedisBackend {
             slot_map_reading: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             slot_map_epoch: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             node_conns: Arc::default(),
+            refund_conn: ArcSwapOption::empty(),
             script: redis::Script::new(LIMITER_LUA),
             refund: redis::Script::new(REFUND_LUA),
             charge: redis::Script::new(CHARGE_LUA),
@@ -775,7 +788,19 @@ impl Inner {
                 })));
                 Ok(())
             }
-            Topology::Cluster { client, .. } => {
+            Topology::Cluster {
+                client,
+                refund_client,
+                ..
+            } => {
+                if self.refund_conn.load().is_none() {
+                    // Without it a refund is not made (the client stays
+                    // charged): a failure here fails nothing else.
+                    let connect = refund_client.get_async_connection();
+                    if let Ok(Ok(c)) = tokio::time::timeout(Duration::from_secs(2), connect).await {
+                        self.refund_conn.store(Some(Arc::new(c)));
+                    }
+                }
                 if self.connected.load().is_some() {
                     return Ok(());
                 }
@@ -1072,7 +1097,7 @@ impl Inner {
                             // The node that charged it (its call answered, so
                             // its connection was made).
                             let node = conns[g].as_ref().unwrap_or(conn);
-                            refunds.push(self.refund_one(node, conn, c, v.now_us, d.remaining));
+                            refunds.push(self.refund_one(node, c, v.now_us, d.remaining));
                         }
                     }
                 }
@@ -1095,18 +1120,24 @@ impl Inner {
         }
     }
 
-    /// Gives back one tier's admission (`refund.lua`), in a task of its own,
-    /// on `node` (the connection that charged it); if the bucket's slot has
-    /// moved since (MOVED, ASK), through the cluster client `cluster`.
+    /// Gives back one tier's admission (`refund.lua`), in a task of its own:
+    /// on the master's own connection that charged it (never sent twice),
+    /// or, when the charge went through the cluster client or the bucket's
+    /// slot has moved since (MOVED, ASK), through the refunds' cluster
+    /// connection, which never retries. A refund not made leaves the client
+    /// charged: less admitted, never more.
     fn refund_one(
         &self,
         node: &Conn,
-        cluster: &Conn,
         c: &Check,
         now_us: i64,
         remaining: u64,
     ) -> tokio::task::JoinHandle<()> {
-        let (mut node, mut cluster) = (node.clone(), cluster.clone());
+        let direct = match node {
+            Conn::Single(c) => Some(c.clone()),
+            Conn::Cluster(_) => None,
+        };
+        let refunder = self.refund_conn.load().as_deref().cloned();
         let refund = self.refund.clone();
         let (kind, p1, p2) = script_args(&c.algorithm);
         let (key, cost) = (c.key.clone(), c.cost);
@@ -1119,18 +1150,29 @@ impl Inner {
                 .arg(now_us)
                 .arg(remaining);
             inv.arg(cost);
-            let mut r: Result<i64, _> = match &mut node {
-                Conn::Single(c) => inv.invoke_async(c).await,
-                Conn::Cluster(c) => inv.invoke_async(c).await,
+            let mut r: Option<Result<i64, redis::RedisError>> = match direct {
+                Some(mut c) => Some(inv.invoke_async(&mut c).await),
+                None => None,
             };
-            if let (Err(e), Conn::Cluster(c)) = (&r, &mut cluster) {
-                if matches!(e.code(), Some("MOVED" | "ASK" | "TRYAGAIN")) {
-                    r = inv.invoke_async(c).await;
+            let redirected = |r: &Option<Result<i64, redis::RedisError>>| match r {
+                None => true,
+                Some(Err(e)) => matches!(e.code(), Some("MOVED" | "ASK")),
+                Some(Ok(_)) => false,
+            };
+            if redirected(&r) {
+                if let Some(mut c) = refunder {
+                    r = Some(inv.invoke_async(&mut c).await);
                 }
             }
-            if let Err(e) = r {
+            match r {
+                Some(Ok(_)) => {}
                 // The error's class only: its text could name the server.
-                tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged");
+                Some(Err(e)) => {
+                    tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged")
+                }
+                None => {
+                    tracing::warn!("limiter: no connection for a refund; the client stays charged")
+                }
             }
         })
     }
