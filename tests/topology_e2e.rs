@@ -122,6 +122,54 @@ fn cluster_tiers_in_different_slots_are_all_or_nothing() {
     assert_eq!(up.count("/r"), 4);
 }
 
+/// A cluster that requires a password: the gateway's own connection to each
+/// master authenticates as the cluster client does, so three tiers in
+/// different slots (on different masters) are decided and refunded there
+/// exactly as without one, with no Redis error, and the password appears in
+/// no log line and no metric.
+#[test]
+fn cluster_with_a_password_decides_on_every_master() {
+    const PASSWORD: &str = "cluster-pass-7f3a9c";
+    let cluster = ClusterGuard::start_with_password(PASSWORD);
+    let up = UpstreamGuard::start();
+    let redis = format!("{}\npassword = \"{PASSWORD}\"", cluster.redis_section());
+    let gw = GatewayGuard::start(&config(&redis, &up, SPREAD));
+    let mut c = gw.client();
+    let with_key = [("x-api-key", "alice-secret")];
+    // Spaced, so all but the first few go by the slot map, on the masters'
+    // own connections.
+    let got: Vec<u16> = (0..10)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(50));
+            c.request("GET", "/r", &with_key, b"")
+                .expect("request")
+                .status
+        })
+        .collect();
+    let admitted = got.iter().filter(|&&s| s == 200).count();
+    let metrics = gw.metrics();
+    let errors: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("gateway_redis_errors_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    eprintln!(
+        "FIGURES cluster-password: {got:?}: {admitted} of 10 admitted (bound 3), {errors} Redis errors"
+    );
+    assert_eq!(got, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
+    assert_eq!(errors, 0.0, "no Redis error, so no fallback: {metrics}");
+    let r = c.get("/r").expect("request");
+    assert_eq!(
+        r.header("ratelimit"),
+        Some("\"ip\";r=16;t=4000"),
+        "the 7 rejections refunded on the ip tier: {:?}",
+        r.headers
+    );
+    assert_eq!(up.count("/r"), 4);
+    assert!(!gw.log().contains(PASSWORD), "the password in the log");
+    assert!(!metrics.contains(PASSWORD), "the password in the metrics");
+}
+
 #[test]
 fn cluster_refunds_a_costly_tier_whole() {
     let cluster = ClusterGuard::start();

@@ -26,19 +26,33 @@ pub struct ClusterGuard {
 
 impl ClusterGuard {
     pub fn start() -> Self {
+        Self::start_as(None)
+    }
+
+    /// Every node with `requirepass` (and `masterauth`) set to `password`.
+    #[allow(dead_code)]
+    pub fn start_with_password(password: &str) -> Self {
+        Self::start_as(Some(password))
+    }
+
+    fn start_as(password: Option<&str>) -> Self {
+        let args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+            // A replica may fail over whatever its data's age (tests are short).
+            "--cluster-replica-validity-factor",
+            "0",
+        ];
         let nodes: Vec<Option<RedisGuard>> = (0..6)
             .map(|_| {
-                Some(RedisGuard::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "1000",
-                    // A replica may fail over whatever its data's age (tests are short).
-                    "--cluster-replica-validity-factor",
-                    "0",
-                ]))
+                Some(match password {
+                    Some(p) => RedisGuard::start_with_password(&args, p),
+                    None => RedisGuard::start_with(&args),
+                })
             })
             .collect();
         let addrs: Vec<String> = nodes
@@ -46,7 +60,11 @@ impl ClusterGuard {
             .flatten()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        let out = Command::new("redis-cli")
+        let mut cli = Command::new("redis-cli");
+        if let Some(p) = password {
+            cli.args(["-a", p, "--no-auth-warning"]);
+        }
+        let out = cli
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
