@@ -9,7 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use support::pki::Pki;
-use support::{free_port, wait_for, GatewayGuard, UpstreamGuard, SERVER};
+use support::{
+    command_calls, family_sum, free_port, wait_for, GatewayGuard, UpstreamGuard, SERVER,
+};
 
 /// A TLS-only `redis-server`, stopped by PID on drop.
 struct TlsRedis {
@@ -228,22 +230,10 @@ fn rediss_cluster_with_a_ca_file() {
     let admitted = statuses.iter().filter(|&&s| s == 200).count();
     let evalsha: u64 = nodes
         .iter()
-        .map(|n| {
-            let stats = n.cli(&pki, "ca", &["INFO", "commandstats"]);
-            stats
-                .lines()
-                .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-                .and_then(|v| v.split(',').next())
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0)
-        })
+        .map(|n| command_calls(&n.cli(&pki, "ca", &["INFO", "commandstats"]), "evalsha"))
         .sum();
     let metrics = gw.metrics();
-    let errors: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("gateway_redis_errors_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let errors = family_sum(&metrics, "gateway_redis_errors_total");
     eprintln!(
         "FIGURES rediss cluster: statuses {statuses:?}, admitted {admitted} of 5 (bound 3), \
          {evalsha} EVALSHA over the 3 masters, {errors} Redis errors"

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use support::load::Load;
 use support::topology::{quoted, ClusterGuard, SentinelGuard, MASTER_NAME};
-use support::{wait_for, GatewayGuard, UpstreamGuard, SERVER_2_THREADS};
+use support::{family_sum, wait_for, GatewayGuard, UpstreamGuard, SERVER_2_THREADS};
 
 fn config(redis: &str, up: &UpstreamGuard, tiers: &str) -> String {
     format!(
@@ -148,11 +148,7 @@ fn cluster_with_a_password_decides_on_every_master() {
         .collect();
     let admitted = got.iter().filter(|&&s| s == 200).count();
     let metrics = gw.metrics();
-    let errors: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("gateway_redis_errors_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let errors = family_sum(&metrics, "gateway_redis_errors_total");
     eprintln!(
         "FIGURES cluster-password: {got:?}: {admitted} of 10 admitted (bound 3), {errors} Redis errors"
     );

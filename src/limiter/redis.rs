@@ -11,8 +11,9 @@
 //!   once, each on the request path's own connection to that master
 //!   (`decide_clustered`). A call the map sent to the wrong master is
 //!   refused before it runs (MOVED, ASK, a key not served there), and the
-//!   batch is decided again slot by slot through the cluster client, which
-//!   follows redirections itself. A request's tiers usually live on different
+//!   batch is decided again slot by slot, each call following its own
+//!   redirection, then through the cluster client, which follows them
+//!   itself. A request's tiers usually live on different
 //!   masters; if an enforcing tier rejects, the shares that admitted are
 //!   refunded (`refund.lua`), so a rejection still charges no tier.
 //!   Between the two round trips the reserved quota is held: concurrent
@@ -504,10 +505,7 @@ impl RedisBackend {
         self.inner.request_conn.store(None);
         self.inner.node_conns.lock().clear();
         // A map read before the outage may name a master that failed.
-        self.inner
-            .slot_map_epoch
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        self.inner.slot_map.store(None);
+        self.inner.forget_slot_map();
     }
 
     /// Resolves when a call has passed its budget unanswered.
@@ -876,9 +874,8 @@ impl Inner {
     /// Cluster mode: a batch split by the node that serves each bucket
     /// (when the slot map is known: each call then goes on that node's own
     /// connection) and otherwise by hash slot (through the cluster client).
-    /// Each group's
-    /// share of every request (its tiers there) goes in one call, all
-    /// groups' calls at once (one round trip of wall time); within a call
+    /// Each group's share of every request (its tiers there) goes in one
+    /// call, all groups' calls at once (one round trip of wall time); within a call
     /// the shares are decided in order, all or nothing, as `limiter.lua`
     /// does for standalone. A request is admitted when every share admits;
     /// otherwise the shares that admitted are refunded (`refund.lua`), so a
@@ -886,14 +883,15 @@ impl Inner {
     /// reserved quota is held: later requests of the batch can see less
     /// quota, never more. A refund that fails leaves the client charged. On
     /// any failed call the whole batch fails, its admitted shares refunded;
-    /// when the map sent a call to a node that no longer serves a slot, the
-    /// batch is decided again slot by slot.
+    /// when a node refused a call before running it (a stale map, a slot on
+    /// the move), the batch is decided again: slot by slot, each call
+    /// following its own redirection, then through the cluster client, at
+    /// most `MISPLACED_RETRIES` times.
     async fn decide_clustered(
         &self,
         conn: &Conn,
         requests: &[&[Check]],
     ) -> Result<Vec<Verdict>, LimiterError> {
-        use std::sync::atomic::Ordering;
         self.refresh_slot_map(conn, false);
         // A map kept past twice its age (no batch read it again: the
         // breaker was open, or traffic stopped) is not trusted.
@@ -927,8 +925,7 @@ impl Inner {
                     // longer be one: until the map is read anew, batches go
                     // through the cluster client.
                     if map.is_some() && !misplaced(&e) {
-                        self.slot_map_epoch.fetch_add(1, Ordering::AcqRel);
-                        self.slot_map.store(None);
+                        self.forget_slot_map();
                     }
                     self.refresh_slot_map(conn, true);
                     return Err(e);
@@ -936,6 +933,14 @@ impl Inner {
                 ok => return ok,
             }
         }
+    }
+
+    /// Drops the slot map (batches go through the cluster client until it
+    /// is read again); a read begun before this does not store it back.
+    fn forget_slot_map(&self) {
+        self.slot_map_epoch
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.slot_map.store(None);
     }
 
     /// Reads the slot map again when it is missing or old, in a task of
@@ -1150,16 +1155,12 @@ impl Inner {
                 .arg(now_us)
                 .arg(remaining);
             inv.arg(cost);
-            let mut r: Option<Result<i64, redis::RedisError>> = match direct {
-                Some(mut c) => Some(inv.invoke_async(&mut c).await),
-                None => None,
-            };
-            let redirected = |r: &Option<Result<i64, redis::RedisError>>| match r {
-                None => true,
-                Some(Err(e)) => matches!(e.code(), Some("MOVED" | "ASK")),
-                Some(Ok(_)) => false,
-            };
-            if redirected(&r) {
+            let moved = |e: &redis::RedisError| matches!(e.code(), Some("MOVED" | "ASK"));
+            let mut r: Option<Result<i64, redis::RedisError>> = None;
+            if let Some(mut c) = direct {
+                r = Some(inv.invoke_async(&mut c).await);
+            }
+            if r.as_ref().is_none_or(|r| r.as_ref().is_err_and(moved)) {
                 if let Some(mut c) = refunder {
                     r = Some(inv.invoke_async(&mut c).await);
                 }

@@ -83,6 +83,27 @@ pub fn series<'a>(text: &'a str, name: &str) -> Option<&'a str> {
     })
 }
 
+/// The sum of every series of one metric family (any labels) in a
+/// Prometheus text.
+#[allow(dead_code)]
+pub fn family_sum(text: &str, family: &str) -> f64 {
+    let prefix = format!("{family}{{");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Calls of one command (e.g. "evalsha") in an `INFO commandstats` reply.
+pub fn command_calls(info: &str, command: &str) -> u64 {
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
 /// A test gateway's `[server]` table (for a config written with `format!`):
 /// its listeners (the guard fills them in), one worker thread and a grace
 /// period of a second, so a stop is quick.
@@ -195,13 +216,7 @@ impl RedisGuard {
 
     /// `INFO commandstats` calls of one command (e.g. "evalsha").
     pub fn calls(&self, command: &str) -> u64 {
-        let info = self.cmd(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{command}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
+        command_calls(&self.cmd(&["INFO", "commandstats"]), command)
     }
 
     pub fn pid(&self) -> u32 {
