@@ -483,3 +483,63 @@ fn upstreams_over_tls_h2_and_h2c() {
     ));
     assert_eq!(get(&unverified), 200, "verify = false accepts it");
 }
+
+/// A pooled upstream connection never crosses a trust boundary. Four
+/// upstreams name the same server, port and SNI: `ca` trusts the CA that
+/// signed its certificate, `roots` the system roots and `other` another CA
+/// (neither trusts it), `unverified` checks nothing. Pingora's pool key
+/// covers SNI and `verify` but not the CA, so without the gateway's trust
+/// group a connection `ca` verified would serve `roots` and `other`. Every
+/// upstream goes first on a fresh gateway, then every ordered pair follows.
+#[test]
+fn pooled_tls_connections_keep_to_their_trust() {
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.ca("other");
+    pki.leaf("ca", "b", &["back.internal"]);
+    let back = start(pki, &["b"]);
+    let ca = back.pki.path("ca.crt").display().to_string();
+    let other = back.pki.path("other.crt").display().to_string();
+    let tls_addr = format!("127.0.0.1:{}", back.tls_port);
+    let upstreams = [
+        ("ca", format!("ca_file = \"{ca}\""), 200),
+        ("roots", String::new(), 502),
+        ("other", format!("ca_file = \"{other}\""), 502),
+        (
+            "unverified",
+            format!("ca_file = \"{other}\"\nverify = false"),
+            200,
+        ),
+    ];
+    let mut cfg = format!("{SERVER}\n[limiter]\nbackend = \"local\"\n");
+    for (name, trust, _) in &upstreams {
+        cfg += &format!(
+            "\n[[upstreams]]\nname = \"{name}\"\nservers = [\"{tls_addr}\"]\ntls = true\nsni = \"back.internal\"\n{trust}\nconnect_timeout_ms = 1000\nread_timeout_ms = 5000\n"
+        );
+        cfg += &format!(
+            "\n[[routes]]\nname = \"{name}\"\npath_prefix = \"/{name}/\"\nupstream = \"{name}\"\n"
+        );
+    }
+    let mut checked = 0;
+    for first in 0..upstreams.len() {
+        let gw = GatewayGuard::start(&cfg);
+        let mut expect = |i: usize, after: &str| {
+            let (name, _, want) = &upstreams[i];
+            let got = gw
+                .client()
+                .get(&format!("/{name}/x"))
+                .map(|r| r.status)
+                .unwrap_or(0);
+            assert_eq!(got, *want, "{name} after {after}");
+            checked += 1;
+        };
+        expect(first, "nothing");
+        for x in 0..upstreams.len() {
+            for y in (0..upstreams.len()).filter(|&y| y != x) {
+                expect(x, "the previous pair");
+                expect(y, upstreams[x].0);
+            }
+        }
+    }
+    println!("{checked} requests in every order: each upstream kept to its own trust");
+}

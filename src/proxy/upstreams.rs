@@ -28,6 +28,11 @@ struct Transport {
     hosts: HashMap<SocketAddr, String>,
     ca: Option<Arc<[WrappedX509]>>,
     verify: bool,
+    /// Pingora pools connections by a peer's hash, which covers SNI and
+    /// `verify` but not the CA: without this, a connection verified against
+    /// one upstream's `ca_file` would serve another upstream that does not
+    /// trust that CA. `trust_group` keeps each trust store's connections apart.
+    group_key: u64,
     connect_timeout: Duration,
     read_timeout: Duration,
 }
@@ -75,15 +80,17 @@ impl Transport {
                 }
             }
         }
+        let ca = match (&u.ca_file, u.tls) {
+            (Some(path), true) => Some(load_ca(u, path)?),
+            _ => None,
+        };
         Ok(Transport {
             protocol: u.protocol,
             tls: u.tls,
             sni: u.sni.clone(),
             hosts,
-            ca: match (&u.ca_file, u.tls) {
-                (Some(path), true) => Some(load_ca(u, path)?),
-                _ => None,
-            },
+            group_key: trust_group(ca.as_deref(), u.verify),
+            ca,
             verify: u.verify,
             connect_timeout: Duration::from_millis(u.connect_timeout_ms),
             read_timeout: Duration::from_millis(u.read_timeout_ms),
@@ -108,8 +115,31 @@ impl Transport {
         o.verify_cert = self.verify;
         o.verify_hostname = self.verify;
         o.ca = self.ca.clone();
+        peer.group_key = self.group_key;
         peer
     }
+}
+
+/// What decides whether a server is trusted, as a pool key: the CA
+/// certificates (none: the system roots) and whether they are checked at
+/// all. Upstreams that trust the same CAs may share connections; others
+/// never do. SHA-256, not a seeded hash, so it is the same across reloads.
+fn trust_group(ca: Option<&[WrappedX509]>, verify: bool) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update([u8::from(verify)]);
+    match ca {
+        None => h.update(b"system roots"),
+        Some(certs) => {
+            for c in certs {
+                let der = c.borrow_raw_cert();
+                h.update((der.len() as u64).to_be_bytes());
+                h.update(der);
+            }
+        }
+    }
+    let digest: [u8; 32] = h.finalize().into();
+    u64::from_be_bytes(digest[..8].try_into().expect("8 of 32 bytes"))
 }
 
 impl Pools {
@@ -135,6 +165,7 @@ impl Pools {
                         hc.peer_template.options.verify_cert = u.verify;
                         hc.peer_template.options.verify_hostname = u.verify;
                         hc.peer_template.options.ca = transport.ca.clone();
+                        hc.peer_template.group_key = transport.group_key;
                     }
                     let uri = path
                         .parse()
