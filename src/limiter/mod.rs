@@ -116,6 +116,17 @@ pub enum LimiterError {
 }
 
 impl LimiterError {
+    /// Redis did not answer in time (as opposed to answering with an
+    /// error): the connection may be silent for good.
+    pub fn is_silence(&self) -> bool {
+        match self {
+            LimiterError::Timeout(_) => true,
+            // redis-rs's own response timeout, an I/O error "timed out".
+            LimiterError::Redis(text) => text.ends_with("timed out"),
+            _ => false,
+        }
+    }
+
     /// The closed label `gateway_redis_errors_total{reason}` counts this under.
     pub fn reason(&self) -> &'static str {
         match self {

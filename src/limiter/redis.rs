@@ -839,9 +839,30 @@ impl Inner {
                 }
             }
         };
-        match tokio::time::timeout(self.upkeep_budget(), work).await {
+        let result = match tokio::time::timeout(self.upkeep_budget(), work).await {
             Ok(r) => r,
             Err(_) => Err(LimiterError::Timeout(self.budget.as_millis() as u64)),
+        };
+        if let Err(e) = &result {
+            // A connection that stayed silent is not probed again: the next
+            // probe opens a new one. A connection can stay silent for good
+            // after a partition heals (a NAT or firewall that forgot its
+            // flow), and a timeout does not make redis-rs replace it;
+            // probing on it would keep this replica on its fallback while
+            // Redis is healthy.
+            if e.is_silence() {
+                self.forget_probe_connection();
+            }
+        }
+        result
+    }
+
+    /// Drops the probe's connection; the next probe makes a new one (a
+    /// sentinel's master is asked for again, a cluster's map read again).
+    fn forget_probe_connection(&self) {
+        self.probe_single.store(None);
+        if !matches!(&**self.topology.load(), Topology::Standalone(_)) {
+            self.connected.store(None);
         }
     }
 

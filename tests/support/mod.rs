@@ -240,6 +240,65 @@ impl Drop for RedisGuard {
     }
 }
 
+/// A `tcp-forwarder` of our own between a client and `to`: `stop` it
+/// (SIGSTOP) to cut that client off in silence, `resume` (SIGCONT) to heal.
+pub struct ForwarderGuard {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+#[allow(dead_code)]
+impl ForwarderGuard {
+    pub fn start(to: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tcp-forwarder"))
+            .args(["--listen", "127.0.0.1:0", "--to", to])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tcp-forwarder");
+        let mut line = String::new();
+        let stdout = child.stdout.take().expect("forwarder stdout");
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)
+            .expect("read the forwarder's address");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("tcp-forwarder said {line:?}"));
+        ForwarderGuard { addr, child }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// Blackholes every connection through it: no RST, no bytes.
+    pub fn stop(&self) {
+        signal(self.child.id(), "STOP");
+    }
+
+    pub fn resume(&self) {
+        signal(self.child.id(), "CONT");
+    }
+
+    /// Every connection open now becomes a black hole for good (a
+    /// middlebox that lost its flows); new connections work. Takes effect
+    /// once the forwarder runs (after `resume` if it is stopped).
+    pub fn forget_flows(&mut self) {
+        let stdin = self.child.stdin.as_mut().expect("forwarder stdin");
+        std::io::Write::write_all(stdin, b"forget\n").expect("tell the forwarder");
+    }
+}
+
+impl Drop for ForwarderGuard {
+    fn drop(&mut self) {
+        signal(self.child.id(), "CONT");
+        signal(self.child.id(), "KILL");
+        let _ = self.child.wait();
+    }
+}
+
 /// The mock upstream binary.
 pub struct UpstreamGuard {
     pub addr: SocketAddr,
