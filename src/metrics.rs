@@ -88,6 +88,18 @@ pub fn install() {
             "gateway_fallback_debts_charged_total",
             "Buckets whose local admissions during an outage were charged to Redis on failback"
         );
+        describe_counter!(
+            "gateway_redis_probes_total",
+            "Failback probes sent while on the fallback, by result (ok, failed)"
+        );
+        describe_gauge!(
+            "gateway_fallback_seconds",
+            "Seconds this replica has been on its fallback without Redis (0 while Redis decides)"
+        );
+        for result in ["ok", "failed"] {
+            counter!("gateway_redis_probes_total", "result" => result).absolute(0);
+        }
+        gauge!("gateway_fallback_seconds").set(0.0);
         // Every series with a closed label set exists from start-up, at 0,
         // so an alert on it can be written before it first fires.
         for to in ["redis", "local"] {
@@ -167,6 +179,17 @@ pub fn set_backend(state: FallbackState) {
 pub fn fallback_transition(to: FallbackState) {
     counter!("gateway_fallback_transitions_total", "to" => to.as_str()).increment(1);
     set_backend(to);
+}
+
+/// One failback probe's result.
+pub fn redis_probe(ok: bool) {
+    let result = if ok { "ok" } else { "failed" };
+    counter!("gateway_redis_probes_total", "result" => result).increment(1);
+}
+
+/// How long this replica has been on its fallback (zero: not on it).
+pub fn fallback_for(d: Duration) {
+    gauge!("gateway_fallback_seconds").set(d.as_secs_f64());
 }
 
 pub fn redis_error(reason: &'static str) {

@@ -45,6 +45,10 @@ const STARTUP_RETRY: Duration = Duration::from_millis(50);
 /// start-up attempt to say it has ended (it always does; this is a bound).
 const STARTUP_SLACK: Duration = Duration::from_secs(2);
 
+/// While on the fallback, a WARN line at least this often (how long, and
+/// the last probe's error): a replica stuck there must not be silent.
+const LOUD_EVERY: Duration = Duration::from_secs(10);
+
 /// Failed charges of the ledger before failing back anyway (the debts stay
 /// in the ledger and are charged once Redis takes them).
 const SETTLE_TRIES: u32 = 3;
@@ -104,6 +108,8 @@ pub struct Health {
     /// The error's class: `auth`, `permission`, `database`, `config` and
     /// `tls` mean Redis refuses this gateway's settings (or is not trusted).
     pub redis_error_reason: Option<&'static str>,
+    /// How long this replica has been on its fallback, when it is.
+    pub fallback_for: Option<Duration>,
 }
 
 pub struct Fallback {
@@ -138,6 +144,10 @@ pub struct Fallback {
     last_error: Mutex<Option<LimiterError>>,
     /// When a refusal was last logged at error level (repeated each minute).
     last_refusal_log: Mutex<Option<Instant>>,
+    /// Since when Redis has not decided (the breaker opened, or start-up
+    /// did not reach it), and when that was last logged.
+    fallback_since: Mutex<Option<Instant>>,
+    fallback_logged: Mutex<Option<Instant>>,
 }
 
 impl Fallback {
@@ -174,6 +184,8 @@ impl Fallback {
             started_fast: AtomicBool::new(!has_redis),
             last_error: Mutex::new(None),
             last_refusal_log: Mutex::new(None),
+            fallback_since: Mutex::new(has_redis.then(Instant::now)),
+            fallback_logged: Mutex::new(None),
         });
         metrics::set_backend(FallbackState::Local);
         metrics::replicas(f.replicas());
@@ -200,6 +212,10 @@ impl Fallback {
             replicas: self.replicas(),
             redis_error: err.as_ref().map(|e| self.redact(&e.to_string())),
             redis_error_reason: err.as_ref().map(LimiterError::reason),
+            fallback_for: match state {
+                FallbackState::Redis => None,
+                FallbackState::Local => self.fallback_since.lock().map(|t| t.elapsed()),
+            },
         }
     }
 
@@ -297,7 +313,7 @@ impl Fallback {
         if self.on_failure != OnRedisFailure::Local {
             return;
         }
-        let n = self.replicas();
+        let n = self.fallback_replicas();
         let now = SystemClock.now_us();
         for (c, d) in checks.iter().zip(decisions) {
             // A log's seed holds one entry per request spent: at most one a
@@ -341,10 +357,20 @@ impl Fallback {
         })
     }
 
+    /// The replicas a share is cut for on the fallback: the larger of the
+    /// last live count and `limiter.instances`. Replicas cut off from Redis
+    /// cannot announce themselves, so the live count of the others drops
+    /// while they stay up; never counting fewer than configured keeps the
+    /// shares of replicas on the fallback from adding up to more than the
+    /// limit when several fail over.
+    fn fallback_replicas(&self) -> u32 {
+        self.replicas().max(self.instances)
+    }
+
     /// Redis failed: this replica's share, locally, with the admissions
     /// recorded for failback.
     async fn fallback_outcome(&self, checks: &[Check]) -> Outcome {
-        let n = self.replicas();
+        let n = self.fallback_replicas();
         let shares: Arc<[Check]> = checks
             .iter()
             .map(|c| Check {
@@ -382,6 +408,8 @@ impl Fallback {
         metrics::redis_error(e.reason());
         if self.redis_up.swap(false, Ordering::AcqRel) {
             self.good_probes.store(0, Ordering::Relaxed);
+            *self.fallback_since.lock() = Some(Instant::now());
+            *self.fallback_logged.lock() = Some(Instant::now());
             if let Some(r) = &self.redis {
                 r.abandon();
             }
@@ -445,6 +473,7 @@ impl Fallback {
                 match tokio::time::timeout_at(until.into(), redis.probe(&self.probe_key)).await {
                     Ok(Ok(())) => {
                         self.redis_up.store(true, Ordering::Release);
+                        *self.fallback_since.lock() = None;
                         metrics::set_backend(FallbackState::Redis);
                         tracing::info!("limiter: redis reached at start-up");
                         self.heartbeat().await;
@@ -539,7 +568,7 @@ impl Fallback {
     /// The checks as the local backend enforces them now.
     fn local_view(&self, checks: &[Check]) -> Vec<Check> {
         let n = if self.redis.is_some() {
-            self.replicas()
+            self.fallback_replicas()
         } else {
             1
         };
@@ -577,7 +606,9 @@ impl Fallback {
         if self.redis_up.load(Ordering::Relaxed) {
             return;
         }
-        match redis.probe(&self.probe_key).await {
+        let probed = redis.probe(&self.probe_key).await;
+        metrics::redis_probe(probed.is_ok());
+        match probed {
             Ok(()) => {
                 let n = self.good_probes.fetch_add(1, Ordering::AcqRel) + 1;
                 if n < PROBES_TO_FAIL_BACK {
@@ -595,7 +626,11 @@ impl Fallback {
                 self.failed_settles.store(0, Ordering::Relaxed);
                 redis.renew_request_connection();
                 if !self.redis_up.swap(true, Ordering::AcqRel) {
-                    tracing::info!("limiter: redis healthy again, failing back");
+                    let on_fallback = self.fallback_since.lock().take().map(|t| t.elapsed());
+                    tracing::info!(
+                        on_fallback_ms = on_fallback.map_or(0, |d| d.as_millis() as u64),
+                        "limiter: redis healthy again, failing back"
+                    );
                     metrics::fallback_transition(FallbackState::Redis);
                 }
                 // Admissions decided locally while the first charge ran.
@@ -607,6 +642,30 @@ impl Fallback {
                 self.note_failure(e);
             }
         }
+        self.still_on_fallback();
+    }
+
+    /// While on the fallback: a WARN line every `LOUD_EVERY` with how long
+    /// and the last probe's error (`/readyz` and `/metrics` say it too).
+    fn still_on_fallback(&self) {
+        if self.redis_up.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(since) = *self.fallback_since.lock() else {
+            return;
+        };
+        let mut logged = self.fallback_logged.lock();
+        if logged.is_some_and(|t| t.elapsed() < LOUD_EVERY) {
+            return;
+        }
+        *logged = Some(Instant::now());
+        let last = self.last_error.lock().clone();
+        tracing::warn!(
+            on_fallback_secs = since.elapsed().as_secs(),
+            last_probe_error = %last.map_or_else(|| "none".to_string(), |e| self.redact(&e.to_string())),
+            on_redis_failure = ?self.on_failure,
+            "limiter: still on the fallback, redis not deciding"
+        );
     }
 
     /// Charges the ledger to Redis; what a failure leaves uncharged is put

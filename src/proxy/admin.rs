@@ -42,6 +42,10 @@ impl ServeHttp for Admin {
                 if let Some(r) = h.redis_error_reason {
                     body["redis_error_reason"] = r.into();
                 }
+                if let Some(d) = h.fallback_for {
+                    // Rounded to the tenth: read by people and alerts alike.
+                    body["fallback_secs"] = ((d.as_secs_f64() * 10.0).round() / 10.0).into();
+                }
                 if !h.started {
                     body["waiting_for"] = "redis (server.startup_redis_wait_ms)".into();
                 }
@@ -64,11 +68,12 @@ impl ServeHttp for Admin {
                 .await;
                 (status, "application/json", body.to_string().into_bytes())
             }
-            "/metrics" => (
-                200,
-                "text/plain; version=0.0.4",
-                metrics::render().into_bytes(),
-            ),
+            "/metrics" => (200, "text/plain; version=0.0.4", {
+                // As of this scrape, not of the last probe.
+                let on_fallback = self.limiter.health().fallback_for;
+                metrics::fallback_for(on_fallback.unwrap_or_default());
+                metrics::render().into_bytes()
+            }),
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };
         Response::builder()
