@@ -19,10 +19,11 @@ use support::{
 
 const PROBE_INTERVAL_MS: u64 = 100;
 
-/// Failback takes `PROBES_TO_FAIL_BACK` (3) good probes in a row; the
-/// probe under way when the link heals may still fail, and the one after it
-/// may still find the old connection silent and replace it: the bound is
-/// stated in probes, not in time.
+/// Failback takes `PROBES_TO_FAIL_BACK` (3) good probes in a row. Before
+/// them, after a heal: the probe under way may still fail; where the link
+/// forgot its flows, up to two probes may be answered on the old connection
+/// before the forgetting reaches it, then one fails on it and replaces it.
+/// So at most 2 + 1 + 3: the bound is stated in probes, not in time.
 const PROBES_AFTER_HEAL: f64 = 6.0;
 
 fn config(redis_url: &str, up: &UpstreamGuard) -> String {

@@ -1,0 +1,1425 @@
+#!/usr/bin/env python3
+"""The chaos soak: three gateway replicas sharing one Redis, sprayed with one
+API key's requests while a seeded schedule breaks Redis, the replicas' links
+to it, and the replicas themselves. Checks that the key's plan (capacity 50,
+refill 20/s) still holds across the whole run, that nothing answers 5xx, and
+how long each replica stays on its fallback after a fault heals.
+
+    chaos.py [--seeds 1,2,3 | --runs N --seed-base S] [--duration SECS]
+             [--clients N] [--out DIR] [--bin-dir DIR]
+             [--max-fallback-after-heal SECS] [--slack N]
+
+Per run (one seed), on 127.0.0.1 and free ports only:
+  * redis-server (AOF, fsync always, in a temp dir, so a SIGKILL loses nothing);
+  * an upstream (this script, in a child process) that logs the arrival time
+    of every request: the admitted count is what it received;
+  * three tcp-forwarders to Redis and three gateways, each replica's
+    [redis] url pointing at its own forwarder (a forwarder is a link to cut);
+  * --clients threads spraying the three replicas over keep-alive connections;
+  * a watcher polling each replica's /readyz every 50 ms (backend,
+    fallback_secs) and /metrics every 500 ms;
+  * a fault every 4-8 s, chosen by random.Random(seed) among redis-stall
+    (SIGSTOP 2 s), redis-restart (SIGKILL, restart on the same port and AOF
+    ~1 s later), blackhole (SIGSTOP one forwarder 3 s), replica-kill (SIGKILL
+    one gateway, restart it) and reload (rewrite one gateway's config in
+    place: the gateway polls its file). None in the last QUIET_TAIL_SECS.
+
+Outputs in --out (default loadtest/results/chaos-<timestamp>/): summary.json
+(every run), table.md (also printed), chaos.png, and seed-<S>/ per run:
+config/ and logs/, faults.json, arrivals.txt (the upstream's stamps),
+responses.csv.gz (every response: time, replica, status, ms), per_second.csv,
+watcher.csv (/readyz samples), watcher-metrics.csv, metrics-gw*.txt (each
+gateway's /metrics at the end).
+
+The figures: T (first to last request sent), admitted (requests the upstream
+received), the exact bound 50 + 20 T, the worst window overshoot (over every
+window of the upstream's stamps), slack (per run, the README's partition
+slack: for every stay of a replica on its fallback while Redis decided for
+another, 50/3 + 20/3 x the seconds of that overlap; its share on top of what
+Redis admits until its debt is charged back at failback), and
+per fault the seconds from its heal until the replicas it hit (all three for
+Redis faults) were seen on Redis again (50 ms resolution). Stays on the
+fallback that no fault explains are listed too.
+
+Exit status: 0 when every run passed; 1 when a run had a 5xx, admitted more
+than bound + slack, had a gateway die on its own, or (with
+--max-fallback-after-heal) left a replica on its fallback longer than that
+after a heal; 2 on bad usage or when the stack could not be set up; 130 on
+Ctrl-C. Every process it starts is stopped by PID, on every exit path.
+"""
+
+import argparse
+import gzip
+import http.client
+import json
+import os
+import random
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from datetime import datetime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The key's plan: the limit under test.
+CAPACITY = 50
+REFILL = 20.0
+REPLICAS = 3
+API_KEY = "chaos-soak-key-0001"
+
+# Faults: every 4-8 s (start to start), none in the run's last seconds so
+# that every replica has time to fail back before the run ends.
+FAULT_KINDS = ("redis-stall", "redis-restart", "blackhole", "replica-kill", "reload")
+FAULT_GAP_SECS = (4.0, 8.0)
+QUIET_TAIL_SECS = 10.0
+STALL_SECS = 2.0
+REDIS_DOWN_SECS = 1.0
+BLACKHOLE_SECS = 3.0
+REPLICA_DOWN_SECS = 1.0
+# The longest a fault is planned to last: a fault must heal before the
+# quiet tail begins, so none starts later than this before it.
+LONGEST_FAULT_SECS = 3.0
+
+WATCH_EVERY = 0.05
+METRICS_EVERY = 10  # /metrics on every 10th /readyz poll (500 ms)
+PROGRESS_EVERY = 5.0
+CLIENT_TIMEOUT = 5.0
+# A client that cannot reach a replica leaves it alone this long, so that a
+# killed replica costs a few errors per thread rather than a busy loop.
+CLIENT_SKIP_SECS = 0.05
+GRACE_SECS = 1  # server.grace_period_secs in the generated configs
+# A local episode that starts this long after a fault's heal is not blamed
+# on that fault.
+EPISODE_BLAME_SECS = 1.0
+
+_print_lock = threading.Lock()
+
+
+def say(msg):
+    with _print_lock:
+        print(f"{datetime.now():%H:%M:%S} {msg}", flush=True)
+
+
+class SetupError(Exception):
+    """The stack could not be brought up (exit status 2)."""
+
+
+class Closed(Exception):
+    """A process was to be started after the run's teardown began."""
+
+
+# ------------------------------------------------------------- processes
+
+
+class Proc:
+    """One child process, in a session of its own (so a Ctrl-C reaches only
+    this script, which then stops it by PID)."""
+
+    def __init__(self, kind, name, argv, log_path, env=None, capture_stdout=False):
+        self.kind, self.name, self.argv, self.log_path = kind, name, argv, log_path
+        self.log = open(log_path, "ab")
+        self.popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture_stdout else self.log,
+            stderr=self.log,
+            start_new_session=True,
+            env=env,
+        )
+        self.pid = self.popen.pid
+        self.paused = False  # SIGSTOPped by a fault
+        self.killed_by_us = False
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def signal(self, sig):
+        # Popen.send_signal polls first: a reaped PID is never signalled.
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def pause(self):
+        self.signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        self.signal(signal.SIGCONT)
+        self.paused = False
+
+    def kill(self):
+        """SIGKILL and reap (a fault, or the end of a teardown)."""
+        self.killed_by_us = True
+        if self.paused:
+            self.resume()
+        self.signal(signal.SIGKILL)
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def first_line(self, timeout):
+        """The first stdout line (capture_stdout only): the address it bound."""
+        deadline = time.monotonic() + timeout
+        buf = b""
+        fd = self.popen.stdout.fileno()
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.alive() and not select.select([fd], [], [], 0)[0]:
+                raise SetupError(f"{self.name} printed no address (see {self.log_path})")
+            if select.select([fd], [], [], min(left, 0.2))[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    raise SetupError(f"{self.name} exited (see {self.log_path})")
+                buf += chunk
+        return buf.split(b"\n", 1)[0].decode().strip()
+
+    def close_files(self):
+        self.log.close()
+        if self.popen.stdout:
+            self.popen.stdout.close()
+
+
+class Procs:
+    """Every process of one run. Once closed, nothing more is started: a
+    fault still running when the teardown begins cannot leak a restart."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.all = []
+        self.closed = False
+
+    def spawn(self, *args, **kwargs):
+        with self.lock:
+            if self.closed:
+                raise Closed()
+            p = Proc(*args, **kwargs)
+            self.all.append(p)
+            return p
+
+    def stop_all(self):
+        with self.lock:
+            self.closed = True
+            procs = [p for p in self.all if p.alive()]
+        gateways = [p for p in procs if p.kind == "gateway"]
+        # Gateways first, all at once: SIGTERM drains within the grace period.
+        for p in gateways:
+            p.killed_by_us = True
+            p.signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECS + 2
+        for p in gateways:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{p.name} (PID {p.pid}) still up {GRACE_SECS + 2}s after SIGTERM: SIGKILL")
+                p.kill()
+        for p in procs:
+            if p.kind == "gateway":
+                continue
+            p.killed_by_us = True
+            if p.paused:
+                p.resume()
+            if p.kind == "forwarder":
+                p.kill()  # no state to save
+                continue
+            p.signal(signal.SIGTERM)
+            try:
+                p.popen.wait(3)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for p in self.all:
+            p.close_files()
+
+
+# ------------------------------------------------------------- helpers
+
+
+def free_ports(n):
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_get(port, path, timeout=1.0):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def readyz(port, timeout=1.0):
+    """The replica's /readyz as a dict; {} when it does not answer."""
+    try:
+        _, body = http_get(port, "/readyz", timeout)
+        return json.loads(body)
+    except (OSError, http.client.HTTPException, ValueError):
+        return {}
+
+
+def metric(text, series):
+    """The value of one exact series in Prometheus text, or None."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            try:
+                return float(line.split()[-1])
+            except ValueError:
+                return None
+    return None
+
+
+def redis_ping(port, timeout=0.5):
+    """True when Redis answers PONG (not LOADING: the AOF is read by then)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def wait_for(what, secs, check, proc=None):
+    deadline = time.monotonic() + secs
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise SetupError(f"{what}: {proc.name} exited (see {proc.log_path})")
+        v = check()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise SetupError(f"{what}: not within {secs}s")
+
+
+def write_atomically(path, text):
+    # The gateway polls its file: it must never read half of one.
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------- the upstream
+
+
+def serve_upstream(arrivals_path):
+    """Child mode: answers 200 at once and appends each request's arrival
+    (time.monotonic(), the same clock as the parent's) to arrivals_path. A
+    process of its own, so the load threads' GIL does not delay the stamps."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lock = threading.Lock()
+    out = open(arrivals_path, "a")
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def answer(self):
+            t = time.monotonic()
+            with lock:
+                # Flushed per line: the parent counts them while the run goes.
+                out.write(f"{t:.6f}\n")
+                out.flush()
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = answer
+
+        def log_message(self, *args):
+            pass
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 128
+
+    srv = Server(("127.0.0.1", 0), Handler)
+    print(f"listening on 127.0.0.1:{srv.server_address[1]}", flush=True)
+    srv.serve_forever()
+
+
+# ------------------------------------------------------------- the stack
+
+
+def gateway_config(listen, admin, redis_port, upstream_port, jitter, generation):
+    return f"""# chaos.py replica config, generation {generation} (a reload fault rewrites it)
+[server]
+listen = ["127.0.0.1:{listen}"]
+admin_listen = "127.0.0.1:{admin}"
+threads = 2
+grace_period_secs = {GRACE_SECS}
+
+[limiter]
+backend = "redis"
+on_redis_failure = "local"
+instances = {REPLICAS}
+retry_after_jitter_ms = {jitter}
+
+[redis]
+urls = ["redis://127.0.0.1:{redis_port}"]
+timeout_ms = 15
+probe_interval_ms = 100
+
+[plans.basic]
+capacity = {CAPACITY}
+refill_per_sec = {REFILL:g}
+
+[[api_keys]]
+id = "chaos"
+key = "{API_KEY}"
+plan = "basic"
+
+[[upstreams]]
+name = "up"
+servers = ["127.0.0.1:{upstream_port}"]
+
+# No route limit: the key's plan is the limit under test.
+[[routes]]
+name = "r"
+path_prefix = "/"
+upstream = "up"
+"""
+
+
+class Replica:
+    def __init__(self, idx, listen, admin, config_path):
+        self.idx, self.listen, self.admin, self.config_path = idx, listen, admin, config_path
+        self.name = f"gw{idx}"
+        self.forwarder = None
+        self.proc = None
+        self.jitter = 0
+        self.generation = 0
+        self.restarts = 0
+
+
+class Stack:
+    """Redis, the upstream, the forwarders and the gateways of one run."""
+
+    def __init__(self, run_dir, bin_dir, procs):
+        self.run_dir, self.bin_dir, self.procs = run_dir, bin_dir, procs
+        self.logs = os.path.join(run_dir, "logs")
+        self.config_dir = os.path.join(run_dir, "config")
+        os.makedirs(self.logs, exist_ok=True)
+        os.makedirs(self.config_dir, exist_ok=True)
+        self.redis_dir = tempfile.mkdtemp(prefix="chaos-redis-")
+        self.redis = None
+        self.redis_port = None
+        self.redis_starts = 0
+        self.upstream = None
+        self.upstream_port = None
+        self.arrivals_path = os.path.join(run_dir, "arrivals.raw")
+        self.replicas = []
+        self.env = dict(os.environ, GATEWAY_LOG="info,access=off,rustls=error")
+
+    # -- Redis
+    def start_redis(self):
+        if self.redis_port is None:
+            self.redis_port = free_ports(1)[0]
+        self.redis_starts += 1
+        argv = [
+            "redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+            "--dir", self.redis_dir, "--appendonly", "yes", "--appendfsync", "always",
+            "--save", "", "--daemonize", "no", "--loglevel", "warning",
+            # Diagnostics only: LATENCY LATEST at the end shows whether Redis
+            # itself (an fsync, say) was slow when a replica failed over.
+            "--latency-monitor-threshold", "10",
+        ]
+        self.redis = self.procs.spawn("redis", "redis", argv, os.path.join(self.logs, "redis.log"))
+        wait_for(f"redis on :{self.redis_port}", 15, lambda: redis_ping(self.redis_port), self.redis)
+
+    # -- the upstream
+    def start_upstream(self):
+        argv = [sys.executable, os.path.abspath(__file__), "--serve-upstream", self.arrivals_path]
+        self.upstream = self.procs.spawn(
+            "upstream", "upstream", argv, os.path.join(self.logs, "upstream.log"), capture_stdout=True
+        )
+        addr = self.upstream.first_line(10)
+        self.upstream_port = int(addr.rsplit(":", 1)[1])
+
+    # -- forwarders and gateways
+    def start_replicas(self):
+        ports = free_ports(2 * REPLICAS)
+        fwd = os.path.join(self.bin_dir, "tcp-forwarder")
+        for i in range(REPLICAS):
+            r = Replica(i, ports[i], ports[REPLICAS + i], os.path.join(self.config_dir, f"gw{i}.toml"))
+            argv = [fwd, "--listen", "127.0.0.1:0", "--to", f"127.0.0.1:{self.redis_port}"]
+            r.forwarder = self.procs.spawn(
+                "forwarder", f"forwarder{i}", argv, os.path.join(self.logs, f"forwarder{i}.log"),
+                capture_stdout=True,
+            )
+            line = r.forwarder.first_line(10)
+            if not line.startswith("listening on "):
+                raise SetupError(f"forwarder{i} said {line!r}, expected 'listening on ADDR'")
+            r.forwarder_port = int(line.rsplit(":", 1)[1])
+            self.write_config(r)
+            self.check_config(r)
+            self.replicas.append(r)
+        for r in self.replicas:
+            self.start_gateway(r)
+        for r in self.replicas:
+            wait_for(
+                f"{r.name} on Redis (/readyz on :{r.admin})", 30,
+                lambda r=r: readyz(r.admin).get("backend") == "redis", r.proc,
+            )
+
+    def write_config(self, r):
+        text = gateway_config(r.listen, r.admin, r.forwarder_port, self.upstream_port, r.jitter, r.generation)
+        write_atomically(r.config_path, text)
+
+    def check_config(self, r):
+        out = subprocess.run(
+            [os.path.join(self.bin_dir, "gateway"), "check", "-c", r.config_path],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30,
+        )
+        with open(os.path.join(self.logs, f"check-{r.name}.txt"), "w") as f:
+            f.write(out.stdout + out.stderr)
+        if out.returncode != 0:
+            raise SetupError(f"gateway check -c {r.config_path} failed:\n{out.stdout}{out.stderr}")
+
+    def start_gateway(self, r):
+        argv = [os.path.join(self.bin_dir, "gateway"), "run", "-c", r.config_path]
+        r.proc = self.procs.spawn(
+            "gateway", r.name, argv, os.path.join(self.logs, f"{r.name}.log"), env=self.env
+        )
+
+    def metrics_text(self, r, timeout=1.0):
+        try:
+            status, body = http_get(r.admin, "/metrics", timeout)
+            return body.decode() if status == 200 else ""
+        except (OSError, http.client.HTTPException):
+            return ""
+
+    def redis_diagnostics(self):
+        """LATENCY LATEST and the AOF's fsync figures (since Redis's last start)."""
+        out = {}
+        for name, cmd in (("latency_latest", ["LATENCY", "LATEST"]), ("persistence", ["INFO", "persistence"])):
+            try:
+                res = subprocess.run(
+                    ["redis-cli", "-h", "127.0.0.1", "-p", str(self.redis_port)] + cmd,
+                    stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=5,
+                )
+                out[name] = res.stdout
+            except (OSError, subprocess.SubprocessError) as e:
+                out[name] = repr(e)
+        keep = ("aof_delayed_fsync", "aof_last_write_status", "aof_rewrites")
+        return {
+            "latency_latest": out["latency_latest"].split(),
+            "aof": {k: v for k, _, v in (ln.strip().partition(":") for ln in out["persistence"].splitlines())
+                    if k in keep},
+            "starts": self.redis_starts,
+        }
+
+    def cleanup_dirs(self):
+        shutil.rmtree(self.redis_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------- the load
+
+
+class Client(threading.Thread):
+    """Sprays the replicas in a seeded random order, one request at a time,
+    over one keep-alive connection per replica, until the run's end."""
+
+    def __init__(self, idx, seed, replicas, t0, end, n_secs):
+        super().__init__(name=f"client{idx}", daemon=True)
+        self.rng = random.Random(seed * 1000 + idx)
+        self.ports = [r.listen for r in replicas]
+        self.t0, self.end = t0, end
+        self.first_send = None
+        self.last_send = None
+        # Live counters, read by the progress line (racy reads are fine).
+        self.ok = self.rejected = self.server_errors = self.other = self.errors = 0
+        self.by_replica = [dict() for _ in self.ports]  # status (0: error) -> count
+        n = n_secs + 2
+        self.per_sec = {k: [0] * n for k in ("ok", "429", "5xx", "other", "errors")}
+        self.events = []  # 5xx answers and connection errors: (t, replica, what)
+        # Every response (status 0: a connection error): send time, replica,
+        # status, milliseconds. Arrays keep a 90 s flood small.
+        self.rec_t, self.rec_r, self.rec_s, self.rec_ms = array("d"), array("b"), array("H"), array("f")
+        self.stop_flag = threading.Event()
+
+    def note(self, t, i, status, key):
+        self.rec_t.append(t)
+        self.rec_r.append(i)
+        self.rec_s.append(status)
+        self.rec_ms.append((time.monotonic() - self.t0 - t) * 1000.0)
+        s = int(t)
+        if 0 <= s < len(self.per_sec[key]):
+            self.per_sec[key][s] += 1
+
+    def run(self):
+        conns = [None] * len(self.ports)
+        skip_until = [0.0] * len(self.ports)
+        headers = {"x-api-key": API_KEY}
+        while not self.stop_flag.is_set():
+            now = time.monotonic()
+            if now >= self.end:
+                break
+            usable = [i for i in range(len(self.ports)) if skip_until[i] <= now]
+            if not usable:
+                time.sleep(0.01)
+                continue
+            i = self.rng.choice(usable)
+            t = now - self.t0
+            if self.first_send is None:
+                self.first_send = t
+            self.last_send = t
+            try:
+                if conns[i] is None:
+                    conns[i] = http.client.HTTPConnection("127.0.0.1", self.ports[i], timeout=CLIENT_TIMEOUT)
+                conns[i].request("GET", "/chaos", headers=headers)
+                resp = conns[i].getresponse()
+                resp.read()
+                status = resp.status
+                if resp.will_close:
+                    conns[i].close()
+                    conns[i] = None
+            except (OSError, http.client.HTTPException) as e:
+                if conns[i] is not None:
+                    conns[i].close()
+                conns[i] = None
+                skip_until[i] = time.monotonic() + CLIENT_SKIP_SECS
+                self.errors += 1
+                self.note(t, i, 0, "errors")
+                self.by_replica[i][0] = self.by_replica[i].get(0, 0) + 1
+                if len(self.events) < 20000:
+                    self.events.append((round(t, 3), i, type(e).__name__))
+                continue
+            self.by_replica[i][status] = self.by_replica[i].get(status, 0) + 1
+            if status == 200:
+                self.ok += 1
+                self.note(t, i, status, "ok")
+            elif status == 429:
+                self.rejected += 1
+                self.note(t, i, status, "429")
+            elif status >= 500:
+                self.server_errors += 1
+                self.note(t, i, status, "5xx")
+                if len(self.events) < 20000:
+                    self.events.append((round(t, 3), i, f"HTTP {status}"))
+            else:
+                self.other += 1
+                self.note(t, i, status, "other")
+        for c in conns:
+            if c is not None:
+                c.close()
+
+
+# ------------------------------------------------------------- the watcher
+
+
+class Watcher(threading.Thread):
+    """Polls one replica's /readyz every WATCH_EVERY (its backend, and the
+    fallback_secs it carries while on the fallback) and its /metrics every
+    METRICS_EVERY polls (the backend gauge, the reload and probe counters)."""
+
+    def __init__(self, stack, replica, t0):
+        super().__init__(name=f"watch-{replica.name}", daemon=True)
+        self.stack, self.r, self.t0 = stack, replica, t0
+        self.samples = []  # (t, state, fallback_secs): state redis|local|starting|down
+        self.metrics = []  # (t, local gauge, reloads ok, probes ok, probes failed)
+        self.stop_flag = threading.Event()
+
+    def last_state(self):
+        return self.samples[-1][1] if self.samples else "?"
+
+    def run(self):
+        n = 0
+        nxt = time.monotonic()
+        while not self.stop_flag.is_set():
+            t = time.monotonic() - self.t0
+            j = readyz(self.r.admin, timeout=0.5)
+            if not j:
+                state = "down"
+            elif not j.get("ready"):
+                state = "starting"
+            else:
+                state = j.get("backend", "?")
+            self.samples.append((round(t, 3), state, j.get("fallback_secs")))
+            if n % METRICS_EVERY == 0:
+                text = self.stack.metrics_text(self.r, timeout=0.5)
+                if text:
+                    self.metrics.append((
+                        round(time.monotonic() - self.t0, 3),
+                        metric(text, 'gateway_limiter_backend{backend="local"}'),
+                        metric(text, 'gateway_config_reloads_total{result="ok"}'),
+                        metric(text, 'gateway_redis_probes_total{result="ok"}'),
+                        metric(text, 'gateway_redis_probes_total{result="failed"}'),
+                    ))
+            n += 1
+            nxt += WATCH_EVERY
+            self.stop_flag.wait(max(0.0, nxt - time.monotonic()))
+            nxt = max(nxt, time.monotonic() - WATCH_EVERY)
+
+
+# ------------------------------------------------------------- the faults
+
+
+def fault_schedule(seed, duration):
+    """(offset, kind, replica) from the seed alone, so a seed replays the
+    same faults whatever the machine's timings. A replica index is drawn for
+    every fault, used or not, to keep the stream aligned across kinds."""
+    rng = random.Random(seed)
+    plan = []
+    t = rng.uniform(*FAULT_GAP_SECS)
+    while t <= duration - QUIET_TAIL_SECS - LONGEST_FAULT_SECS:
+        plan.append((round(t, 3), rng.choice(FAULT_KINDS), rng.randrange(REPLICAS)))
+        t += rng.uniform(*FAULT_GAP_SECS)
+    return plan
+
+
+class Faults(threading.Thread):
+    def __init__(self, stack, plan, t0, duration):
+        super().__init__(name="faults", daemon=True)
+        self.stack, self.plan, self.t0, self.duration = stack, plan, t0, duration
+        self.log = []  # one dict per fault that ran
+        self.skipped = []
+        self.error = None
+        self.stop_flag = threading.Event()
+
+    def now(self):
+        return time.monotonic() - self.t0
+
+    def nap(self, secs):
+        # A fault under way always heals: an early stop only shortens it.
+        self.stop_flag.wait(secs)
+
+    def run(self):
+        try:
+            last_heal = 0.0
+            for n, (at, kind, ri) in enumerate(self.plan, 1):
+                # A fault that healed late pushes the next one back a little.
+                start = max(at, last_heal + 1.0)
+                if start > self.duration - QUIET_TAIL_SECS - LONGEST_FAULT_SECS:
+                    self.skipped.append({"n": n, "kind": kind, "planned": at, "why": "would reach the quiet tail"})
+                    continue
+                if self.stop_flag.wait(max(0.0, start - self.now())):
+                    return
+                entry = {"n": n, "kind": kind, "planned": at}
+                if kind in ("blackhole", "replica-kill", "reload"):
+                    entry["replica"] = ri
+                entry["start"] = round(self.now(), 3)
+                target = f" gw{ri}" if "replica" in entry else ""
+                say(f"  fault {n} {kind}{target} at {entry['start']:.1f}s")
+                getattr(self, kind.replace("-", "_"))(entry, ri)
+                entry["heal"] = round(self.now(), 3)
+                entry["secs"] = round(entry["heal"] - entry["start"], 3)
+                last_heal = entry["heal"]
+                self.log.append(entry)
+                extra = f" ({entry['note']})" if entry.get("note") else ""
+                say(f"  fault {n} {kind}{target} healed at {entry['heal']:.1f}s after {entry['secs']:.1f}s{extra}")
+        except Closed:
+            pass
+        except BaseException as e:  # reported by the main thread
+            self.error = e
+
+    def redis_stall(self, entry, _):
+        self.stack.redis.pause()
+        self.nap(STALL_SECS)
+        self.stack.redis.resume()
+
+    def redis_restart(self, entry, _):
+        self.stack.redis.kill()
+        self.nap(REDIS_DOWN_SECS)
+        self.stack.start_redis()  # same port and dir: the AOF is reloaded
+
+    def blackhole(self, entry, ri):
+        fwd = self.stack.replicas[ri].forwarder
+        fwd.pause()
+        self.nap(BLACKHOLE_SECS)
+        fwd.resume()
+
+    def replica_kill(self, entry, ri):
+        r = self.stack.replicas[ri]
+        r.proc.kill()
+        self.nap(REPLICA_DOWN_SECS)
+        # The same config and ports; a listener port may linger, so a
+        # start that dies at once is tried again.
+        for attempt in range(5):
+            self.stack.start_gateway(r)
+            r.restarts += 1
+            try:
+                wait_for(f"{r.name} restarted", 20, lambda: readyz(r.admin).get("ready"), r.proc)
+                entry["backend_when_ready"] = readyz(r.admin).get("backend")
+                if attempt:
+                    entry["note"] = f"{attempt + 1} starts"
+                return
+            except SetupError:
+                if r.proc.alive() or attempt == 4:
+                    raise
+                time.sleep(0.5)
+
+    def reload(self, entry, ri):
+        r = self.stack.replicas[ri]
+        before = metric(self.stack.metrics_text(r), 'gateway_config_reloads_total{result="ok"}') or 0.0
+        r.jitter = 1 - r.jitter
+        r.generation += 1
+        self.stack.write_config(r)
+        # The gateway polls its file's content every 500 ms (README,
+        # "Hot reload"): the reload is seen in its counter, not signalled.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            now = metric(self.stack.metrics_text(r), 'gateway_config_reloads_total{result="ok"}') or 0.0
+            if now > before:
+                entry["note"] = f"retry_after_jitter_ms={r.jitter}"
+                return
+            time.sleep(0.05)
+        entry["note"] = "reload NOT seen in gateway_config_reloads_total within 5s"
+
+
+# ------------------------------------------------------------- analysis
+
+
+def worst_window(arrivals):
+    """max over windows [t_i, t_j] of (j - i + 1) - (CAPACITY + REFILL (t_j - t_i)):
+    (j - REFILL t_j) - min over i <= j of (i - REFILL t_i), + 1 - CAPACITY."""
+    best, where = None, None
+    low, low_i = float("inf"), 0
+    for j, t in enumerate(arrivals):
+        v = j - REFILL * t
+        if v < low:
+            low, low_i = v, j
+        over = v - low + 1 - CAPACITY
+        if best is None or over > best:
+            best, where = over, (arrivals[low_i], t, j - low_i + 1)
+    return best, where
+
+
+def episodes(samples, backend="local"):
+    """Intervals a replica was seen on `backend` (its fallback by default):
+    [first such sample, first sample after that on another] (end None: still
+    there at the end)."""
+    out, start = [], None
+    for t, state, _ in samples:
+        if state == backend and start is None:
+            start = t
+        elif state != backend and start is not None:
+            out.append((start, t))
+            start = None
+    if start is not None:
+        out.append((start, None))
+    return out
+
+
+def back_on_redis(samples, heal, run_end):
+    """Seconds from a heal until the replica was seen on Redis again: 0 when
+    it was on Redis just before and just after the heal; (secs, stuck)."""
+    before = None
+    for t, state, _ in samples:
+        if t <= heal:
+            before = state
+            continue
+        if state == "redis":
+            if before == "redis":
+                return 0.0, False
+            return round(t - heal, 3), False
+        before = state
+    return round(run_end - heal, 3), True
+
+
+def partition_slack(watchers, run_end):
+    """The README's partition slack: each time a replica decides on its
+    fallback while Redis decides for another, its share (CAPACITY/n + REFILL/n
+    x that time) can come on top of what Redis admits, until its debt is
+    charged at failback. Summed over every such stay, whatever caused it."""
+    stays = [[(s, run_end if e is None else e) for s, e in episodes(w.samples)] for w in watchers]
+    on_redis = [[(s, run_end if e is None else e) for s, e in episodes(w.samples, "redis")]
+                for w in watchers]
+    total = 0.0
+    for ri, mine in enumerate(stays):
+        others = sorted(iv for rj, ivs in enumerate(on_redis) if rj != ri for iv in ivs)
+        for s, e in mine:
+            overlap, cursor = 0.0, s
+            for a, b in others:
+                lo, hi = max(a, cursor), min(b, e)
+                if hi > lo:
+                    overlap += hi - lo
+                    cursor = hi
+            if overlap > 0:
+                total += CAPACITY / REPLICAS + REFILL / REPLICAS * overlap
+    return total
+
+
+def affected(fault):
+    if fault["kind"].startswith("redis-"):
+        return list(range(REPLICAS))
+    return [fault["replica"]]
+
+
+def analyse(seed, clients, watchers, faults, arrivals_abs, t0, duration, args, procs_died):
+    first = min(c.first_send for c in clients if c.first_send is not None)
+    last = max(c.last_send for c in clients if c.last_send is not None)
+    T = last - first
+    # Times from the first request sent: the bucket was full then.
+    arrivals = sorted(a - t0 - first for a in arrivals_abs)
+    admitted = len(arrivals)
+    bound = CAPACITY + REFILL * T
+    over, where = worst_window(arrivals)
+    run_end = duration
+
+    def total(attr):
+        return sum(getattr(c, attr) for c in clients)
+
+    fault_log = []
+    per_replica_last = {}
+    for f in faults.log:
+        per = {}
+        for ri in affected(f):
+            secs, stuck = back_on_redis(watchers[ri].samples, f["heal"], run_end)
+            per[f"gw{ri}"] = {"secs": secs, "stuck": stuck}
+            per_replica_last[ri] = (f["n"], secs, stuck)
+        f = dict(f, fallback_after_heal=per, fallback_after_heal_max=max(v["secs"] for v in per.values()))
+        fault_log.append(f)
+    longest = max((f["fallback_after_heal_max"] for f in fault_log), default=0.0)
+    after_final = max((v[1] for v in per_replica_last.values()), default=0.0)
+    stuck = sorted({k for f in fault_log for k, v in f["fallback_after_heal"].items() if v["stuck"]})
+
+    # A stay on the fallback that no fault explains is odd: list them. Only
+    # faults that cut a replica from Redis explain one; a kill or a reload
+    # should never send a replica to its fallback.
+    unexplained = []
+    for ri, w in enumerate(watchers):
+        for s, e in episodes(w.samples):
+            blamed = any(
+                f["kind"] in ("redis-stall", "redis-restart", "blackhole")
+                and ri in affected(f) and f["start"] - 0.1 <= s <= f["heal"] + EPISODE_BLAME_SECS
+                for f in faults.log
+            )
+            if not blamed:
+                unexplained.append({"replica": f"gw{ri}", "start": s, "end": e})
+
+    slack_calc = partition_slack(watchers, run_end)
+    slack = args.slack if args.slack is not None else slack_calc
+    kinds = {k: sum(1 for f in faults.log if f["kind"] == k) for k in FAULT_KINDS}
+    s5 = total("server_errors")
+    errors = total("errors")
+
+    failures = []
+    if s5:
+        failures.append(f"{s5} 5xx answers")
+    if admitted > bound + slack:
+        failures.append(f"admitted {admitted} > bound {bound:.1f} + slack {slack:.1f}")
+    if args.max_fallback_after_heal is not None and longest > args.max_fallback_after_heal:
+        failures.append(f"a replica stayed on its fallback {longest:.2f}s after a heal (bound {args.max_fallback_after_heal}s)")
+    if procs_died:
+        failures.append("died on their own: " + ", ".join(procs_died))
+
+    max_fb_secs = {}
+    for ri, w in enumerate(watchers):
+        vals = [fb for _, _, fb in w.samples if isinstance(fb, (int, float))]
+        max_fb_secs[f"gw{ri}"] = max(vals) if vals else None
+
+    return {
+        "seed": seed,
+        "T": round(T, 3),
+        "first_send": round(first, 3),
+        "admitted": admitted,
+        "client_200s": total("ok"),
+        "bound": round(bound, 2),
+        "pct_of_bound": round(100.0 * admitted / bound, 2) if bound else None,
+        "worst_window_overshoot": round(over, 2) if over is not None else None,
+        "worst_window": {"from": round(where[0], 3), "to": round(where[1], 3), "arrivals": where[2]} if where else None,
+        "slack": round(slack, 2),
+        "slack_computed": round(slack_calc, 2),
+        "over_bound": round(admitted - bound, 2),
+        "responses": {"200": total("ok"), "429": total("rejected"), "5xx": s5, "other": total("other")},
+        "status_5xx": s5,
+        "conn_errors": errors,
+        "status_429": total("rejected"),
+        "by_replica": {
+            f"gw{i}": {str(k): sum(c.by_replica[i].get(k, 0) for c in clients)
+                       for k in sorted({k for c in clients for k in c.by_replica[i]})}
+            for i in range(REPLICAS)
+        },
+        "longest_fallback_after_heal": longest,
+        "fallback_after_final_fault": after_final,
+        "stuck_on_fallback": stuck,
+        "unexplained_fallback_episodes": unexplained,
+        "max_fallback_secs_seen": max_fb_secs,
+        "faults_by_kind": kinds,
+        "faults": fault_log,
+        "faults_skipped": faults.skipped,
+        "events_sample": sorted(e for c in clients for e in c.events)[:200],
+        "died": procs_died,
+        "pass": not failures,
+        "failures": failures,
+    }
+
+
+# ------------------------------------------------------------- one run
+
+
+def run_one(seed, args, out_dir):
+    run_dir = os.path.join(out_dir, f"seed-{seed}")
+    os.makedirs(run_dir, exist_ok=True)
+    procs = Procs()
+    stack = Stack(run_dir, args.bin_dir, procs)
+    clients, watchers, faults = [], [], None
+    try:
+        say(f"== seed {seed}: {args.duration:g}s, {args.clients} clients; run folder {run_dir}")
+        stack.start_upstream()
+        stack.start_redis()
+        stack.start_replicas()
+        say(
+            f"   up: redis :{stack.redis_port}, upstream :{stack.upstream_port}, "
+            + ", ".join(f"gw{r.idx} :{r.listen} (admin :{r.admin}, via :{r.forwarder_port})" for r in stack.replicas)
+            + "; all on Redis"
+        )
+        plan = fault_schedule(seed, args.duration)
+        planned = ", ".join(
+            f"{at:.1f}s {k}" + (f" gw{ri}" if k in ("blackhole", "replica-kill", "reload") else "")
+            for at, k, ri in plan
+        )
+        say(f"   faults planned: {planned or 'none fits in this duration'}")
+
+        t0 = time.monotonic()
+        end = t0 + args.duration
+        watchers = [Watcher(stack, r, t0) for r in stack.replicas]
+        clients = [Client(i, seed, stack.replicas, t0, end, int(args.duration)) for i in range(args.clients)]
+        faults = Faults(stack, plan, t0, args.duration)
+        for th in watchers + clients + [faults]:
+            th.start()
+
+        counted, offset = 0, 0
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(PROGRESS_EVERY, left))
+            # Count the upstream's lines written since the last look.
+            with open(stack.arrivals_path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            counted += chunk.count(b"\n")
+            offset += len(chunk)
+            elapsed = time.monotonic() - t0
+            on_fb = [w.r.name for w in watchers if w.last_state() != "redis"]
+            states = ",".join(f"{w.r.name}={w.last_state()}" for w in watchers if w.last_state() != "redis")
+            lastf = faults.log[-1] if faults.log else None
+            lf = (
+                f"{lastf['kind']}{' gw%d' % lastf['replica'] if 'replica' in lastf else ''} "
+                f"{lastf['start']:.1f}-{lastf['heal']:.1f}s" if lastf else "none"
+            )
+            bound_now = CAPACITY + REFILL * elapsed
+            say(
+                f"[seed {seed}] {min(elapsed, args.duration):5.1f}/{args.duration:g}s  admitted {counted} "
+                f"(bound now {bound_now:.0f})  429s {sum(c.rejected for c in clients)}  "
+                f"5xx {sum(c.server_errors for c in clients)}  errors {sum(c.errors for c in clients)}  "
+                f"not on redis: {states if on_fb else '-'}  last fault: {lf}"
+            )
+            if faults.error:
+                raise faults.error
+
+        for c in clients:
+            c.join(CLIENT_TIMEOUT + 2)
+        faults.stop_flag.set()
+        faults.join(30)
+        if faults.error:
+            raise faults.error
+        # A last look at every replica, then the watchers stop.
+        time.sleep(0.2)
+        for w in watchers:
+            w.stop_flag.set()
+            w.join(5)
+
+        diagnostics = {"redis": stack.redis_diagnostics(), "cpu_secs": cpu_secs(procs)}
+        died = []
+        for r in stack.replicas:
+            text = stack.metrics_text(r, timeout=2)
+            with open(os.path.join(run_dir, f"metrics-{r.name}.txt"), "w") as f:
+                f.write(text)
+        for p in procs.all:
+            if not p.alive() and not p.killed_by_us:
+                died.append(f"{p.name} (PID {p.pid}, exit {p.popen.returncode})")
+    finally:
+        for th in clients + watchers + ([faults] if faults else []):
+            th.stop_flag.set()
+        procs.stop_all()
+        stack.cleanup_dirs()
+
+    with open(stack.arrivals_path) as f:
+        arrivals_abs = [float(x) for x in f.read().split()]
+    result = analyse(seed, clients, watchers, faults, arrivals_abs, t0, args.duration, args, died)
+    result["plan"] = [{"at": at, "kind": k, "replica": ri} for at, k, ri in plan]
+    result["gateway_log_lines"] = gateway_log_summary(stack)
+    result["diagnostics"] = diagnostics
+    save_run_files(run_dir, result, clients, watchers, arrivals_abs, t0, stack)
+    return result
+
+
+def cpu_secs(procs):
+    """CPU seconds used by each process still running, and by this script:
+    on a small machine the load generator competes with the gateways."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for p in procs.all:
+        if not p.alive():
+            continue
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[p.name] = round((int(fields[11]) + int(fields[12])) / tick, 2)
+        except (OSError, IndexError, ValueError):
+            pass
+    t = os.times()
+    out["chaos.py (load, watcher)"] = round(t.user + t.system, 2)
+    return out
+
+
+def gateway_log_summary(stack):
+    """Per gateway log: WARN and ERROR lines counted by message (timestamp
+    and key=value fields dropped), and each failback's on_fallback_ms (how
+    long the stay lasted, as the gateway saw it)."""
+    out = {}
+    for r in stack.replicas:
+        path = os.path.join(stack.logs, f"{r.name}.log")
+        by_message = {}
+        failbacks = []
+        try:
+            with open(path, errors="replace") as f:
+                for line in f:
+                    m = re.match(r"\S+\s+(WARN|ERROR)\s+(.*)", line)
+                    if m:
+                        msg = re.split(r" \w+=", m.group(2), maxsplit=1)[0].strip()
+                        key = f"{m.group(1)} {msg}"
+                        by_message[key] = by_message.get(key, 0) + 1
+                    if "failing back" in line:
+                        fb = re.search(r"on_fallback_ms=(\d+)", line)
+                        if fb:
+                            failbacks.append(int(fb.group(1)))
+        except OSError:
+            pass
+        out[r.name] = {"warn_error_by_message": by_message, "failbacks_on_fallback_ms": failbacks,
+                       "restarts": r.restarts}
+    return out
+
+
+def save_run_files(run_dir, result, clients, watchers, arrivals_abs, t0, stack):
+    first = result["first_send"]
+    with open(os.path.join(run_dir, "faults.json"), "w") as f:
+        json.dump({"plan": result["plan"], "ran": result["faults"], "skipped": result["faults_skipped"]}, f, indent=2)
+    with open(os.path.join(run_dir, "arrivals.txt"), "w") as f:
+        f.write("# seconds since the first request sent\n")
+        for a in sorted(arrivals_abs):
+            f.write(f"{a - t0 - first:.6f}\n")
+    os.remove(stack.arrivals_path)
+    with open(os.path.join(run_dir, "watcher.csv"), "w") as f:
+        f.write("t,replica,state,fallback_secs\n")
+        rows = sorted((t, w.r.name, s, fb) for w in watchers for t, s, fb in w.samples)
+        for t, name, s, fb in rows:
+            f.write(f"{t},{name},{s},{'' if fb is None else fb}\n")
+    with open(os.path.join(run_dir, "watcher-metrics.csv"), "w") as f:
+        f.write("t,replica,backend_local,reloads_ok,probes_ok,probes_failed\n")
+        for w in watchers:
+            for row in w.metrics:
+                f.write(",".join([str(row[0]), w.r.name] + ["" if v is None else f"{v:g}" for v in row[1:]]) + "\n")
+    rows = sorted(
+        (t, r, st, ms) for c in clients for t, r, st, ms in zip(c.rec_t, c.rec_r, c.rec_s, c.rec_ms)
+    )
+    with gzip.open(os.path.join(run_dir, "responses.csv.gz"), "wt", compresslevel=1) as f:
+        f.write("t,replica,status,ms\n")  # t: the load's clock (seconds since t0); status 0: connection error
+        for t, r, st, ms in rows:
+            f.write(f"{t:.4f},gw{r},{st},{ms:.2f}\n")
+    # Client-side counts per second of the load's clock; admitted from the
+    # upstream's stamps, by second since t0.
+    n = len(clients[0].per_sec["ok"])
+    adm = [0] * n
+    for a in arrivals_abs:
+        s = int(a - t0)
+        if 0 <= s < n:
+            adm[s] += 1
+    with open(os.path.join(run_dir, "per_second.csv"), "w") as f:
+        f.write("second,admitted,client_200,client_429,client_5xx,client_other,conn_errors\n")
+        for s in range(n):
+            vals = [sum(c.per_sec[k][s] for c in clients) for k in ("ok", "429", "5xx", "other", "errors")]
+            f.write(f"{s},{adm[s]}," + ",".join(map(str, vals)) + "\n")
+
+
+# ------------------------------------------------------------- outputs
+
+
+def fmt_kinds(k):
+    short = {"redis-stall": "stall", "redis-restart": "restart", "blackhole": "blackhole",
+             "replica-kill": "kill", "reload": "reload"}
+    return ", ".join(f"{short[n]} {k[n]}" for n in FAULT_KINDS if k.get(n))
+
+
+def num(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def table(results):
+    head = ("| seed | T (s) | admitted | bound | % of bound | worst window overshoot | slack | 5xx "
+            "| conn errors | 429s | longest fallback after heal (s) | after final fault (s) "
+            "| fallbacks no fault explains | faults | pass |")
+    lines = [head, "|" + "---:|" * 13 + "---|---|"]
+    for r in results:
+        fb = f"{r['longest_fallback_after_heal']:.2f}" + (" STUCK " + "/".join(r["stuck_on_fallback"]) if r["stuck_on_fallback"] else "")
+        lines.append(
+            f"| {r['seed']} | {r['T']:.1f} | {r['admitted']} | {r['bound']:.1f} | {num(r['pct_of_bound'], '.1f')} "
+            f"| {num(r['worst_window_overshoot'], '+.1f')} | {r['slack']:.1f} | {r['status_5xx']} | {r['conn_errors']} "
+            f"| {r['status_429']} | {fb} | {r['fallback_after_final_fault']:.2f} "
+            f"| {len(r['unexplained_fallback_episodes'])} | {fmt_kinds(r['faults_by_kind']) or '-'} "
+            f"| {'yes' if r['pass'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+FAULT_COLOURS = {
+    "redis-stall": "#d62728", "redis-restart": "#9467bd", "blackhole": "#ff7f0e",
+    "replica-kill": "#8c564b", "reload": "#2ca02c",
+}
+
+
+def plot(out_dir, results):
+    import bisect
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = len(results)
+    fig, axes = plt.subplots(n + 1, 1, figsize=(12, 2.4 * (n + 1) + 0.6), squeeze=False)
+    axes = axes[:, 0]
+    curves = []
+    for ax, r in zip(axes, results):
+        run_dir = os.path.join(out_dir, f"seed-{r['seed']}")
+        with open(os.path.join(run_dir, "arrivals.txt")) as f:
+            arr = [float(x) for x in f if not x.startswith("#")]
+        T = r["T"]
+        secs = int(T) + 1
+        per = [0] * secs
+        for a in arr:
+            if 0 <= a < secs:
+                per[int(a)] += 1
+        first = r["first_send"]
+        for f in r["faults"]:
+            ax.axvspan(f["start"] - first, f["heal"] - first, color=FAULT_COLOURS[f["kind"]], alpha=0.25, lw=0)
+        ax.bar(range(secs), per, width=0.9, align="edge", color="#1f77b4", alpha=0.85)
+        ax.axhline(REFILL, color="black", lw=1, ls="--")
+        # Above the bars, one lane per replica marks its stays on the
+        # fallback, so a stay that outlives its fault stands out.
+        peak = max(max(per, default=0), CAPACITY + REFILL)
+        lane = peak * 0.12
+        with open(os.path.join(run_dir, "watcher.csv")) as fh:
+            next(fh)
+            rows = [ln.rstrip("\n").split(",") for ln in fh]
+        for ri in range(REPLICAS):
+            samples = [(float(t) - first, st, None) for t, name, st, _ in rows if name == f"gw{ri}"]
+            spans = [(s0, (e if e is not None else T) - s0) for s0, e in episodes(samples)]
+            y = peak * 1.08 + lane * ri
+            ax.broken_barh(spans, (y, lane * 0.7), color="#e377c2")
+            ax.text(T + 0.4, y + lane * 0.35, f"gw{ri}", fontsize=7, va="center")
+        ax.set_ylim(0, peak * 1.08 + lane * REPLICAS + lane * 0.3)
+        ax.set_yticks([v for v in ax.get_yticks() if 0 <= v <= peak])
+        ax.set_xlim(0, T + 0.4 + max(1.5, T * 0.03))
+        ax.set_ylabel("admitted / s")
+        ax.set_title(
+            f"seed {r['seed']}: admitted {r['admitted']} / bound {r['bound']:.0f} ({r['pct_of_bound']:.1f}%), "
+            f"worst window {num(r['worst_window_overshoot'], '+.1f')}, slack {r['slack']:.0f}, "
+            f"5xx {r['status_5xx']}, longest fallback after heal {r['longest_fallback_after_heal']:.2f}s",
+            fontsize=9,
+        )
+        # Sampled on a grid: count(arrivals <= t) - (50 + 20 t).
+        grid = [i * 0.05 for i in range(int(T / 0.05) + 1)]
+        curves.append((r["seed"], grid, [bisect.bisect_right(arr, t) - (CAPACITY + REFILL * t) for t in grid]))
+    handles = [Patch(color=c, alpha=0.35, label=k) for k, c in FAULT_COLOURS.items()]
+    handles += [
+        Patch(color="#1f77b4", label="admitted per second (upstream)"),
+        plt.Line2D([], [], color="black", ls="--", lw=1, label=f"refill {REFILL:g}/s"),
+        Patch(color="#e377c2", label="replica on its fallback (lanes gw0..gw2)"),
+    ]
+    fig.legend(handles=handles, fontsize=8, ncol=4, loc="upper center", frameon=False)
+    ax = axes[-1]
+    longest = max(r["T"] for r in results)
+    ax.set_xlim(0, longest + 0.4 + max(1.5, longest * 0.03))  # aligned with the panels above
+    low = 0.0
+    for seed, xs, ys in curves:
+        ax.plot(xs, ys, lw=1, label=f"seed {seed}")
+        # The first second (the bucket's burst filling) is left off the scale.
+        low = min([low] + [y for x, y in zip(xs, ys) if x >= 1.0])
+    high = max([0.0] + [max(ys) for _, _, ys in curves])
+    ax.set_ylim(low - 3, high + 3)
+    ax.axhline(0, color="black", lw=1, ls="--")
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("admitted - (50 + 20 t)")
+    ax.set_title("cumulative admitted minus the exact bound (above 0: over it; the first second's fill is off scale)",
+                 fontsize=9)
+    if len(curves) <= 12:
+        ax.legend(fontsize=7, ncol=6, loc="best")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    fig.savefig(os.path.join(out_dir, "chaos.png"), dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(out_dir, results, args, interrupted):
+    summary = {
+        "params": {
+            "duration": args.duration, "clients": args.clients, "seeds": args.seed_list,
+            "capacity": CAPACITY, "refill_per_sec": REFILL, "replicas": REPLICAS,
+            "slack": "computed per run" if args.slack is None else args.slack,
+            "max_fallback_after_heal": args.max_fallback_after_heal,
+            "bin_dir": args.bin_dir, "cpus": os.cpu_count(),
+            "loadavg_end": loadavg(),
+            "git_commit": git_commit(), "interrupted": interrupted,
+        },
+        "runs": results,
+        "pass": all(r["pass"] for r in results) and not interrupted,
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    t = table(results)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(t)
+    print()
+    print(t)
+    for r in results:
+        if r["failures"]:
+            print(f"seed {r['seed']} FAILED: " + "; ".join(r["failures"]))
+        if r["unexplained_fallback_episodes"]:
+            eps = ", ".join(
+                f"{e['replica']} {e['start']:.1f}-" + ("end" if e["end"] is None else f"{e['end']:.1f}s")
+                for e in r["unexplained_fallback_episodes"]
+            )
+            print(f"seed {r['seed']}: stays on the fallback no fault explains (load clock): {eps}")
+        if r["stuck_on_fallback"]:
+            print(f"seed {r['seed']}: still on the fallback at the end: {', '.join(r['stuck_on_fallback'])}")
+    try:
+        plot(out_dir, results)
+    except Exception as e:  # the numbers matter more than the picture
+        print(f"chaos.py: the plot failed: {e!r}", file=sys.stderr)
+    say(f"outputs: {out_dir}/summary.json, table.md, chaos.png")
+
+
+def loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[:3]
+    except OSError:
+        return None
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", help="comma-separated seeds, e.g. 1,2,3")
+    p.add_argument("--runs", type=int, default=10, help="runs seeds seed-base .. seed-base+runs-1 (default 10)")
+    p.add_argument("--seed-base", type=int, default=1, help="first seed with --runs (default 1)")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of load per run (default 90)")
+    p.add_argument("--clients", type=int, default=6, help="client threads (default 6)")
+    p.add_argument("--out", help="output folder (default loadtest/results/chaos-<timestamp>/)")
+    p.add_argument("--bin-dir", default=os.path.join(ROOT, "target", "release"),
+                   help="where gateway and tcp-forwarder are (default target/release)")
+    p.add_argument("--max-fallback-after-heal", type=float, default=None,
+                   help="fail a run whose replica stays on its fallback longer than this after a heal")
+    p.add_argument("--slack", type=float, default=None,
+                   help="requests over the exact bound tolerated (default: per run, the sum over "
+                        "blackhole and replica-kill faults of 50/3 + 20/3 x their seconds)")
+    p.add_argument("--serve-upstream", metavar="ARRIVALS", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.serve_upstream:
+        return a
+    if a.seeds:
+        try:
+            a.seed_list = [int(s) for s in a.seeds.split(",") if s.strip()]
+        except ValueError:
+            p.error("--seeds takes whole numbers, comma-separated")
+    else:
+        if a.runs < 1:
+            p.error("--runs must be at least 1")
+        a.seed_list = list(range(a.seed_base, a.seed_base + a.runs))
+    if not a.seed_list:
+        p.error("no seeds")
+    if a.duration < QUIET_TAIL_SECS + 5:
+        p.error(f"--duration must be at least {QUIET_TAIL_SECS + 5:g}s")
+    if a.clients < 1:
+        p.error("--clients must be at least 1")
+    a.bin_dir = os.path.abspath(a.bin_dir)
+    return a
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.serve_upstream:
+        serve_upstream(args.serve_upstream)
+        return 0
+    for b in ("gateway", "tcp-forwarder"):
+        if not os.access(os.path.join(args.bin_dir, b), os.X_OK):
+            print(f"chaos.py: {args.bin_dir}/{b} is missing: build first (cargo build --release)", file=sys.stderr)
+            return 2
+    if not shutil.which("redis-server"):
+        print("chaos.py: redis-server is not installed", file=sys.stderr)
+        return 2
+    out_dir = args.out or os.path.join(ROOT, "loadtest", "results", f"chaos-{datetime.now():%Y%m%d-%H%M%S}")
+    os.makedirs(out_dir, exist_ok=True)
+    out_dir = os.path.abspath(out_dir)
+
+    # SIGTERM unwinds like Ctrl-C, through every run's teardown.
+    def on_term(*_):
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    say(f"chaos soak: seeds {args.seed_list}, {args.duration:g}s each, {args.clients} clients; "
+        f"limit {CAPACITY} + {REFILL:g}/s over {REPLICAS} replicas; slack "
+        + ("computed per run (sum over blackhole and replica-kill faults of 50/3 + 20/3 x D)"
+           if args.slack is None else f"{args.slack:g}"))
+    results, interrupted, rc = [], False, 0
+    try:
+        for seed in args.seed_list:
+            results.append(run_one(seed, args, out_dir))
+            r = results[-1]
+            say(f"== seed {seed}: admitted {r['admitted']} / bound {r['bound']:.1f} ({r['pct_of_bound']:.1f}%), "
+                f"slack {r['slack']:.1f}, worst window {num(r['worst_window_overshoot'], '+.1f')}, 5xx {r['status_5xx']}, "
+                f"errors {r['conn_errors']}, longest fallback after heal {r['longest_fallback_after_heal']:.2f}s: "
+                + ("pass" if r["pass"] else "FAIL: " + "; ".join(r["failures"])))
+    except KeyboardInterrupt:
+        interrupted, rc = True, 130
+        say("interrupted: every process stopped")
+    except SetupError as e:
+        print(f"chaos.py: {e}", file=sys.stderr)
+        rc = 2
+    if results:
+        write_outputs(out_dir, results, args, interrupted)
+        if rc == 0 and not all(r["pass"] for r in results):
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The chaos soak: three gateway replicas sharing Redis, one API key's plan
+# (50 + 20/s) under a seeded schedule of faults (Redis stalled or restarted,
+# a replica's link to Redis blackholed, a replica killed, a config reloaded).
+#
+#   loadtest/chaos.sh [--seeds 1,2,3 | --runs N --seed-base S] [--duration SECS]
+#                     [--clients N] [--out DIR] [--bin-dir DIR]
+#                     [--max-fallback-after-heal SECS] [--slack N]
+#
+#   loadtest/chaos.sh --runs 1 --duration 30    # a quick check, about 35 s
+#   loadtest/chaos.sh                           # seeds 1..10, 90 s each: ~16 min
+#
+# Writes loadtest/results/chaos-<timestamp>/ (summary.json, table.md,
+# chaos.png, seed-<S>/ per run). Everything runs on 127.0.0.1; every process
+# it starts is stopped by PID, Ctrl-C included. See loadtest/chaos.py's
+# docstring (chaos.sh --help) for what a run does and the exit status.
+#
+# Needs target/release/{gateway,tcp-forwarder} (it never builds them),
+# redis-server (installed with apt-get when missing) and matplotlib in .venv
+# (installed from loadtest/requirements.txt's pin when missing).
+set -euo pipefail
+
+root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+here=$root/loadtest
+venv=$root/.venv
+py=$venv/bin/python
+
+log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+as_root() {
+  if ((EUID == 0)); then "$@"; else sudo "$@"; fi
+}
+
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  log "installing redis-server and redis-tools"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server redis-tools >/dev/null
+fi
+
+if [[ ! -x $py ]]; then
+  log "creating the virtualenv $venv"
+  if ! python3 -m venv "$venv"; then
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq python3-venv >/dev/null
+    python3 -m venv "$venv"
+  fi
+fi
+# Only matplotlib is needed here (not Locust): install just its pinned line.
+if ! "$py" -c 'import matplotlib' 2>/dev/null; then
+  pin=$(grep -E '^matplotlib([=<>~ ]|$)' "$here/requirements.txt" || echo matplotlib)
+  log "installing $pin into $venv"
+  "$py" -m pip install --quiet --disable-pip-version-check "$pin"
+fi
+
+exec "$py" "$here/chaos.py" "$@"
