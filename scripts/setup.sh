@@ -6,6 +6,15 @@
 # Debian/Ubuntu packages via apt-get; Rust itself is assumed (rustup).
 set -euo pipefail
 
+# --for-tests: also what only the tests need (Chromium, grpcio); the run
+# command (scripts/demo.sh) installs just what running needs.
+for_tests=0
+case "${1:-}" in
+  --for-tests) for_tests=1 ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--for-tests]" >&2; exit 2 ;;
+esac
+
 missing=()
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -24,7 +33,7 @@ if ((${#missing[@]})); then
 fi
 # The browser CORS test (tests/browser_cors_e2e.rs) drives a real headless
 # Chromium: Debian's chromium package (about 10 s to install from a mirror).
-if ! command -v chromium >/dev/null 2>&1; then
+if ((for_tests)) && ! command -v chromium >/dev/null 2>&1; then
   echo "setup: installing chromium (apt-get)"
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -46,7 +55,7 @@ if [[ ! -x $venv/bin/python || ! -x $venv/bin/pip ]]; then
   echo "setup: creating the Python virtualenv $venv"
   python3 -m venv --clear "$venv"
 fi
-if ! "$venv/bin/python" -c 'import grpc' >/dev/null 2>&1; then
+if ((for_tests)) && ! "$venv/bin/python" -c 'import grpc' >/dev/null 2>&1; then
   echo "setup: installing grpcio into $venv (pip)"
   "$venv/bin/pip" install -q --disable-pip-version-check "grpcio==1.85.1"
 fi

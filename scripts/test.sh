@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: installs what is missing, then runs every check the
+# The test command: installs what is missing (scripts/setup.sh --for-tests:
+# also what only tests need), then runs every check the
 # project has: format, lints, the whole test suite (real Redis, real gateway
 # processes), config checks, deployment-file checks, the load-test smoke run
 # and the demo.
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 steps=0
 step() { echo; echo "==> $*"; steps=$((steps + 1)); }
 
-scripts/setup.sh
+scripts/setup.sh --for-tests
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
