@@ -1,0 +1,454 @@
+//! The shared backend: every tier of a request decided by one `EVALSHA` of
+//! `limiter.lua`, so N replicas enforce one limit.
+//!
+//! Three topologies:
+//! - standalone: one multiplexed, auto-reconnecting connection for all requests;
+//! - sentinel: the master is discovered from the sentinels, and re-discovered
+//!   by the failback probe after a failure, so a failover is followed;
+//! - cluster: requests are batched as in standalone, then each batch is
+//!   split by the master serving each bucket (the slot map, `slots`): one
+//!   call per master decides every request's tiers there, all masters at
+//!   once, each on the request path's own connection to that master
+//!   (`decide_clustered`). A call the map sent to the wrong master is
+//!   refused before it runs (MOVED, ASK, a key not served there), and the
+//!   batch is decided again slot by slot, each call following its own
+//!   redirection, then through the cluster client, which follows them
+//!   itself. A request's tiers usually live on different
+//!   masters; if an enforcing tier rejects, the shares that admitted are
+//!   refunded (`refund.lua`), so a rejection still charges no tier.
+//!   Between the two round trips the reserved quota is held: concurrent
+//!   requests can see less quota, never more. A refund that fails leaves the
+//!   client charged.
+//!
+//! The files: `connection` (topologies, connections, errors), `script`
+//! (limiter.lua's arguments and replies), `cluster` (routing a batch over
+//! the masters, redirections, refunds), `watchdog` (probes, budgets, late
+//! calls), `slots` (the slot map), `admin` (inspect and reset, the resets'
+//! stream); this file holds the backend the limiter calls and the state
+//! they share (`Inner`).
+//!
+//! Every call has a budget, `redis.timeout_ms`, counted from when the call is
+//! sent. A call still unanswered past it is *late*: it is reported to the
+//! breaker's watchdog (`late_call`), which asks Redis itself, on the probe's
+//! own connection and thread, whether it answers within the budget. Only then
+//! is Redis blamed and the call abandoned (`abandon`); a late call whose
+//! Redis answers the watchdog was late on this replica's side (a saturated
+//! worker reads its socket late), and its requests keep waiting for Redis's
+//! answer, at most `max_wait`. Abandoned calls are never retried: they may
+//! have run.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+
+use super::algorithms::outage::Debt;
+use super::algorithms::quota;
+use super::batch::{Batcher, Decider};
+use super::{Backend, Check, Decision, LimiterError, Verdict};
+use crate::clock::Clock;
+use crate::config::{Algorithm, RedisMode, RedisSettings};
+
+static LIMITER_LUA: &str = include_str!("../limiter.lua");
+static REFUND_LUA: &str = include_str!("../refund.lua");
+static CHARGE_LUA: &str = include_str!("../charge.lua");
+static HEARTBEAT_LUA: &str = include_str!("../heartbeat.lua");
+
+/// Cluster: how many times a batch refused as misplaced (a slot on the
+/// move) is decided again before it fails (and falls back).
+const MISPLACED_RETRIES: u32 = 3;
+
+/// Buckets per `charge.lua` call: keeps one call's run short.
+const CHARGE_BATCH: usize = 200;
+
+mod admin;
+mod cluster;
+mod connection;
+mod script;
+mod slots;
+mod watchdog;
+
+use connection::*;
+use script::*;
+
+pub use slots::slot;
+use slots::SlotMap;
+
+/// What `reload_password` needs: the section (naming the file) and the
+/// password in use.
+struct Rotation {
+    settings: RedisSettings,
+    password: Option<String>,
+}
+
+/// Everything a call needs, shared with the batching task.
+struct Inner {
+    /// Swapped whole when the password file changes (`reload_password`).
+    topology: ArcSwap<Topology>,
+    connected: ArcSwapOption<Connected>,
+    /// Standalone: the request path's connection, created on first use and
+    /// renewed at each failback (`renew_request_connection`).
+    single: ArcSwapOption<ConnectionManager>,
+    /// Standalone: the probe's connection.
+    probe_single: ArcSwapOption<ConnectionManager>,
+    /// Sentinel: the request path's connection to the current master.
+    request_conn: ArcSwapOption<Connected>,
+    script: redis::Script,
+    refund: redis::Script,
+    charge: redis::Script,
+    heartbeat: redis::Script,
+    budget: Duration,
+    /// The longest a call may stay unanswered while the watchdog finds
+    /// Redis healthy; past it the call fails (a stuck connection).
+    max_wait: Duration,
+    /// Told when a call passes its budget unanswered.
+    late: tokio::sync::Notify,
+    /// Bumped when the breaker opens: calls in flight are abandoned.
+    abandon: tokio::sync::watch::Sender<u64>,
+    /// `None`: Redis's own TIME. Tests inject a clock to compare backends.
+    clock: Option<Arc<dyn Clock>>,
+    /// Passwords of the configured URLs, removed from any error text.
+    secrets: ArcSwap<Vec<String>>,
+    /// Set when the password comes from a file that may be rotated.
+    rotation: parking_lot::Mutex<Option<Rotation>>,
+    /// Cluster: which master serves each slot (`None`: not known yet, or
+    /// found wrong: batches are then decided slot by slot).
+    slot_map: Arc<ArcSwapOption<SlotMap>>,
+    /// Cluster: a read of the slot map is under way.
+    slot_map_reading: Arc<std::sync::atomic::AtomicBool>,
+    /// Cluster: bumped when the map is found wrong, so a read begun before
+    /// that does not store the old map again.
+    slot_map_epoch: Arc<std::sync::atomic::AtomicU64>,
+    /// Cluster: the request path's connection to each master, by address
+    /// (those the slot map no longer names are dropped when it is read).
+    node_conns: Arc<parking_lot::Mutex<HashMap<String, ConnectionManager>>>,
+    /// Cluster: the refunds' own cluster connection (`refund_client`).
+    refund_conn: ArcSwapOption<ClusterConnection>,
+}
+
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+    batcher: Batcher,
+}
+
+impl RedisBackend {
+    /// A standalone backend on one URL.
+    pub fn new(
+        url: &str,
+        budget: Duration,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, LimiterError> {
+        let client = redis::Client::open(url).map_err(redis_err)?;
+        Ok(Self::with(
+            Topology::Standalone(client),
+            budget,
+            clock,
+            Vec::new(),
+        ))
+    }
+
+    /// The backend a `[redis]` section describes.
+    pub fn from_settings(
+        s: &RedisSettings,
+        clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, LimiterError> {
+        let budget = Duration::from_millis(s.timeout_ms);
+        let password = read_password(s)?;
+        let (topology, secrets) = topology_of(s, password.as_deref())?;
+        let backend = Self::with(topology, budget, clock, secrets);
+        if s.password_file.is_some() {
+            *backend.inner.rotation.lock() = Some(Rotation {
+                settings: s.clone(),
+                password,
+            });
+        }
+        Ok(backend)
+    }
+
+    /// Re-reads `redis.password_file`; when the password in it changed,
+    /// the next calls connect with it (the connections made with the old
+    /// one are dropped). Returns whether it changed.
+    pub fn reload_password(&self) -> Result<bool, LimiterError> {
+        let mut rotation = self.inner.rotation.lock();
+        let Some(r) = rotation.as_mut() else {
+            return Ok(false);
+        };
+        let password = read_password(&r.settings)?;
+        if password == r.password {
+            return Ok(false);
+        }
+        let (topology, secrets) = topology_of(&r.settings, password.as_deref())?;
+        self.inner.topology.store(Arc::new(topology));
+        // Old passwords stay redacted: a late error may still quote one.
+        self.inner.secrets.rcu(|old| {
+            let mut all = (**old).clone();
+            all.extend(secrets.iter().cloned());
+            all
+        });
+        self.inner.single.store(None);
+        self.inner.probe_single.store(None);
+        self.inner.connected.store(None);
+        self.inner.request_conn.store(None);
+        self.inner.node_conns.lock().clear();
+        self.inner.refund_conn.store(None);
+        r.password = password;
+        Ok(true)
+    }
+
+    fn with(
+        topology: Topology,
+        budget: Duration,
+        clock: Option<Arc<dyn Clock>>,
+        secrets: Vec<String>,
+    ) -> Self {
+        let inner = Inner {
+            topology: ArcSwap::from_pointee(topology),
+            connected: ArcSwapOption::empty(),
+            single: ArcSwapOption::empty(),
+            probe_single: ArcSwapOption::empty(),
+            request_conn: ArcSwapOption::empty(),
+            slot_map: Arc::new(ArcSwapOption::empty()),
+            slot_map_reading: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            slot_map_epoch: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            node_conns: Arc::default(),
+            refund_conn: ArcSwapOption::empty(),
+            script: redis::Script::new(LIMITER_LUA),
+            refund: redis::Script::new(REFUND_LUA),
+            charge: redis::Script::new(CHARGE_LUA),
+            heartbeat: redis::Script::new(HEARTBEAT_LUA),
+            budget,
+            max_wait: (budget * 20).max(Duration::from_secs(1)),
+            late: tokio::sync::Notify::new(),
+            abandon: tokio::sync::watch::channel(0).0,
+            clock,
+            secrets: ArcSwap::from_pointee(secrets),
+            rotation: parking_lot::Mutex::new(None),
+        };
+        RedisBackend {
+            inner: Arc::new(inner),
+            batcher: Batcher::new(),
+        }
+    }
+
+    /// Checks that Redis takes writes and has the scripts: see `Inner::probe`.
+    pub async fn probe(&self, probe_key: &str) -> Result<(), LimiterError> {
+        self.inner.probe(probe_key).await
+    }
+
+    /// Decides several requests in one call, in order (what the batching task
+    /// sends; public so the conformance suite can hold it to one-by-one).
+    pub async fn decide_many(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
+        let mut abandon = self.inner.abandon.subscribe();
+        self.inner.decide_batch(requests, &mut abandon).await
+    }
+
+    /// How many times calls have been abandoned (the breaker opened). A
+    /// request reads it *before* it looks at the breaker and hands it to
+    /// `decide_shared`: a breaker that opens in between fails the request
+    /// instead of sending it to the Redis just given up on.
+    pub fn epoch(&self) -> u64 {
+        *self.inner.abandon.borrow()
+    }
+
+    /// `Backend::decide` for checks the caller shares with the batch (no copy).
+    /// The request waits for its batch's answer: the budget runs from when
+    /// the call is sent, not from when this request queued (a busy worker's
+    /// queue is not Redis's latency).
+    pub async fn decide_shared(
+        &self,
+        checks: Arc<[Check]>,
+        epoch: u64,
+    ) -> Result<Verdict, LimiterError> {
+        self.batcher
+            .submit(&self.inner, checks, epoch)
+            .await
+            .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+    }
+
+    /// Drops the request path's connection, so the next request opens a new
+    /// one on the proxy's runtime. At failback: the old one may have died
+    /// with the Redis that failed, and nothing used it since; its first use
+    /// would fail and open the breaker again.
+    pub fn renew_request_connection(&self) {
+        self.inner.single.store(None);
+        self.inner.request_conn.store(None);
+        self.inner.node_conns.lock().clear();
+        // A map read before the outage may name a master that failed.
+        self.inner.forget_slot_map();
+    }
+
+    /// Resolves when a call has passed its budget unanswered.
+    pub async fn late_call(&self) {
+        self.inner.late.notified().await
+    }
+
+    /// Fails every call in flight or queued (the breaker opened).
+    pub fn abandon(&self) {
+        self.inner.abandon.send_modify(|n| *n += 1);
+    }
+
+    /// Does Redis answer a PING within the budget? Asked on the probe's own
+    /// connection, from the probe's thread: Redis's latency, not this
+    /// replica's workers'.
+    pub async fn ping(&self) -> Result<(), LimiterError> {
+        let conn = self.inner.probe_connection()?;
+        let ping = async {
+            match conn {
+                Conn::Single(mut c) => redis::cmd("PING").query_async::<()>(&mut c).await,
+                Conn::Cluster(mut c) => redis::cmd("PING").query_async::<()>(&mut c).await,
+            }
+            .map_err(redis_err)
+        };
+        let budget = self.inner.budget;
+        tokio::pin!(ping);
+        match tokio::time::timeout(budget, &mut ping).await {
+            Ok(r) => r,
+            // The answer may be read but not yet handed over: one more look.
+            Err(_) => {
+                tokio::task::yield_now().await;
+                match tokio::time::timeout(Duration::ZERO, &mut ping).await {
+                    Ok(r) => r,
+                    Err(_) => Err(LimiterError::Timeout(budget.as_millis() as u64)),
+                }
+            }
+        }
+    }
+
+    /// Announces this replica (`heartbeat.lua`) and returns how many are live.
+    pub async fn heartbeat(&self, key: &str, id: &str, ttl: Duration) -> Result<u32, LimiterError> {
+        let mut conn = self.inner.probe_connection()?;
+        let mut inv = self.inner.heartbeat.prepare_invoke();
+        inv.key(key).arg(id).arg(ttl.as_millis() as u64);
+        let work = async {
+            match &mut conn {
+                Conn::Single(c) => inv.invoke_async::<u32>(c).await,
+                Conn::Cluster(c) => inv.invoke_async::<u32>(c).await,
+            }
+            .map_err(redis_err)
+        };
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
+    }
+
+    /// Adds what was admitted locally during an outage to the shared buckets
+    /// (`charge.lua`), a few hundred buckets per call (one per call in
+    /// cluster mode, where buckets live in different slots). `replica` names
+    /// this replica's sliding-log entries, so charging them again after a
+    /// call that timed out but ran adds nothing. Returns how many buckets
+    /// were written; on failure, how many debts were charged before it (the
+    /// caller keeps the rest).
+    pub async fn charge(
+        &self,
+        debts: &[(Check, Debt)],
+        replica: &str,
+    ) -> Result<usize, (usize, LimiterError)> {
+        let mut conn = self.inner.probe_connection().map_err(|e| (0, e))?;
+        let per_call = match conn {
+            Conn::Cluster(_) => 1,
+            Conn::Single(_) => CHARGE_BATCH,
+        };
+        let mut written = 0;
+        for (i, chunk) in debts.chunks(per_call).enumerate() {
+            let mut inv = self.inner.charge.prepare_invoke();
+            match &self.inner.clock {
+                Some(clock) => inv.arg(clock.now_us()),
+                None => inv.arg(""),
+            };
+            inv.arg(replica);
+            for (c, debt) in chunk {
+                inv.key(c.key.as_str());
+                let (kind, p1, p2) = script_args(&c.algorithm);
+                inv.arg(kind).arg(p1).arg(p2);
+                let values: Vec<String> = match debt {
+                    Debt::Gcra { count, tat } => vec![count.to_string(), format!("{tat:?}")],
+                    Debt::Window { window, count } => vec![window.to_string(), count.to_string()],
+                    Debt::Sliding { window, prev, cur } => {
+                        vec![window.to_string(), prev.to_string(), cur.to_string()]
+                    }
+                    Debt::Log(times) => times.iter().map(|t| t.to_string()).collect(),
+                };
+                inv.arg(values.len());
+                for v in values {
+                    inv.arg(v);
+                }
+            }
+            let call = async {
+                match &mut conn {
+                    Conn::Single(c) => inv.invoke_async::<usize>(c).await,
+                    Conn::Cluster(c) => inv.invoke_async::<usize>(c).await,
+                }
+                .map_err(redis_err)
+            };
+            written += self
+                .inner
+                .by(Instant::now() + self.inner.upkeep_budget(), call)
+                .await
+                .map_err(|e| (i * per_call, e))?;
+        }
+        Ok(written)
+    }
+
+    /// `text` with every configured password taken out.
+    pub fn redact(&self, text: &str) -> String {
+        let mut out = text.to_string();
+        for s in self.inner.secrets.load().iter() {
+            if !s.is_empty() {
+                out = out.replace(s.as_str(), "***");
+            }
+        }
+        out
+    }
+}
+
+impl Decider for Inner {
+    async fn decide_batch(
+        &self,
+        requests: &[&[Check]],
+        abandon: &mut tokio::sync::watch::Receiver<u64>,
+    ) -> Result<Vec<Verdict>, LimiterError> {
+        let mut conn = self.connection()?;
+        if let Conn::Cluster(_) = conn {
+            let call = self.decide_clustered(&conn, requests);
+            return self.answer(call, abandon).await;
+        }
+        let call = run_script(
+            &self.script,
+            self.clock.as_ref(),
+            &mut conn,
+            requests,
+            false,
+            false,
+        );
+        self.answer(call, abandon).await
+    }
+
+    fn abandoned(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.abandon.subscribe()
+    }
+}
+
+#[async_trait]
+impl Backend for RedisBackend {
+    async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
+        self.decide_shared(checks.into(), self.epoch()).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slot;
+
+    #[test]
+    fn cluster_slots_match_redis() {
+        // Values from CLUSTER KEYSLOT.
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("bar"), 5061);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("{}foo"), slot("{}foo"));
+    }
+}
