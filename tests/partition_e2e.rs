@@ -158,3 +158,43 @@ fn a_healed_replica_always_fails_back() {
         cut.metric("gateway_fallback_transitions_total{to=\"local\"}")
     );
 }
+
+/// A replica that stays on its fallback says so: a WARN line with how long
+/// and the last probe's error (repeated every 10 s while it lasts), and
+/// `/readyz` carries the seconds; it fails back once the link heals.
+#[test]
+fn a_long_stay_on_the_fallback_is_logged() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let link = ForwarderGuard::start(&format!("127.0.0.1:{}", redis.port));
+    let cut = GatewayGuard::start(&config(&link.url(), &up));
+    link.stop();
+    // Idle: the heartbeat notices the silence within its second.
+    wait_for(
+        "the cut replica to fail over",
+        Duration::from_secs(10),
+        || backend_is(&cut, "local").then_some(()),
+    );
+    let line = wait_for(
+        "the still-on-the-fallback warning",
+        Duration::from_secs(30),
+        || {
+            cut.log()
+                .lines()
+                .find(|l| l.contains("still on the fallback"))
+                .map(str::to_string)
+        },
+    );
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("on_fallback_secs=1"), "{line}");
+    assert!(line.contains("last_probe_error="), "{line}");
+    let ready = cut.admin_get("/readyz").json();
+    assert!(
+        ready["fallback_secs"].as_f64().is_some_and(|s| s >= 10.0),
+        "{ready}"
+    );
+    link.resume();
+    wait_for("failback after the heal", Duration::from_secs(20), || {
+        backend_is(&cut, "redis").then_some(())
+    });
+}
