@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use support::load::Load;
 use support::{
-    series, wait_for, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard, SERVER_2_THREADS,
+    family_sum, wait_for, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard, SERVER_2_THREADS,
 };
 
 const PROBE_INTERVAL_MS: u64 = 100;
@@ -69,18 +69,7 @@ fn backend_is(gw: &GatewayGuard, backend: &str) -> bool {
 
 /// Failback probes this replica has sent, good or failed.
 fn probes(gw: &GatewayGuard) -> f64 {
-    let text = gw.raw_metrics();
-    ["ok", "failed"]
-        .iter()
-        .map(|r| {
-            series(
-                &text,
-                &format!("gateway_redis_probes_total{{result=\"{r}\"}}"),
-            )
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-        })
-        .sum()
+    family_sum(&gw.raw_metrics(), "gateway_redis_probes_total")
 }
 
 /// 24 blackholes of one replica's link, 0.6–2.4 s each, under load on both
