@@ -102,6 +102,10 @@ pub enum LimiterError {
     NotConnected,
     #[error("redis error: {0}")]
     Redis(String),
+    /// Redis did not answer in time (redis-rs's own response or connect
+    /// timeout); worded as any other Redis error.
+    #[error("redis error: {0}")]
+    NoAnswer(String),
     #[error("limiter script returned {0}")]
     BadReply(String),
     /// Keys of one call in different cluster slots: a bug, never a reason to admit.
@@ -119,21 +123,17 @@ impl LimiterError {
     /// Redis did not answer in time (as opposed to answering with an
     /// error): the connection may be silent for good.
     pub fn is_silence(&self) -> bool {
-        match self {
-            LimiterError::Timeout(_) => true,
-            // redis-rs's own response timeout, an I/O error "timed out".
-            LimiterError::Redis(text) => text.ends_with("timed out"),
-            _ => false,
-        }
+        matches!(self, LimiterError::Timeout(_) | LimiterError::NoAnswer(_))
     }
 
     /// The closed label `gateway_redis_errors_total{reason}` counts this under.
     pub fn reason(&self) -> &'static str {
         match self {
             LimiterError::Timeout(_) | LimiterError::Abandoned => "timeout",
-            LimiterError::NotConnected | LimiterError::Redis(_) | LimiterError::Misplaced(..) => {
-                "unavailable"
-            }
+            LimiterError::NotConnected
+            | LimiterError::Redis(_)
+            | LimiterError::NoAnswer(_)
+            | LimiterError::Misplaced(..) => "unavailable",
             LimiterError::Refused { reason, .. } => reason,
             LimiterError::BadReply(_) | LimiterError::CrossSlot => "protocol",
         }

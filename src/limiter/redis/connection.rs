@@ -231,6 +231,7 @@ pub(super) fn redis_err(e: redis::RedisError) -> LimiterError {
         }
         // rustls: a certificate this gateway cannot trust (CA, name, dates).
         _ if text.contains("invalid peer certificate") => refused("tls"),
+        _ if e.is_timeout() => LimiterError::NoAnswer(text),
         _ => LimiterError::Redis(text),
     }
 }
