@@ -115,6 +115,20 @@ pub fn install() {
             counter!("gateway_redis_late_calls_total", "verdict" => verdict).absolute(0);
         }
         counter!("gateway_fallback_debts_charged_total").absolute(0);
+        describe_counter!(
+            "gateway_limiter_decisions_total",
+            "Requests that reached the limiter, by how they were decided: lease (from tokens Redis debited ahead, no round trip), redis (a Redis call), denied_cache (a refusal Redis gave, remembered until its retry time), fallback (this replica's local share), fail_open, fail_closed (on_redis_failure allow or deny), local (limiter.backend = \"local\")"
+        );
+        for path in DecidedBy::ALL {
+            counter!("gateway_limiter_decisions_total", "path" => path.as_str()).absolute(0);
+        }
+        describe_counter!(
+            "gateway_lease_tokens_total",
+            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, given back to the shared bucket), lost (unspent and not returned: the lease expired where it could not be, or its entry was evicted)"
+        );
+        for event in ["granted", "spent", "returned", "lost"] {
+            counter!("gateway_lease_tokens_total", "event" => event).absolute(0);
+        }
         gauge!("gateway_requests_in_flight").set(0.0);
         describe_counter!(
             "gateway_tls_certificate_reloads_total",
@@ -201,6 +215,72 @@ pub fn redis_error(reason: &'static str) {
 pub fn late_call_verdict(redis_stalled: bool) {
     let verdict = if redis_stalled { "redis" } else { "gateway" };
     counter!("gateway_redis_late_calls_total", "verdict" => verdict).increment(1);
+}
+
+/// How a request that reached the limiter was decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecidedBy {
+    Lease,
+    Redis,
+    DeniedCache,
+    Fallback,
+    FailOpen,
+    FailClosed,
+    /// `limiter.backend = "local"`: no Redis.
+    Local,
+}
+
+impl DecidedBy {
+    pub const ALL: [DecidedBy; 7] = [
+        DecidedBy::Lease,
+        DecidedBy::Redis,
+        DecidedBy::DeniedCache,
+        DecidedBy::Fallback,
+        DecidedBy::FailOpen,
+        DecidedBy::FailClosed,
+        DecidedBy::Local,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DecidedBy::Lease => "lease",
+            DecidedBy::Redis => "redis",
+            DecidedBy::DeniedCache => "denied_cache",
+            DecidedBy::Fallback => "fallback",
+            DecidedBy::FailOpen => "fail_open",
+            DecidedBy::FailClosed => "fail_closed",
+            DecidedBy::Local => "local",
+        }
+    }
+}
+
+/// Counts one request's decision path (handles cached: this is per request).
+pub fn decided_by(path: DecidedBy) {
+    static C: OnceLock<[Counter; 7]> = OnceLock::new();
+    C.get_or_init(|| {
+        DecidedBy::ALL.map(|p| counter!("gateway_limiter_decisions_total", "path" => p.as_str()))
+    })[path as usize]
+        .increment(1);
+}
+
+/// Leased tokens granted, spent, returned or lost.
+pub fn lease_tokens(event: LeaseEvent, n: u64) {
+    static C: OnceLock<[Counter; 4]> = OnceLock::new();
+    if n > 0 {
+        C.get_or_init(|| {
+            ["granted", "spent", "returned", "lost"]
+                .map(|e| counter!("gateway_lease_tokens_total", "event" => e))
+        })[event as usize]
+            .increment(n);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum LeaseEvent {
+    Granted,
+    Spent,
+    Returned,
+    Lost,
 }
 
 pub fn replicas(n: u32) {

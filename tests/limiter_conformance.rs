@@ -10,8 +10,10 @@ use std::time::Duration;
 
 use ratelimit_gateway::clock::ManualClock;
 use ratelimit_gateway::config::Algorithm;
-use ratelimit_gateway::limiter::algorithms::outage;
+use ratelimit_gateway::limiter::algorithms::lease::{self, Grant};
+use ratelimit_gateway::limiter::algorithms::{self, outage, State};
 use ratelimit_gateway::limiter::keys::bucket_key;
+use ratelimit_gateway::limiter::leases::{Ask, Asks};
 use ratelimit_gateway::limiter::{
     Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Tier,
 };
@@ -611,6 +613,162 @@ fn malformed_calls_change_nothing() {
         let mut args = good.to_vec();
         args[*at] = value;
         let out = eval(&args);
+        assert!(out.contains("limiter.lua:"), "{what}: {out}");
+        assert_eq!(server.dbsize(), 0, "{what} wrote something");
+    }
+}
+
+/// The Rust model of one `limiter.lua` call with leases: returns first,
+/// then the requests in order (all or nothing each), then the grants.
+fn model_call(
+    state: &mut std::collections::HashMap<String, Option<State>>,
+    now: i64,
+    requests: &[&[Check]],
+    asks: &Asks,
+) -> (Vec<Vec<Decision>>, Vec<Grant>) {
+    for a in &asks.asks {
+        let s = state.entry(a.check.key.clone()).or_default();
+        lease::give_back(&a.check.algorithm, s, now, a.ret, a.win);
+    }
+    let mut verdicts = Vec::new();
+    for r in requests {
+        let evals: Vec<_> = r
+            .iter()
+            .map(|c| {
+                let s = state.entry(c.key.clone()).or_default();
+                algorithms::check(&c.algorithm, s.as_ref(), now, c.cost)
+            })
+            .collect();
+        let admit = r
+            .iter()
+            .zip(&evals)
+            .all(|(c, e)| e.decision.allowed || c.shadow);
+        if admit {
+            for (c, e) in r.iter().zip(&evals) {
+                if e.decision.allowed {
+                    algorithms::commit(state.get_mut(&c.key).unwrap(), &e.update);
+                }
+            }
+        }
+        verdicts.push(evals.iter().map(|e| e.decision).collect());
+    }
+    let grants = asks
+        .asks
+        .iter()
+        .map(|a| {
+            let s = state.entry(a.check.key.clone()).or_default();
+            lease::grant(&a.check.algorithm, s, now, a.want, asks.replicas, asks.min).0
+        })
+        .collect();
+    (verdicts, grants)
+}
+
+/// Leases: over random sequences of batches carrying grants and returns,
+/// on every algorithm that leases, `limiter.lua` grants, takes back and
+/// decides exactly what the Rust model (`algorithms::lease`) does.
+#[tokio::test]
+async fn lease_grants_and_returns_agree_with_the_model() {
+    let server = RedisGuard::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let redis = redis_backend(&server, &clock, Duration::from_secs(2));
+    let mut model = std::collections::HashMap::new();
+    let mut rng = fastrand::Rng::with_seed(0x1ea5e);
+    let (mut granted, mut returned, mut nothing, mut rejected) = (0u64, 0u64, 0, 0);
+    for round in 0..45 {
+        let which = [0, 2, 3][round % 3];
+        let alg = random_algorithm(&mut rng, which, 200, 3);
+        let route = check(Tier::Route, &format!("lr{round}"), alg, "global");
+        let plan = check(Tier::Key, "plan", tb(40, 30.0), &format!("k{round}"));
+        let mut last_grant = Grant::default();
+        for _ in 0..40 {
+            clock.advance(rng.i64(0..150_000));
+            let now = ratelimit_gateway::clock::Clock::now_us(&*clock);
+            let mut requests: Vec<Vec<Check>> = Vec::new();
+            for _ in 0..rng.usize(0..4) {
+                let mut r = vec![plan.clone(), route.clone()];
+                r[1].cost = random_cost(&mut rng, &alg);
+                requests.push(r);
+            }
+            let refs: Vec<&[Check]> = requests.iter().map(Vec::as_slice).collect();
+            // Ask for the route's bucket and sometimes the plan's; give back
+            // part of the last grant, in its window or (stale) the one before.
+            let mut asks = Asks {
+                asks: vec![Ask {
+                    check: route.clone(),
+                    want: rng.u64(0..80),
+                    ret: rng.u64(0..=last_grant.tokens),
+                    win: last_grant.window - rng.i64(0..2) * (which != 0) as i64,
+                }],
+                replicas: rng.u64(1..5),
+                min: rng.u64(1..6),
+            };
+            if rng.bool() {
+                asks.asks.push(Ask {
+                    check: plan.clone(),
+                    want: rng.u64(0..30),
+                    ret: 0,
+                    win: 0,
+                });
+            }
+            let (verdicts, grants, at) = redis.decide_leasing(&refs, &asks).await.expect("redis");
+            assert_eq!(at, now);
+            let (expected, model_grants) = model_call(&mut model, now, &refs, &asks);
+            let got: Vec<Vec<Decision>> = verdicts.into_iter().map(|v| v.decisions).collect();
+            assert_eq!(got, expected, "round {round}: decisions differ ({alg:?})");
+            assert_eq!(
+                grants, model_grants,
+                "round {round}: grants differ ({alg:?}, {asks:?})"
+            );
+            last_grant = grants[0];
+            granted += grants.iter().map(|g| g.tokens).sum::<u64>();
+            returned += asks.asks[0].ret;
+            nothing += grants.iter().filter(|g| g.tokens == 0).count();
+            rejected += expected.iter().flatten().filter(|d| !d.allowed).count();
+        }
+    }
+    // Every branch exercised: grants, returns, refusals to grant, rejections.
+    assert!(
+        granted > 1000 && returned > 200 && nothing > 100 && rejected > 100,
+        "granted {granted}, returned {returned}, nothing {nothing}, rejected {rejected}"
+    );
+}
+
+/// A lease section that names a bucket that cannot be leased, or does not
+/// add up, is refused before anything is written.
+#[test]
+fn malformed_leases_change_nothing() {
+    let server = RedisGuard::start();
+    let script = include_str!("../src/limiter/limiter.lua");
+    // One request on a token bucket (1) and a sliding log (2); then leases.
+    let base = [
+        "1", "1", "0", "1", "10", "5", "5", "10", "60", "2", "1", "1", "2", "1", "1",
+    ];
+    let eval = |leases: &[&str]| {
+        let mut argv = vec!["EVAL", script, "2", "rl:t:a", "rl:t:b", "1700000000000000"];
+        argv.extend_from_slice(&base);
+        argv.extend_from_slice(leases);
+        server.cmd(&argv)
+    };
+    let ok = eval(&["1", "2", "1", "1", "5", "0", "0"]);
+    assert!(!ok.contains("limiter.lua"), "the valid call: {ok}");
+    server.cmd(&["FLUSHALL"]);
+    for (what, leases) in [
+        (
+            "a lease on a sliding log",
+            &["1", "2", "1", "2", "5", "0", "0"][..],
+        ),
+        (
+            "two leases announced, one sent",
+            &["2", "2", "1", "1", "5", "0", "0"],
+        ),
+        ("no replicas", &["1", "0", "1", "1", "5", "0", "0"]),
+        (
+            "a fractional return",
+            &["1", "2", "1", "1", "5", "0.5", "0"],
+        ),
+        ("a lease section cut short", &["1", "2"]),
+    ] {
+        let out = eval(leases);
         assert!(out.contains("limiter.lua:"), "{what}: {out}");
         assert_eq!(server.dbsize(), 0, "{what} wrote something");
     }

@@ -6,7 +6,10 @@
 //! 503, like a service timing out under load. It counts every request it
 //! receives per path and serves the counts at `GET /stats`.
 //!
-//! Special paths (not counted): `GET /healthz`, `GET /stats`, `POST /stats/reset`.
+//! Special paths (not counted): `GET /healthz`, `GET /stats`, `POST /stats/reset`,
+//! and `GET /stats/times?path=P`: the arrival times of the requests for `P`
+//! (microseconds since start, the first `MAX_TIMES` requests), so a test can
+//! check a rate over every interval from the upstream's own clock.
 //! A request header `x-mock-delay-ms: N` adds N ms before answering.
 
 use std::collections::HashMap;
@@ -54,12 +57,18 @@ struct Args {
 /// Distinct paths tracked before the rest are counted as "(other)".
 const MAX_PATHS: usize = 10_000;
 
+/// Arrival times kept (all paths together).
+const MAX_TIMES: usize = 2_000_000;
+
 struct Stats {
     started: Instant,
     total: AtomicU64,
     ok: AtomicU64,
     failed: AtomicU64,
     paths: Mutex<HashMap<String, u64>>,
+    /// Arrival times, with the path's index in `time_paths`.
+    times: Mutex<Vec<(u32, u64)>>,
+    time_paths: Mutex<Vec<String>>,
 }
 
 struct Upstream {
@@ -71,7 +80,23 @@ struct Upstream {
 
 impl Upstream {
     fn count(&self, path: &str) {
+        let at = self.stats.started.elapsed().as_micros() as u64;
         self.stats.total.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut names = self.stats.time_paths.lock();
+            let i = match names.iter().position(|p| p == path) {
+                Some(i) => Some(i),
+                None if names.len() < 64 => {
+                    names.push(path.to_string());
+                    Some(names.len() - 1)
+                }
+                None => None,
+            };
+            let mut times = self.stats.times.lock();
+            if let (Some(i), true) = (i, times.len() < MAX_TIMES) {
+                times.push((i as u32, at));
+            }
+        }
         let mut paths = self.stats.paths.lock();
         if let Some(n) = paths.get_mut(path) {
             *n += 1;
@@ -118,6 +143,24 @@ impl Upstream {
         self.stats.ok.store(0, Ordering::Relaxed);
         self.stats.failed.store(0, Ordering::Relaxed);
         self.stats.paths.lock().clear();
+        self.stats.times.lock().clear();
+    }
+
+    /// Arrival times of `path`, in order.
+    fn times_json(&self, path: &str) -> String {
+        let Some(i) = self.stats.time_paths.lock().iter().position(|p| p == path) else {
+            return "[]".into();
+        };
+        let mut t: Vec<u64> = self
+            .stats
+            .times
+            .lock()
+            .iter()
+            .filter(|(p, _)| *p as usize == i)
+            .map(|(_, t)| *t)
+            .collect();
+        t.sort_unstable();
+        serde_json::to_string(&t).unwrap_or_default()
     }
 }
 
@@ -137,6 +180,11 @@ async fn handle(
     match (req.method().as_str(), path.as_str()) {
         ("GET", "/healthz") => return Ok(respond(200, r#"{"ok":true}"#.into())),
         ("GET", "/stats") => return Ok(respond(200, up.stats_json())),
+        ("GET", "/stats/times") => {
+            let query = req.uri().query().unwrap_or("");
+            let path = query.strip_prefix("path=").unwrap_or("");
+            return Ok(respond(200, up.times_json(path)));
+        }
         ("POST", "/stats/reset") => {
             up.reset();
             return Ok(respond(200, r#"{"reset":true}"#.into()));
@@ -215,6 +263,8 @@ async fn serve(args: Args) {
             ok: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             paths: Mutex::new(HashMap::new()),
+            times: Mutex::new(Vec::new()),
+            time_paths: Mutex::new(Vec::new()),
         },
         next_free_us: Mutex::new(0.0),
     });

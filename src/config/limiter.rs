@@ -4,7 +4,7 @@
 use toml::de::DeTable;
 
 use super::file::opt;
-use super::model::{Backend, HeaderStyle, LimiterSettings, OnRedisFailure, Spelled};
+use super::model::{Backend, HeaderStyle, LeaseSettings, LimiterSettings, OnRedisFailure, Spelled};
 use super::reader::Reader;
 
 pub(super) fn read(
@@ -25,6 +25,7 @@ pub(super) fn read(
             "headers",
             "retry_after_jitter_ms",
             "local_max_entries",
+            "leases",
         ],
     );
     // With a [redis] section the operator means Redis; without one, local.
@@ -56,6 +57,10 @@ pub(super) fn read(
     let max_entries = opt(r, t, p, "local_max_entries", 1_000_000, |r, path, v| {
         r.int(path, v, 1, 1 << 32).map(|n| n as usize)
     });
+    let leases = match t.get("leases") {
+        Some(v) => r.table("limiter.leases", v).and_then(|l| leases(r, l)),
+        None => Some(LeaseSettings::default()),
+    };
     Some(LimiterSettings {
         backend: backend?,
         on_redis_failure: on_failure?,
@@ -63,5 +68,24 @@ pub(super) fn read(
         headers: headers?,
         retry_after_jitter_ms: jitter?,
         local_max_entries: max_entries?,
+        leases: leases?,
+    })
+}
+
+fn leases(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<LeaseSettings> {
+    let p = "limiter.leases";
+    r.only_keys(p, t, &["enabled", "period_ms"]);
+    let d = LeaseSettings::default();
+    let enabled = opt(r, t, p, "enabled", d.enabled, |r, path, v| {
+        r.boolean(path, v)
+    });
+    // At least 10 ms: shorter leases save no round trip; at most a minute:
+    // a lease's tokens are stranded on a replica for up to a period.
+    let period_ms = opt(r, t, p, "period_ms", d.period_ms, |r, path, v| {
+        r.int(path, v, 10, 60_000)
+    });
+    Some(LeaseSettings {
+        enabled: enabled?,
+        period_ms: period_ms?,
     })
 }

@@ -127,8 +127,12 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={}",
-            l.instances, l.retry_after_jitter_ms, l.local_max_entries
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={}",
+            l.instances,
+            l.retry_after_jitter_ms,
+            l.local_max_entries,
+            l.leases.enabled,
+            l.leases.period_ms
         );
         match &self.redis {
             Some(r) => {

@@ -170,6 +170,26 @@ pub struct LimiterSettings {
     pub headers: HeaderStyle,
     pub retry_after_jitter_ms: u64,
     pub local_max_entries: usize,
+    pub leases: LeaseSettings,
+}
+
+/// `[limiter.leases]`: tokens Redis debits ahead for a hot bucket, spent on
+/// this replica with no round trip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseSettings {
+    pub enabled: bool,
+    /// A lease covers about this much of the replica's demand, and lives at
+    /// most this long.
+    pub period_ms: u64,
+}
+
+impl Default for LeaseSettings {
+    fn default() -> Self {
+        LeaseSettings {
+            enabled: true,
+            period_ms: 100,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -26,7 +26,7 @@ use super::ledger::Ledger;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, OnRedisFailure};
-use crate::metrics;
+use crate::metrics::{self, DecidedBy};
 
 /// Consecutive good probes before traffic goes back to Redis.
 const PROBES_TO_FAIL_BACK: u32 = 3;
@@ -189,6 +189,9 @@ impl Fallback {
         });
         metrics::set_backend(FallbackState::Local);
         metrics::replicas(f.replicas());
+        if let Some(leases) = f.redis.as_ref().and_then(RedisBackend::leases) {
+            leases.set_replicas(f.instances);
+        }
         f
     }
 
@@ -246,6 +249,7 @@ impl Fallback {
 
     pub async fn decide(&self, checks: &Arc<[Check]>) -> Outcome {
         let Some(redis) = &self.redis else {
+            metrics::decided_by(DecidedBy::Local);
             return self.local_outcome(checks.clone()).await;
         };
         if !self.started_fast.load(Ordering::Acquire) {
@@ -257,16 +261,40 @@ impl Fallback {
         }
         // Read before the breaker: see `RedisBackend::epoch`.
         let epoch = redis.epoch();
-        if self.redis_up.load(Ordering::Acquire) {
-            let started = Instant::now();
+        let up = self.redis_up.load(Ordering::Acquire);
+        let started = Instant::now();
+        if up {
             if let Some(outcome) = self.remembered_denial(checks, started) {
+                metrics::decided_by(DecidedBy::DeniedCache);
                 return outcome;
             }
+        }
+        // Tokens Redis already debited for this replica are spent first,
+        // Redis up or not (a replica cut off spends what it holds, then
+        // decides by `on_redis_failure`).
+        if let Some(leases) = redis.leases() {
+            if let Some((verdict, renew)) = leases.spend(checks, started, SystemClock.now_us()) {
+                if renew && up {
+                    redis.renew();
+                }
+                metrics::decided_by(DecidedBy::Lease);
+                return Outcome::Decided {
+                    verdict,
+                    backend: FallbackState::Redis,
+                    checks: checks.clone(),
+                };
+            }
+        }
+        if up {
             let result = redis.decide_shared(checks.clone(), epoch).await;
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(verdict) => {
+                    metrics::decided_by(DecidedBy::Redis);
                     let received = Instant::now();
+                    if let Some(leases) = redis.leases() {
+                        leases.answered(checks, &verdict.decisions, received);
+                    }
                     for (c, d) in checks.iter().zip(&verdict.decisions) {
                         if !d.allowed && !c.shadow {
                             self.denied.remember(
@@ -295,15 +323,25 @@ impl Fallback {
                     }
                     if matches!(e, LimiterError::CrossSlot) {
                         // A key-layout bug must never become allow-all (or deny-all).
+                        metrics::decided_by(DecidedBy::Fallback);
                         return self.fallback_outcome(checks).await;
                     }
                 }
             }
         }
         match self.on_failure {
-            OnRedisFailure::Local => self.fallback_outcome(checks).await,
-            OnRedisFailure::Allow => Outcome::FailOpen,
-            OnRedisFailure::Deny => Outcome::FailClosed,
+            OnRedisFailure::Local => {
+                metrics::decided_by(DecidedBy::Fallback);
+                self.fallback_outcome(checks).await
+            }
+            OnRedisFailure::Allow => {
+                metrics::decided_by(DecidedBy::FailOpen);
+                Outcome::FailOpen
+            }
+            OnRedisFailure::Deny => {
+                metrics::decided_by(DecidedBy::FailClosed);
+                Outcome::FailClosed
+            }
         }
     }
 
@@ -513,6 +551,9 @@ impl Fallback {
                     tracing::info!(replicas = n, "limiter: live replica count");
                 }
                 metrics::replicas(n);
+                if let Some(leases) = redis.leases() {
+                    leases.set_replicas(self.fallback_replicas());
+                }
             }
             Err(e) => return self.trip(e),
         }
@@ -544,6 +585,9 @@ impl Fallback {
             self.denied.forget(k);
             self.ledger.forget(k);
         }
+        if let Some(leases) = self.redis.as_ref().and_then(RedisBackend::leases) {
+            leases.cancel(keys);
+        }
         self.local.remove(keys)
     }
 
@@ -563,6 +607,14 @@ impl Fallback {
             FallbackState::Local,
             self.local.peek(&self.local_view(checks)),
         ))
+    }
+
+    /// This replica's unspent lease on a bucket, and its time left.
+    pub fn lease_of(&self, key: &str) -> Option<(u64, Duration)> {
+        self.redis
+            .as_ref()
+            .and_then(RedisBackend::leases)
+            .and_then(|l| l.outstanding(key, Instant::now()))
     }
 
     /// The checks as the local backend enforces them now.

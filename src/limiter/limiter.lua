@@ -32,6 +32,12 @@ then per shape: n, its number of tiers, and per tier two values: the index
          (tokens taken, 1 to the bucket's quota)
 then per request: the index of its shape (requests of one client on one
          route share a shape, so a request costs one argument)
+then, optionally, leases (leases.rs): l, the number of them, r, the replicas
+         sharing the limit, and g0, the smallest lease worth granting; per
+         lease four values: k (a token bucket, fixed or sliding window),
+         want (tokens asked for), ret (unspent tokens of an expired lease
+         given back) and win (the window those were counted in; 0 for a
+         token bucket)
 
 A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
 set of parameters however many requests of the batch use it.
@@ -40,7 +46,15 @@ Returns, for each request and each of its tiers:
   remaining when admitted, -1 when rejected
   reset_after_us (when rejected: the retry time)
   delay_us, for a leaky bucket only (its wait for its slot)
+then per lease: the tokens granted and the window they count in
 then the `now` that was used.
+
+Leases: returns are applied before the requests are decided (a token bucket
+never above full: its TAT not before now; a window only the window the
+tokens were counted in), grants after them. A grant is the smaller of
+`want` and a fair share (what the bucket holds now / r), taken exactly as a
+request of that cost would be; a share under g0 grants nothing, so the last
+tokens are decided one request at a time.
 
 Within a request every tier is checked first; only if every non-shadow tier
 admits are the admitting tiers charged. A rejected request charges no tier.
@@ -251,6 +265,7 @@ end
 -- Shapes, parsed once: shape q's tiers are refs[start[q] + 1 .. start[q] + len[q]],
 -- each a bucket index, negative for a shadow tier, with its cost in costs[].
 local refs, costs, start, len, shape = {}, {}, {}, {}, {}
+local lease_at
 do
   local a, nrefs = 3 * nk + 5 + nx, 0
   for q = 1, ns do
@@ -268,11 +283,30 @@ do
     end
     a = a + 1 + 2 * n
   end
-  if a + m ~= na + 1 then return bad('expected one shape per request') end
+  if a + m > na + 1 then return bad('expected one shape per request') end
   for r = 1, m do
     local q = tonum(ARGV[a + r - 1])
     if not whole(q, 1, ns) then return bad('request ' .. r .. ' names no shape') end
     shape[r] = q
+  end
+  lease_at = a + m
+end
+local nl, reps, g0 = 0, 1, 1
+local lk, lwant, lret, lwin = {}, {}, {}, {}
+if lease_at <= na then
+  nl, reps, g0 = tonum(ARGV[lease_at]), tonum(ARGV[lease_at + 1]), tonum(ARGV[lease_at + 2])
+  if not whole(nl, 0, na) or not whole(reps, 1, 2 ^ 31) or not whole(g0, 1, 2 ^ 40)
+      or lease_at + 2 + 4 * nl ~= na then
+    return bad('expected leases after the requests')
+  end
+  for i = 1, nl do
+    local b = lease_at + 4 * i - 1
+    local k, want, ret, win = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
+    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
+        or not whole(ret, 0, 2 ^ 40) or not whole(win, -2 ^ 52, 2 ^ 52) then
+      return bad('lease ' .. i .. ' is not a token bucket or window with want, ret, win')
+    end
+    lk[i], lwant[i], lret[i], lwin[i] = k, want, ret, win
   end
 end
 
@@ -291,6 +325,35 @@ elseif nk > 0 then
   for k = 1, nk do state[k] = decode(kinds[k], raw[k]) end
 end
 local dirty, ttl_of, ndirty = {}, {}, 0
+local function touch(k, ttl)
+  if not ttl_of[k] then
+    ndirty = ndirty + 1
+    dirty[ndirty] = k
+  end
+  ttl_of[k] = ttl
+end
+
+-- Unspent tokens of expired leases, back first (algorithms/lease.rs).
+for i = 1, nl do
+  local k, ret, s = lk[i], lret[i], state[lk[i]]
+  if ret > 0 and s then
+    local kind = kinds[k]
+    if kind == 1 then
+      local tat = max(s - ret * ts[k], now)
+      state[k] = tat
+      touch(k, ceil_us(tat - now))
+    elseif s[1] == lwin[i] then
+      local w = ws[k]
+      if kind == 3 then
+        state[k] = {s[1], max(0, s[2] - ret)}
+        touch(k, max(0, (s[1] + 1) * w - now))
+      else
+        state[k] = {s[1], s[2], max(0, s[3] - ret)}
+        touch(k, ceil_us(s[1] * w + 2 * w - now))
+      end
+    end
+  end
+end
 
 -- Per tier of the request being decided (reused across requests).
 local t_key, t_ok, t_new, t_ttl, t_cost = {}, {}, {}, {}, {}
@@ -340,15 +403,57 @@ for r = 1, m do
           call('PEXPIRE', key, max(min_px, ceil(w / 1000)))
         else
           state[k] = t_new[i]
-          if not ttl_of[k] then
-            ndirty = ndirty + 1
-            dirty[ndirty] = k
-          end
-          ttl_of[k] = t_ttl[i]
+          touch(k, t_ttl[i])
         end
       end
     end
   end
+end
+
+-- Grants: the smaller of what was asked and a fair share of what is left,
+-- taken as a request of that cost.
+for i = 1, nl do
+  local k, want, s = lk[i], lwant[i], state[lk[i]]
+  local kind, avail = kinds[k], 0
+  if kind == 1 then
+    local tat = now
+    if s and s > now then tat = s end
+    avail = floor((now + taus[k] - tat) / ts[k]) + 1
+    if avail > lims[k] then avail = lims[k] end
+  else
+    local w = ws[k]
+    local n = window_index(now, w, s and s[1])
+    if kind == 3 then
+      avail = p1s[k]
+      if s and s[1] == n then avail = p1s[k] - s[2] end
+    else
+      local prev, cur = 0, 0
+      if s and s[1] == n then prev, cur = s[2], s[3]
+      elseif s and s[1] == n - 1 then prev = s[3] end
+      avail = floor(p1s[k] - cur - prev * (n * w + w - now) / w)
+    end
+  end
+  local g = floor(avail / reps)
+  if g > want then g = want end
+  local granted, win = 0, 0
+  if g >= g0 then
+    local ok, new, ttl, _
+    if kind == 1 then
+      ok, _, _, _, new, ttl = gcra(s, ts[k], taus[k], lims[k], false, now, g)
+    elseif kind == 3 then
+      ok, _, _, _, new, ttl = fixed_window(s, p1s[k], ws[k], now, g)
+    else
+      ok, _, _, _, new, ttl = sliding_window(s, p1s[k], ws[k], now, g)
+    end
+    if ok then
+      state[k] = new
+      touch(k, ttl)
+      granted = g
+      if kind ~= 1 then win = new[1] end
+    end
+  end
+  out[no + 1], out[no + 2] = granted, win
+  no = no + 2
 end
 
 for j = 1, ndirty do

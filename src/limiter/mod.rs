@@ -9,6 +9,7 @@ mod batch;
 mod deny_cache;
 mod fallback;
 pub mod keys;
+pub mod leases;
 mod ledger;
 mod local;
 mod redis;
@@ -65,7 +66,7 @@ pub struct Check {
 }
 
 /// What the backend said about a whole request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Verdict {
     /// One decision per check, in order.
     pub decisions: Vec<Decision>,

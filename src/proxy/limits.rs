@@ -101,6 +101,15 @@ pub async fn serve(
                     b["remaining"] = s.remaining.into();
                     b["reset_ms"] = s.reset_after_us.div_ceil(1000).into();
                     b["backend"] = backend.as_str().into();
+                    // Tokens Redis debited ahead for this replica, not yet
+                    // spent (counted out of `remaining` already).
+                    b["lease"] = match limiter.lease_of(&checks[i].key) {
+                        Some((tokens, left)) => json!({
+                            "tokens": tokens,
+                            "expires_ms": left.as_millis() as u64,
+                        }),
+                        None => Value::Null,
+                    };
                     b
                 })
                 .collect();

@@ -134,6 +134,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             "limiter.local_max_entries",
             l0.local_max_entries != l1.local_max_entries,
         ),
+        ("limiter.leases", l0.leases != l1.leases),
         ("redis", old.redis != new.redis),
     ]
     .into_iter()

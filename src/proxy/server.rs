@@ -246,7 +246,17 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
     let local = LocalBackend::new(config.limiter.local_max_entries, clock);
     let redis = match (config.limiter.backend, &config.redis) {
         (Backend::Redis, Some(r)) => {
-            Some(RedisBackend::from_settings(r, None).map_err(|e| format!("[redis]: {e}"))?)
+            let backend =
+                RedisBackend::from_settings(r, None).map_err(|e| format!("[redis]: {e}"))?;
+            let leases = config.limiter.leases;
+            Some(if leases.enabled {
+                backend.with_leases(
+                    Duration::from_millis(leases.period_ms),
+                    config.limiter.local_max_entries,
+                )
+            } else {
+                backend
+            })
         }
         _ => None,
     };

@@ -355,6 +355,15 @@ impl UpstreamGuard {
         self.stats()["total"].as_u64().unwrap_or(0)
     }
 
+    /// When the upstream received each request for `path` (microseconds
+    /// on its own clock, in order).
+    pub fn times(&self, path: &str) -> Vec<u64> {
+        let r = Client::connect(self.addr)
+            .and_then(|mut c| c.get(&format!("/stats/times?path={path}")))
+            .expect("GET /stats/times");
+        serde_json::from_slice(&r.body).expect("times JSON")
+    }
+
     /// Stops it now (a dead upstream).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -12,6 +12,7 @@
 mod fixed_window;
 mod gcra;
 mod inspect;
+pub mod lease;
 pub mod outage;
 mod sliding_log;
 mod sliding_window;

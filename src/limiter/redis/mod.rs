@@ -46,10 +46,12 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 
+use super::algorithms::lease::Grant;
 use super::algorithms::outage::Debt;
 use super::algorithms::quota;
 use super::batch::{Batcher, Decider};
-use super::{Backend, Check, Decision, LimiterError, Verdict};
+use super::leases::{Asks, Leases};
+use super::{Backend, Check, Decision, LimiterError, Micros, Verdict};
 use crate::clock::Clock;
 use crate::config::{Algorithm, RedisMode, RedisSettings};
 
@@ -128,6 +130,8 @@ struct Inner {
     node_conns: Arc<parking_lot::Mutex<HashMap<String, ConnectionManager>>>,
     /// Cluster: the refunds' own cluster connection (`refund_client`).
     refund_conn: ArcSwapOption<ClusterConnection>,
+    /// Standalone and sentinel: this replica's leases (`None`: disabled).
+    leases: Option<Leases>,
 }
 
 pub struct RedisBackend {
@@ -227,11 +231,60 @@ impl RedisBackend {
             clock,
             secrets: ArcSwap::from_pointee(secrets),
             rotation: parking_lot::Mutex::new(None),
+            leases: None,
         };
         RedisBackend {
             inner: Arc::new(inner),
             batcher: Batcher::new(),
         }
+    }
+
+    /// Turns leases on (`[limiter.leases]`), in standalone and sentinel
+    /// modes; a cluster's calls carry none yet (see the README). Before the
+    /// backend is shared.
+    pub fn with_leases(mut self, period: Duration, max_entries: usize) -> Self {
+        let cluster = matches!(**self.inner.topology.load(), Topology::Cluster { .. });
+        if let (Some(inner), false) = (Arc::get_mut(&mut self.inner), cluster) {
+            inner.leases = Some(Leases::new(period, max_entries));
+        }
+        self
+    }
+
+    pub fn leases(&self) -> Option<&Leases> {
+        self.inner.leases.as_ref()
+    }
+
+    /// Makes sure a call leaves soon to carry the renewals `Leases::spend`
+    /// queued, when no request would send one.
+    pub fn renew(&self) {
+        let rx = self
+            .batcher
+            .submit(&self.inner, Arc::from(Vec::new()), self.epoch());
+        // The batch drops requests nobody waits for.
+        tokio::spawn(async move {
+            let _ = rx.await;
+        });
+    }
+
+    /// Decides several requests in one call with lease requests: the
+    /// verdicts, one grant per ask, and Redis's time (for the conformance
+    /// suite, which holds this to `algorithms::lease`).
+    pub async fn decide_leasing(
+        &self,
+        requests: &[&[Check]],
+        asks: &Asks,
+    ) -> Result<(Vec<Verdict>, Vec<Grant>, Micros), LimiterError> {
+        let mut conn = self.inner.connection()?;
+        run_leasing(
+            &self.inner.script,
+            self.inner.clock.as_ref(),
+            &mut conn,
+            requests,
+            asks,
+            false,
+            false,
+        )
+        .await
     }
 
     /// Checks that Redis takes writes and has the scripts: see `Inner::probe`.
@@ -416,15 +469,42 @@ impl Decider for Inner {
             let call = self.decide_clustered(&conn, requests);
             return self.answer(call, abandon).await;
         }
-        let call = run_script(
+        let Some(leases) = &self.leases else {
+            let call = run_script(
+                &self.script,
+                self.clock.as_ref(),
+                &mut conn,
+                requests,
+                false,
+                false,
+            );
+            return self.answer(call, abandon).await;
+        };
+        let sent = Instant::now();
+        let asks = leases.asks(requests, sent);
+        if asks.is_empty() && requests.iter().all(|r| r.is_empty()) {
+            // Only renewals, already asked for by another call.
+            return Ok(requests.iter().map(|_| Verdict::default()).collect());
+        }
+        let call = run_leasing(
             &self.script,
             self.clock.as_ref(),
             &mut conn,
             requests,
+            &asks,
             false,
             false,
         );
-        self.answer(call, abandon).await
+        match self.answer(call, abandon).await {
+            Ok((verdicts, grants, now_us)) => {
+                leases.granted(&asks, &grants, sent, now_us);
+                Ok(verdicts)
+            }
+            Err(e) => {
+                leases.failed(&asks);
+                Err(e)
+            }
+        }
     }
 
     fn abandoned(&self) -> tokio::sync::watch::Receiver<u64> {

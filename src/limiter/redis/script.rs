@@ -17,6 +17,23 @@ pub(super) async fn run_script(
     across_slots: bool,
     asking: bool,
 ) -> Result<Vec<Verdict>, LimiterError> {
+    let none = Asks::default();
+    let (verdicts, _, _) =
+        run_leasing(script, clock, conn, requests, &none, across_slots, asking).await?;
+    Ok(verdicts)
+}
+
+/// `run_script` with lease requests: returns the grants too, one per ask.
+/// The asks' buckets are declared with the requests' (standalone only).
+pub(super) async fn run_leasing(
+    script: &redis::Script,
+    clock: Option<&Arc<dyn Clock>>,
+    conn: &mut Conn,
+    requests: &[&[Check]],
+    asks: &Asks,
+    across_slots: bool,
+    asking: bool,
+) -> Result<(Vec<Verdict>, Vec<Grant>, Micros), LimiterError> {
     // Each bucket is named once, with its rule's parameters (a bucket's name
     // carries them, so they are the same for every tier naming it); tiers
     // refer to it by index, so the script reads and writes it once. Requests
@@ -41,6 +58,12 @@ pub(super) async fn run_script(
         if anchor.is_none_or(|a| slot(&c.key) == a) && !index.contains_key(c.key.as_str()) {
             buckets.push(c);
             index.insert(c.key.as_str(), buckets.len() as i64);
+        }
+    }
+    for a in &asks.asks {
+        if !index.contains_key(a.check.key.as_str()) {
+            buckets.push(&a.check);
+            index.insert(a.check.key.as_str(), buckets.len() as i64);
         }
     }
     let declared = buckets.len();
@@ -99,6 +122,15 @@ pub(super) async fn run_script(
     for q in request_shapes {
         cmd.arg(q);
     }
+    if !asks.is_empty() {
+        cmd.arg(asks.asks.len()).arg(asks.replicas).arg(asks.min);
+        for a in &asks.asks {
+            cmd.arg(index[a.check.key.as_str()])
+                .arg(a.want)
+                .arg(a.ret)
+                .arg(a.win);
+        }
+    }
     let reply: Vec<i64> = match send(conn, &cmd, asking).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             match conn {
@@ -111,12 +143,15 @@ pub(super) async fn run_script(
         other => other,
     }
     .map_err(redis_err)?;
-    // Two integers per tier, three for a leaky bucket (its delay), then `now`.
-    let expected = 1 + requests
-        .iter()
-        .flat_map(|r| r.iter())
-        .map(|c| reply_width(&c.algorithm))
-        .sum::<usize>();
+    // Two integers per tier, three for a leaky bucket (its delay), two per
+    // lease, then `now`.
+    let expected = 1
+        + 2 * asks.asks.len()
+        + requests
+            .iter()
+            .flat_map(|r| r.iter())
+            .map(|c| reply_width(&c.algorithm))
+            .sum::<usize>();
     if reply.len() != expected {
         return Err(LimiterError::BadReply(format!(
             "{} integers for {} tiers (expected {})",
@@ -126,8 +161,15 @@ pub(super) async fn run_script(
         )));
     }
     let now_us = reply[expected - 1];
+    let grants = reply[expected - 1 - 2 * asks.asks.len()..expected - 1]
+        .chunks(2)
+        .map(|g| Grant {
+            tokens: g[0].max(0) as u64,
+            window: g[1],
+        })
+        .collect();
     let mut at = 0;
-    Ok(requests
+    let verdicts = requests
         .iter()
         .map(|r| Verdict {
             decisions: r
@@ -141,7 +183,8 @@ pub(super) async fn run_script(
                 .collect(),
             now_us,
         })
-        .collect())
+        .collect();
+    Ok((verdicts, grants, now_us))
 }
 
 /// `cmd`, after `ASKING` when `asking` (sent together, so nothing else on

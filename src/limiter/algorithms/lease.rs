@@ -1,0 +1,252 @@
+//! Leases as pure functions: what `limiter.lua` does with a replica's
+//! lease requests, operation for operation (the conformance suite holds the
+//! script to this model).
+//!
+//! A lease is tokens debited from the shared bucket exactly as a request of
+//! that cost would be, so a replica only ever spends what Redis has already
+//! taken. Its size is the smaller of what the replica asked for (its recent
+//! demand) and a fair share of what the bucket holds (`available / replicas`);
+//! a share under `min` grants nothing, so a bucket's last tokens are decided
+//! one request at a time. Unspent tokens of an expired lease come back
+//! capped: a token bucket never above full, a window only the window they
+//! were counted in.
+
+use crate::config::Algorithm;
+
+use super::{check, commit, Micros, State};
+
+/// Whether an algorithm's buckets can be leased: the token bucket and the
+/// two counting windows. A leaky bucket shapes each request to its own
+/// slot, and a sliding log records each request's time: neither can be
+/// spent ahead by count.
+pub fn leasable(alg: &Algorithm) -> bool {
+    matches!(
+        alg,
+        Algorithm::TokenBucket { .. }
+            | Algorithm::FixedWindow { .. }
+            | Algorithm::SlidingWindow { .. }
+    )
+}
+
+/// Gives `ret` unspent tokens back to a bucket; `win` is the window they
+/// were counted in (ignored by a token bucket). Returns the state's new time
+/// to live when it changed.
+pub fn give_back(
+    alg: &Algorithm,
+    state: &mut Option<State>,
+    now: Micros,
+    ret: u64,
+    win: i64,
+) -> Option<u64> {
+    if ret == 0 {
+        return None;
+    }
+    let now_f = now as f64;
+    match (alg, state.as_mut()?) {
+        (Algorithm::TokenBucket { refill_per_sec, .. }, State::Gcra { tat }) => {
+            let t = 1e6 / refill_per_sec;
+            *tat = (*tat - ret as f64 * t).max(now_f);
+            Some(super::ceil_us(*tat - now_f))
+        }
+        (Algorithm::FixedWindow { window_secs, .. }, State::Window { window, count })
+            if *window == win =>
+        {
+            let w = *window_secs as i64 * 1_000_000;
+            *count = count.saturating_sub(ret);
+            Some(((*window + 1) * w - now).max(0) as u64)
+        }
+        (Algorithm::SlidingWindow { window_secs, .. }, State::Sliding { window, cur, .. })
+            if *window == win =>
+        {
+            let w = *window_secs as f64 * 1e6;
+            *cur = cur.saturating_sub(ret);
+            Some(super::ceil_us(*window as f64 * w + 2.0 * w - now_f))
+        }
+        _ => None,
+    }
+}
+
+/// What the bucket holds at `now`: the most one request could take.
+pub fn available(alg: &Algorithm, state: Option<&State>, now: Micros) -> u64 {
+    let now_f = now as f64;
+    let avail = match (*alg, state) {
+        (
+            Algorithm::TokenBucket {
+                capacity,
+                refill_per_sec,
+            },
+            s,
+        ) => {
+            let t = 1e6 / refill_per_sec;
+            let tau = t * (capacity as f64 - 1.0);
+            let tat = match s {
+                Some(State::Gcra { tat }) if *tat > now_f => *tat,
+                _ => now_f,
+            };
+            (((now_f + tau - tat) / t).floor() + 1.0).min(capacity as f64)
+        }
+        (Algorithm::FixedWindow { limit, window_secs }, s) => {
+            let w = window_secs as i64 * 1_000_000;
+            let n = window_of(now, w, s);
+            match s {
+                Some(State::Window { window, count }) if *window == n => {
+                    limit as f64 - *count as f64
+                }
+                _ => limit as f64,
+            }
+        }
+        (Algorithm::SlidingWindow { limit, window_secs }, s) => {
+            let w = window_secs as i64 * 1_000_000;
+            let n = window_of(now, w, s);
+            let (prev, cur) = match s {
+                Some(State::Sliding { window, prev, cur }) if *window == n => (*prev, *cur),
+                Some(State::Sliding { window, cur, .. }) if *window == n - 1 => (*cur, 0),
+                _ => (0, 0),
+            };
+            let (wf, nf) = (w as f64, n as f64);
+            (limit as f64 - cur as f64 - prev as f64 * (nf * wf + wf - now_f) / wf).floor()
+        }
+        _ => 0.0,
+    };
+    if avail > 0.0 {
+        avail as u64
+    } else {
+        0
+    }
+}
+
+/// The window `now` falls in, never before the stored one (as the
+/// algorithms read it).
+fn window_of(now: Micros, w: i64, s: Option<&State>) -> i64 {
+    let n = now.div_euclid(w);
+    match s {
+        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => n.max(*window),
+        _ => n,
+    }
+}
+
+/// A lease granted to one replica: tokens taken, and the window they count
+/// in (0 for a token bucket).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Grant {
+    pub tokens: u64,
+    pub window: i64,
+}
+
+/// Grants a lease of up to `want` tokens, a `replicas`th of what is left at
+/// most, nothing under `min`; the tokens are taken from `state`. Returns the
+/// grant and the state's new time to live.
+pub fn grant(
+    alg: &Algorithm,
+    state: &mut Option<State>,
+    now: Micros,
+    want: u64,
+    replicas: u64,
+    min: u64,
+) -> (Grant, Option<u64>) {
+    let g = (available(alg, state.as_ref(), now) / replicas.max(1)).min(want);
+    if g < min.max(1) || !leasable(alg) {
+        return (Grant::default(), None);
+    }
+    let e = check(alg, state.as_ref(), now, g);
+    if !e.decision.allowed {
+        return (Grant::default(), None);
+    }
+    commit(state, &e.update);
+    let window = match state {
+        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => *window,
+        _ => 0,
+    };
+    (Grant { tokens: g, window }, Some(e.ttl_us))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TB: Algorithm = Algorithm::TokenBucket {
+        capacity: 100,
+        refill_per_sec: 10.0,
+    };
+    const FW: Algorithm = Algorithm::FixedWindow {
+        limit: 100,
+        window_secs: 60,
+    };
+    const SW: Algorithm = Algorithm::SlidingWindow {
+        limit: 100,
+        window_secs: 60,
+    };
+    const NOW: Micros = 1_700_000_000_000_000;
+
+    #[test]
+    fn a_grant_is_a_fair_share_taken_as_one_request() {
+        for alg in [TB, FW, SW] {
+            let mut s = None;
+            let (g, _) = grant(&alg, &mut s, NOW, 1_000, 4, 4);
+            assert_eq!(g.tokens, 25, "{alg:?}");
+            assert_eq!(available(&alg, s.as_ref(), NOW), 75, "{alg:?}");
+            // Demand caps the share.
+            let (g, _) = grant(&alg, &mut s, NOW, 10, 4, 4);
+            assert_eq!(g.tokens, 10, "{alg:?}");
+            assert_eq!(available(&alg, s.as_ref(), NOW), 65, "{alg:?}");
+        }
+    }
+
+    #[test]
+    fn near_exhaustion_nothing_is_granted() {
+        for alg in [TB, FW, SW] {
+            let mut s = None;
+            let e = check(&alg, None, NOW, 90);
+            commit(&mut s, &e.update);
+            // 10 left over 3 replicas: a share of 3, under the minimum of 4.
+            let before = s.clone();
+            let (g, ttl) = grant(&alg, &mut s, NOW, 1_000, 3, 4);
+            assert_eq!((g.tokens, ttl), (0, None), "{alg:?}");
+            assert_eq!(s, before, "{alg:?}: nothing taken");
+        }
+    }
+
+    #[test]
+    fn returns_never_lift_a_bucket_above_full() {
+        let mut s = None;
+        let (g, _) = grant(&TB, &mut s, NOW, 40, 1, 1);
+        assert_eq!(g.tokens, 40);
+        give_back(&TB, &mut s, NOW, 100, 0);
+        assert_eq!(available(&TB, s.as_ref(), NOW), 100);
+        give_back(&TB, &mut s, NOW, 100, 0);
+        assert_eq!(available(&TB, s.as_ref(), NOW), 100);
+    }
+
+    #[test]
+    fn a_window_takes_back_only_its_own_tokens() {
+        for alg in [FW, SW] {
+            let mut s = None;
+            let (g, _) = grant(&alg, &mut s, NOW, 30, 1, 1);
+            assert_eq!(available(&alg, s.as_ref(), NOW), 70);
+            // Another window's tokens: nothing changes.
+            assert_eq!(give_back(&alg, &mut s, NOW, 30, g.window - 1), None);
+            assert_eq!(available(&alg, s.as_ref(), NOW), 70);
+            assert!(give_back(&alg, &mut s, NOW, 20, g.window).is_some());
+            assert_eq!(available(&alg, s.as_ref(), NOW), 90, "{alg:?}");
+            give_back(&alg, &mut s, NOW, 1_000, g.window);
+            assert_eq!(available(&alg, s.as_ref(), NOW), 100, "{alg:?}");
+        }
+    }
+
+    #[test]
+    fn unleasable_algorithms_grant_nothing() {
+        let leaky = Algorithm::LeakyBucket {
+            rate_per_sec: 10.0,
+            max_delay_ms: 1000,
+        };
+        let log = Algorithm::SlidingLog {
+            limit: 10,
+            window_secs: 1,
+        };
+        for alg in [leaky, log] {
+            let mut s = None;
+            assert_eq!(grant(&alg, &mut s, NOW, 5, 1, 1).0.tokens, 0);
+            assert_eq!(s, None);
+        }
+    }
+}

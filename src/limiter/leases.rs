@@ -1,0 +1,527 @@
+//! This replica's leases: tokens Redis debited ahead for a hot bucket, spent
+//! here with no round trip.
+//!
+//! - Every request that reaches the limiter notes its demand on each of its
+//!   buckets (`spend`). A request whose tiers all hold enough leased tokens
+//!   is admitted from them at once; if any tier is short it goes to Redis as
+//!   before. An empty lease means "ask Redis", never "reject".
+//! - The calls to Redis carry lease requests (`asks`): for a bucket of the
+//!   call whose lease is at most half of this replica's demand over the last
+//!   period, that demand. `limiter.lua` grants the smaller of it and a fair
+//!   share of what the bucket holds, debited as a request of that cost.
+//!   When a request spends a lease below half, the bucket is queued for the
+//!   next call and one is started if none would come (`renew`): a steady
+//!   client never waits for Redis.
+//! - A lease lives one period from when its call was sent (never past the
+//!   end of the window it was counted in), so it expires here no later than
+//!   on Redis's clock. Its unspent tokens go back with the bucket's next ask;
+//!   tokens never asked for again are lost: Redis under-admits by them,
+//!   never over-admits.
+//! - Entries are bounded by `local_max_entries`: a full table first drops
+//!   entries idle for two periods, then takes no new bucket (it is decided by
+//!   Redis, as without leases).
+
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::algorithms::lease::{leasable, Grant};
+use super::algorithms::quota;
+use super::{Check, Decision, Micros, Verdict};
+use crate::config::Algorithm;
+use crate::metrics::{self, LeaseEvent};
+
+const SHARDS: usize = 16;
+
+/// The smallest lease worth granting: a fair share smaller than this many
+/// tokens grants nothing, so a bucket's last tokens are decided one request
+/// at a time, by Redis.
+pub const MIN_GRANT: u64 = 4;
+
+/// A lease request for one bucket, sent with a call.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    /// The bucket (its key and rule).
+    pub check: Check,
+    /// Tokens asked for (0: only returning).
+    pub want: u64,
+    /// Unspent tokens of an expired lease, given back.
+    pub ret: u64,
+    /// The window those were counted in (0 for a token bucket).
+    pub win: i64,
+}
+
+/// What a call asks for: the leases, and how to size them.
+#[derive(Debug, Clone, Default)]
+pub struct Asks {
+    pub asks: Vec<Ask>,
+    /// The replicas sharing every limit (a grant is at most a share of what
+    /// is left).
+    pub replicas: u64,
+    pub min: u64,
+}
+
+impl Asks {
+    pub fn is_empty(&self) -> bool {
+        self.asks.is_empty()
+    }
+}
+
+struct Entry {
+    algorithm: Algorithm,
+    /// Leased and unspent.
+    tokens: u64,
+    /// The lease's end on this replica's clock.
+    expires: Instant,
+    /// The window the lease's tokens count in (0 for a token bucket).
+    window: i64,
+    /// Bumped at every grant: a request that took tokens and then had to
+    /// give them back (another tier was short) gives them only to the
+    /// lease it took them from.
+    generation: u64,
+    /// Tokens requests wanted in this period and in the previous one.
+    demand: u64,
+    demand_prev: u64,
+    period_start: Instant,
+    /// A call carrying an ask for this bucket left then (cleared by its grant).
+    asking: Option<Instant>,
+    /// Queued for the next call (`renewals`).
+    renew_queued: bool,
+    /// What Redis said at its last answer, for the headers of requests
+    /// decided here: remaining, and when the bucket is whole again.
+    redis_remaining: u64,
+    reset_at: Instant,
+    spent_since: u64,
+    last_seen: Instant,
+}
+
+impl Entry {
+    fn new(algorithm: Algorithm, now: Instant) -> Self {
+        Entry {
+            algorithm,
+            tokens: 0,
+            expires: now,
+            window: 0,
+            generation: 0,
+            demand: 0,
+            demand_prev: 0,
+            period_start: now,
+            asking: None,
+            renew_queued: false,
+            redis_remaining: 0,
+            reset_at: now,
+            spent_since: 0,
+            last_seen: now,
+        }
+    }
+
+    fn note_demand(&mut self, cost: u64, now: Instant, period: Duration) {
+        let since = now.saturating_duration_since(self.period_start);
+        if since >= period {
+            self.demand_prev = if since < 2 * period { self.demand } else { 0 };
+            self.demand = 0;
+            self.period_start = now;
+        }
+        self.demand += cost;
+        self.last_seen = now;
+    }
+
+    /// The lease this replica would like: its demand over a period.
+    fn want(&self) -> u64 {
+        self.demand.max(self.demand_prev)
+    }
+
+    fn asked_recently(&self, now: Instant, period: Duration) -> bool {
+        self.asking
+            .is_some_and(|t| now.saturating_duration_since(t) < period)
+    }
+
+    /// A request admitted here, as its headers describe it.
+    fn decision(&self, now: Instant) -> Decision {
+        let mut reset = self.reset_at.saturating_duration_since(now).as_micros() as u64;
+        if let Algorithm::TokenBucket { refill_per_sec, .. } = self.algorithm {
+            // Each token spent since the answer takes 1/rate longer to refill.
+            reset += (self.spent_since as f64 * 1e6 / refill_per_sec) as u64;
+        }
+        Decision {
+            allowed: true,
+            limit: quota(&self.algorithm),
+            remaining: self.redis_remaining.saturating_sub(self.spent_since),
+            retry_after_us: 0,
+            reset_after_us: reset,
+            delay_us: 0,
+        }
+    }
+}
+
+pub struct Leases {
+    period: Duration,
+    per_shard: usize,
+    shards: Box<[Mutex<HashMap<String, Entry>>]>,
+    /// Buckets whose lease ran low on a request decided here: asked for in
+    /// the next call.
+    renewals: Mutex<Vec<Check>>,
+    replicas: AtomicU32,
+    hasher: std::collections::hash_map::RandomState,
+}
+
+impl Leases {
+    pub fn new(period: Duration, max_entries: usize) -> Self {
+        Leases {
+            period,
+            per_shard: max_entries.div_ceil(SHARDS).max(1),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            renewals: Mutex::new(Vec::new()),
+            replicas: AtomicU32::new(1),
+            hasher: Default::default(),
+        }
+    }
+
+    pub fn period(&self) -> Duration {
+        self.period
+    }
+
+    /// The replicas a grant is shared among.
+    pub fn set_replicas(&self, n: u32) {
+        self.replicas.store(n.max(1), Ordering::Relaxed);
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Entry>> {
+        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    }
+
+    /// Notes a request's demand on each bucket, and admits it from its
+    /// leases when every tier holds enough. `Some((verdict, renew))`:
+    /// admitted here; `renew`: a lease ran low and was queued for the next
+    /// call (the caller makes sure one is sent). `None`: ask Redis.
+    pub fn spend(&self, checks: &[Check], now: Instant, now_us: Micros) -> Option<(Verdict, bool)> {
+        let mut ok = !checks.is_empty();
+        let mut taken: Vec<(usize, u64)> = Vec::new();
+        let mut decisions = Vec::with_capacity(checks.len());
+        let mut renew = false;
+        for (i, c) in checks.iter().enumerate() {
+            if c.shadow || !leasable(&c.algorithm) {
+                ok = false;
+                continue;
+            }
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = self.entry(&mut shard, c, now) else {
+                ok = false;
+                continue;
+            };
+            e.note_demand(c.cost, now, self.period);
+            if !ok || e.tokens < c.cost || now >= e.expires {
+                ok = false;
+                continue;
+            }
+            e.tokens -= c.cost;
+            e.spent_since += c.cost;
+            taken.push((i, e.generation));
+            decisions.push(e.decision(now));
+            if e.tokens <= e.want() / 2 && !e.renew_queued && !e.asked_recently(now, self.period) {
+                e.renew_queued = true;
+                self.renewals.lock().push(c.clone());
+                renew = true;
+            }
+        }
+        if !ok {
+            // Another tier was short: the tokens go back to their lease.
+            for (i, generation) in taken {
+                let c = &checks[i];
+                if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
+                    if e.generation == generation {
+                        e.tokens += c.cost;
+                        e.spent_since -= c.cost;
+                    }
+                }
+            }
+            return None;
+        }
+        let spent: u64 = checks.iter().map(|c| c.cost).sum();
+        metrics::lease_tokens(LeaseEvent::Spent, spent);
+        Some((Verdict { decisions, now_us }, renew))
+    }
+
+    /// The bucket's entry, made if there is room (after dropping idle ones).
+    fn entry<'a>(
+        &self,
+        shard: &'a mut HashMap<String, Entry>,
+        c: &Check,
+        now: Instant,
+    ) -> Option<&'a mut Entry> {
+        if !shard.contains_key(&c.key) {
+            if shard.len() >= self.per_shard {
+                let idle = 2 * self.period;
+                let mut lost = 0;
+                shard.retain(|_, e| {
+                    let keep = now.saturating_duration_since(e.last_seen) < idle
+                        || (e.tokens > 0 && now < e.expires);
+                    if !keep {
+                        lost += e.tokens;
+                    }
+                    keep
+                });
+                metrics::lease_tokens(LeaseEvent::Lost, lost);
+                if shard.len() >= self.per_shard {
+                    return None;
+                }
+            }
+            shard.insert(c.key.clone(), Entry::new(c.algorithm, now));
+        }
+        shard.get_mut(&c.key)
+    }
+
+    /// The leases a call deciding `requests` asks for: its buckets whose
+    /// lease is low, and those queued by `spend`.
+    pub fn asks(&self, requests: &[&[Check]], now: Instant) -> Asks {
+        let mut asks = Vec::new();
+        let mut seen: HashSet<&str> = HashSet::new();
+        for c in requests.iter().flat_map(|r| r.iter()) {
+            if !c.shadow && leasable(&c.algorithm) && seen.insert(c.key.as_str()) {
+                asks.extend(self.ask_for(c, now));
+            }
+        }
+        let queued = std::mem::take(&mut *self.renewals.lock());
+        for c in &queued {
+            if seen.insert(c.key.as_str()) {
+                asks.extend(self.ask_for(c, now));
+            }
+        }
+        Asks {
+            asks,
+            replicas: self.replicas.load(Ordering::Relaxed) as u64,
+            min: MIN_GRANT,
+        }
+    }
+
+    fn ask_for(&self, c: &Check, now: Instant) -> Option<Ask> {
+        let mut shard = self.shard(&c.key).lock();
+        let e = shard.get_mut(&c.key)?;
+        e.renew_queued = false;
+        let expired = now >= e.expires;
+        let ret = if expired {
+            std::mem::take(&mut e.tokens)
+        } else {
+            0
+        };
+        let want = e.want();
+        let low = expired || e.tokens <= want / 2;
+        let asking = want >= 2 && low && !e.asked_recently(now, self.period);
+        if asking {
+            e.asking = Some(now);
+        }
+        (asking || ret > 0).then(|| Ask {
+            check: c.clone(),
+            want: if asking { want } else { 0 },
+            ret,
+            win: e.window,
+        })
+    }
+
+    /// Applies a call's grants (one per ask, in order). `sent`: when the
+    /// call left; `now_us`: Redis's time in it.
+    pub fn granted(&self, asks: &Asks, grants: &[Grant], sent: Instant, now_us: Micros) {
+        let period_us = self.period.as_micros() as i64;
+        for (a, g) in asks.asks.iter().zip(grants) {
+            metrics::lease_tokens(LeaseEvent::Returned, a.ret);
+            let c = &a.check;
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = shard.get_mut(&c.key) else {
+                metrics::lease_tokens(LeaseEvent::Lost, g.tokens);
+                continue;
+            };
+            if g.tokens == 0 {
+                // Nothing to spare: `asking` stays set, so the bucket is not
+                // asked for again for a period.
+                continue;
+            }
+            e.asking = None;
+            // Never past the end of the window the tokens count in: Redis
+            // took them from that window only.
+            let life_us = match c.algorithm {
+                Algorithm::FixedWindow { window_secs, .. }
+                | Algorithm::SlidingWindow { window_secs, .. } => {
+                    let w = window_secs as i64 * 1_000_000;
+                    period_us.min((g.window + 1) * w - now_us).max(0)
+                }
+                _ => period_us,
+            };
+            // Counted from when the call left: Redis's clock read later, so
+            // the lease ends here first.
+            let expires = sent + Duration::from_micros(life_us as u64);
+            let now = Instant::now();
+            if now < e.expires && e.window == g.window {
+                e.tokens += g.tokens;
+            } else {
+                metrics::lease_tokens(LeaseEvent::Lost, e.tokens);
+                e.tokens = g.tokens;
+            }
+            e.expires = expires;
+            e.window = g.window;
+            e.generation += 1;
+            metrics::lease_tokens(LeaseEvent::Granted, g.tokens);
+        }
+    }
+
+    /// A call carrying `asks` failed: what it returned may not have
+    /// arrived (counted lost), and its buckets may be asked for again.
+    pub fn failed(&self, asks: &Asks) {
+        for a in &asks.asks {
+            metrics::lease_tokens(LeaseEvent::Lost, a.ret);
+            if let Some(e) = self.shard(&a.check.key).lock().get_mut(&a.check.key) {
+                e.asking = None;
+            }
+        }
+    }
+
+    /// What Redis said of each bucket of a request it decided: the start of
+    /// what requests decided here report.
+    pub fn answered(&self, checks: &[Check], decisions: &[Decision], now: Instant) {
+        for (c, d) in checks.iter().zip(decisions) {
+            if c.shadow || !leasable(&c.algorithm) {
+                continue;
+            }
+            if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
+                e.redis_remaining = d.remaining;
+                e.reset_at = now + Duration::from_micros(d.reset_after_us);
+                e.spent_since = 0;
+            }
+        }
+    }
+
+    /// This replica's unspent lease on a bucket and its time left.
+    pub fn outstanding(&self, key: &str, now: Instant) -> Option<(u64, Duration)> {
+        let shard = self.shard(key).lock();
+        let e = shard.get(key)?;
+        (e.tokens > 0 && now < e.expires)
+            .then(|| (e.tokens, e.expires.saturating_duration_since(now)))
+    }
+
+    /// Drops the leases on these buckets (a reset): their tokens are
+    /// not spent, and not returned (the bucket was emptied).
+    pub fn cancel(&self, keys: &[&str]) {
+        for &k in keys {
+            if let Some(e) = self.shard(k).lock().get_mut(k) {
+                e.tokens = 0;
+                e.generation += 1;
+            }
+        }
+    }
+
+    /// Drops every lease (a reload: rules whose parameters changed have new
+    /// buckets, and the old buckets' leases are never spent).
+    pub fn clear(&self) {
+        for s in self.shards.iter() {
+            s.lock().clear();
+        }
+    }
+
+    /// Buckets with an entry (bounded by `local_max_entries`).
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::Tier;
+
+    fn check(key: &str, cost: u64) -> Check {
+        Check {
+            tier: Tier::Key,
+            key: key.into(),
+            algorithm: Algorithm::TokenBucket {
+                capacity: 1000,
+                refill_per_sec: 100.0,
+            },
+            shadow: false,
+            cost,
+            shards: 1,
+        }
+    }
+
+    fn grant(l: &Leases, checks: &[Check], tokens: u64, sent: Instant) -> Asks {
+        let refs: Vec<&[Check]> = vec![checks];
+        let asks = l.asks(&refs, sent);
+        let grants: Vec<Grant> = asks
+            .asks
+            .iter()
+            .map(|_| Grant { tokens, window: 0 })
+            .collect();
+        l.granted(&asks, &grants, sent, 0);
+        asks
+    }
+
+    #[test]
+    fn an_empty_lease_asks_redis_and_a_one_off_client_gets_none() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let c = [check("a", 1)];
+        assert!(l.spend(&c, now, 0).is_none());
+        // One request of demand: not worth a lease.
+        assert!(grant(&l, &c, 10, now).is_empty());
+        assert!(l.spend(&c, now, 0).is_none());
+    }
+
+    #[test]
+    fn a_hot_bucket_is_spent_locally_until_its_lease_is_short() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let c = [check("a", 1)];
+        for _ in 0..10 {
+            assert!(l.spend(&c, now, 0).is_none());
+        }
+        let asks = grant(&l, &c, 6, now);
+        assert_eq!(asks.asks.len(), 1);
+        assert_eq!(asks.asks[0].want, 10);
+        let mut local = 0;
+        while l.spend(&c, now, 0).is_some() {
+            local += 1;
+        }
+        assert_eq!(local, 6, "exactly the lease");
+        // The lease expires: tokens left are returned with the next ask.
+        let _ = grant(&l, &c, 3, now);
+        let later = now + Duration::from_millis(150);
+        let asks = l.asks(&[&c[..]], later);
+        assert_eq!(asks.asks[0].ret, 3);
+        assert!(
+            l.spend(&c, later, 0).is_none(),
+            "an expired lease spends nothing"
+        );
+    }
+
+    #[test]
+    fn a_request_spends_leases_only_when_every_tier_has_enough() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let both = [check("a", 1), check("b", 2)];
+        for _ in 0..10 {
+            l.spend(&both, now, 0);
+        }
+        let _ = grant(&l, &both[..1], 5, now);
+        let _ = grant(&l, &both[1..], 3, now);
+        assert!(l.spend(&both, now, 0).is_some());
+        // b holds 1, the request needs 2: nothing is taken from a.
+        assert!(l.spend(&both, now, 0).is_none());
+        assert_eq!(l.outstanding("a", now).unwrap().0, 4);
+        assert_eq!(l.outstanding("b", now).unwrap().0, 1);
+    }
+
+    #[test]
+    fn the_table_is_bounded() {
+        let l = Leases::new(Duration::from_millis(100), 32);
+        let now = Instant::now();
+        for i in 0..1000 {
+            l.spend(&[check(&format!("k{i}"), 1)], now, 0);
+        }
+        assert!(l.len() <= 32, "{}", l.len());
+    }
+}

@@ -1,0 +1,414 @@
+//! Token leases through real gateway replicas sharing one real Redis: hot
+//! buckets are spent on each replica from tokens Redis debited ahead, and
+//! the shared limit stays exact. Every figure is a count (admitted against
+//! the exact bound); nothing here asserts a time.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::{Client, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard};
+
+const PERIOD_MS: u64 = 100;
+
+/// A replica of three (its own 2 threads) with one API key on `plan`, on
+/// the Redis at `redis_url`.
+fn config(redis_url: &str, up: &UpstreamGuard, plan: &str, on_failure: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = ["{{listen}}"]
+admin_listen = "{{admin}}"
+threads = 2
+grace_period_secs = 1
+
+[limiter]
+backend = "redis"
+on_redis_failure = "{on_failure}"
+instances = 3
+retry_after_jitter_ms = 0
+
+[limiter.leases]
+enabled = true
+period_ms = {PERIOD_MS}
+
+[redis]
+urls = ["{redis_url}"]
+timeout_ms = 50
+probe_interval_ms = 50
+
+[plans.hot]
+{plan}
+
+[[api_keys]]
+id = "hot"
+key = "hot-secret"
+plan = "hot"
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+
+[[routes]]
+name = "r"
+path_prefix = "/r"
+upstream = "up"
+"#,
+        up.addr
+    )
+}
+
+/// Three replicas on one Redis (`links[i]`: the URL replica i reaches it by).
+fn replicas(links: [&str; 3], up: &UpstreamGuard, plan: &str, on_failure: &str) -> Vec<GatewayGuard> {
+    links
+        .iter()
+        .map(|url| GatewayGuard::start(&config(url, up, plan, on_failure)))
+        .collect()
+}
+
+/// Clients spraying the hot key over the replicas in turn, each on its own
+/// keep-alive connections, until `stop` says so (or a minute passes).
+struct Spray {
+    stop: Arc<AtomicBool>,
+    admitted: Arc<Vec<AtomicU64>>,
+    rejected: Arc<Vec<AtomicU64>>,
+    other: Arc<AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Spray {
+    fn start(targets: &[SocketAddr], clients: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let admitted: Arc<Vec<AtomicU64>> = Arc::new(targets.iter().map(|_| 0.into()).collect());
+        let rejected: Arc<Vec<AtomicU64>> = Arc::new(targets.iter().map(|_| 0.into()).collect());
+        let other = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let threads = (0..clients)
+            .map(|i| {
+                let (stop, admitted, rejected, other) =
+                    (stop.clone(), admitted.clone(), rejected.clone(), other.clone());
+                let targets = targets.to_vec();
+                std::thread::spawn(move || {
+                    let mut conns: Vec<Option<Client>> = targets.iter().map(|_| None).collect();
+                    let mut n = i;
+                    while !stop.load(Ordering::Relaxed)
+                        && started.elapsed() < Duration::from_secs(60)
+                    {
+                        let k = n % targets.len();
+                        n += 1;
+                        if conns[k].is_none() {
+                            conns[k] = Client::connect(targets[k]).ok();
+                        }
+                        let r = conns[k]
+                            .as_mut()
+                            .map(|c| c.request("GET", "/r", &[("x-api-key", "hot-secret")], b""));
+                        match r {
+                            Some(Ok(r)) if r.status == 200 => {
+                                admitted[k].fetch_add(1, Ordering::Relaxed);
+                            }
+                            // 429: over the limit; 503: Redis is out of
+                            // reach and on_redis_failure = "deny".
+                            Some(Ok(r)) if r.status == 429 || r.status == 503 => {
+                                rejected[k].fetch_add(1, Ordering::Relaxed);
+                            }
+                            _ => {
+                                conns[k] = None;
+                                other.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        Spray {
+            stop,
+            admitted,
+            rejected,
+            other,
+            threads,
+        }
+    }
+
+    fn admitted(&self) -> u64 {
+        self.admitted.iter().map(|a| a.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Every replica has refused at least one request.
+    fn all_refused(&self) -> bool {
+        self.rejected.iter().all(|r| r.load(Ordering::Relaxed) > 0)
+    }
+
+    /// Stops the clients; returns admitted per replica.
+    fn stop(mut self) -> Vec<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join().expect("spray thread");
+        }
+        assert_eq!(
+            self.other.load(Ordering::Relaxed),
+            0,
+            "every answer was a 200, a 429 or a 503"
+        );
+        self.admitted
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// Sprays until every replica has refused, then one lease period and more
+/// (any lease still held is spent or expired by then); returns admitted
+/// per replica.
+fn spray_to_exhaustion(gws: &[GatewayGuard]) -> Vec<u64> {
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let spray = Spray::start(&addrs, 3);
+    support::wait_for("every replica to refuse", Duration::from_secs(30), || {
+        spray.all_refused().then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(3 * PERIOD_MS));
+    spray.stop()
+}
+
+/// Requests each replica decided from a lease.
+fn lease_decisions(gws: &[GatewayGuard]) -> Vec<f64> {
+    gws.iter()
+        .map(|g| g.metric("gateway_limiter_decisions_total{path=\"lease\"}"))
+        .collect()
+}
+
+fn lease_tokens(g: &GatewayGuard, event: &str) -> f64 {
+    g.metric(&format!("gateway_lease_tokens_total{{event=\"{event}\"}}"))
+}
+
+/// Acceptance 2: a bucket of 50 with no refill, sprayed over three replicas
+/// until a lease period past the first 429 on every one: exactly 50.
+#[test]
+fn exhaustion_admits_exactly_the_bucket() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let url = redis.url();
+    let gws = replicas(
+        [&url, &url, &url],
+        &up,
+        "capacity = 50\nrefill_per_sec = 0.0001",
+        "deny",
+    );
+    let per = spray_to_exhaustion(&gws);
+    let admitted: u64 = per.iter().sum();
+    let leased = lease_decisions(&gws);
+    println!("FIGURES exhaustion: admitted {admitted} of 50 (per replica {per:?}), decided on a lease per replica {leased:?}");
+    assert_eq!(admitted, 50, "exactly the bucket, per replica {per:?}");
+    assert_eq!(up.count("/r"), 50, "the upstream saw exactly 50");
+    assert!(
+        leased.iter().sum::<f64>() >= 10.0,
+        "leases decided part of it: {leased:?}"
+    );
+}
+
+/// Acceptance 1: a hot key sprayed over three replicas above its limit for
+/// 10 s. Over every interval [t0, t1] of the upstream's own arrival times,
+/// at most capacity + rate × (t1 − t0) + 1 (the +1: two arrivals one
+/// microsecond apart may be two tokens) plus what transit jitter between
+/// the gateway's decision and the upstream's clock can move into an
+/// interval (rate × 10 ms); over the run, at least 97% of the bound.
+#[test]
+fn a_hot_key_keeps_its_rate_over_every_interval() {
+    const CAPACITY: f64 = 100.0;
+    const RATE: f64 = 150.0;
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let url = redis.url();
+    let gws = replicas(
+        [&url, &url, &url],
+        &up,
+        &format!("capacity = {CAPACITY}\nrefill_per_sec = {RATE}"),
+        "deny",
+    );
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    let spray = Spray::start(&addrs, 4);
+    std::thread::sleep(Duration::from_secs(10));
+    let per = spray.stop();
+    let times = up.times("/r");
+    assert_eq!(times.len() as u64, per.iter().sum::<u64>());
+    // The largest excess over capacity + rate × span, over every interval
+    // of arrivals i..=j: max over j of (j − rate·t_j) − min over i ≤ j of
+    // (i − rate·t_i), plus one.
+    let mut worst = f64::MIN;
+    let mut low = f64::MAX;
+    for (j, &t) in times.iter().enumerate() {
+        let f = j as f64 - RATE * t as f64 / 1e6;
+        low = low.min(f);
+        worst = worst.max(f - low + 1.0 - CAPACITY);
+    }
+    let span = (times[times.len() - 1] - times[0]) as f64 / 1e6;
+    let bound = CAPACITY + RATE * span;
+    let share = times.len() as f64 / bound;
+    let leased = lease_decisions(&gws);
+    println!(
+        "FIGURES hot key: {} admitted in {span:.2} s, bound {bound:.0} ({:.1}%); worst interval {worst:+.1} over capacity + rate × span; decided on a lease {leased:?}",
+        times.len(),
+        100.0 * share
+    );
+    assert!(
+        worst <= RATE * 0.010,
+        "an interval saw {worst:.1} more than capacity + rate × its span"
+    );
+    assert!(share >= 0.97, "admitted {:.1}% of the bound", 100.0 * share);
+    assert!(leased.iter().sum::<f64>() > 0.0, "leases were used: {leased:?}");
+}
+
+/// Acceptance 3: the issue's partition. A plan of 30, no refill; each
+/// replica decides once; then one replica's link to Redis goes silent
+/// (SIGSTOP on its forwarder) and a client sprays all three. With
+/// `on_redis_failure = "deny"` at most 30 are admitted: the cut replica
+/// spends only the lease it holds (tokens Redis already debited), then
+/// denies. With `"local"`, at most the cut replica's share (30 / 3) over
+/// the limit, and nothing after healing (its debt is charged).
+#[test]
+fn a_partitioned_replica_stays_within_the_bound() {
+    for (on_failure, bound) in [("deny", 30), ("local", 40)] {
+        let redis = RedisGuard::start();
+        let up = UpstreamGuard::start();
+        let link = ForwarderGuard::start(&format!("127.0.0.1:{}", redis.port));
+        let (url, cut_url) = (redis.url(), link.url());
+        let gws = replicas(
+            [&cut_url, &url, &url],
+            &up,
+            "capacity = 30\nrefill_per_sec = 0.0001",
+            on_failure,
+        );
+        for g in &gws {
+            let r = g
+                .client()
+                .request("GET", "/r", &[("x-api-key", "hot-secret")], b"")
+                .expect("request");
+            assert_eq!(r.status, 200);
+        }
+        link.stop();
+        let per = spray_to_exhaustion(&gws);
+        let cut_backend = gws[0].admin_get("/readyz").json()["backend"].clone();
+        link.resume();
+        gws[0].wait_backend("redis", Duration::from_secs(20));
+        // After healing: the cut replica's admissions were charged; nothing more.
+        let after = spray_to_exhaustion(&gws);
+        let admitted = 3 + per.iter().sum::<u64>();
+        println!(
+            "FIGURES partition on_redis_failure={on_failure}: admitted {admitted} of 30 (bound {bound}; per replica during the cut {per:?}, cut replica on {cut_backend}); after healing {after:?}; lease decisions {:?}",
+            lease_decisions(&gws)
+        );
+        assert!(admitted <= bound, "{on_failure}: {admitted} admitted (bound {bound})");
+        assert_eq!(after.iter().sum::<u64>(), 0, "{on_failure}: none after healing");
+        assert_eq!(cut_backend, "local", "the cut replica had failed over");
+        drop(link);
+    }
+}
+
+/// Acceptance 4: a replica killed (SIGKILL) while it holds a lease never
+/// lets the others over-admit; the tokens lost with it are exactly what it
+/// had been granted and had not spent (read from its metrics just before).
+#[test]
+fn a_killed_replica_loses_its_lease_and_nothing_more() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let url = redis.url();
+    let mut gws = replicas(
+        [&url, &url, &url],
+        &up,
+        "capacity = 300\nrefill_per_sec = 0.0001",
+        "deny",
+    );
+    // Only the first replica is hot: it takes leases.
+    let spray = Spray::start(&[gws[0].addr], 2);
+    support::wait_for("a lease on the first replica", Duration::from_secs(10), || {
+        (lease_tokens(&gws[0], "granted") >= 20.0).then_some(())
+    });
+    let before = spray.stop();
+    // A renewal may still be on its way: let it land before reading.
+    std::thread::sleep(Duration::from_millis(PERIOD_MS / 2));
+    let [granted, spent, returned, lost] =
+        ["granted", "spent", "returned", "lost"].map(|e| lease_tokens(&gws[0], e));
+    let held = granted - spent - returned;
+    let mut killed = gws.remove(0);
+    killed.signal("KILL");
+    killed.stop_now();
+    let after = spray_to_exhaustion(&gws);
+    let admitted = before[0] + after.iter().sum::<u64>();
+    println!(
+        "FIGURES SIGKILL: admitted {admitted} of 300; the killed replica held {held} leased tokens (granted {granted}, spent {spent}, returned {returned}, lost before {lost}); not admitted {}",
+        300 - admitted
+    );
+    assert!(held > 0.0, "the killed replica held a lease");
+    assert_eq!(
+        admitted as f64,
+        300.0 - held - lost,
+        "everything but the killed replica's unspent lease"
+    );
+}
+
+/// Acceptance 5: a reset through `/limits` and a reload to a smaller limit,
+/// both while leases are outstanding: one lease period later, the new
+/// bucket admits exactly its size.
+#[test]
+fn a_reset_or_a_smaller_limit_holds_within_a_lease_period() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let url = redis.url();
+    let plan = "capacity = 200\nrefill_per_sec = 0.0001";
+    let gws = replicas([&url, &url, &url], &up, plan, "deny");
+    let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
+    // Some of the bucket spent, leases held on every replica.
+    let spray = Spray::start(&addrs, 3);
+    support::wait_for("leases on every replica", Duration::from_secs(10), || {
+        (gws.iter().all(|g| lease_tokens(g, "granted") > 0.0) && spray.admitted() >= 40)
+            .then_some(())
+    });
+    let first = spray.stop();
+    let held: Vec<f64> = gws
+        .iter()
+        .map(|g| lease_tokens(g, "granted") - lease_tokens(g, "spent"))
+        .collect();
+    let r = Client::connect(gws[0].admin)
+        .and_then(|mut c| c.request("DELETE", "/limits?key=hot", &[], b""))
+        .expect("DELETE /limits");
+    assert_eq!(r.status, 200, "{}", r.text());
+    std::thread::sleep(Duration::from_millis(2 * PERIOD_MS));
+    let after_reset = spray_to_exhaustion(&gws);
+    println!(
+        "FIGURES reset: {} admitted before it (leases held {held:?}); after it {} of 200 ({after_reset:?})",
+        first.iter().sum::<u64>(),
+        after_reset.iter().sum::<u64>()
+    );
+    assert_eq!(after_reset.iter().sum::<u64>(), 200, "the reset bucket, exactly");
+
+    // A reload to a smaller plan right after leases were taken on the old one.
+    let r = Client::connect(gws[0].admin)
+        .and_then(|mut c| c.request("DELETE", "/limits?key=hot", &[], b""))
+        .expect("DELETE /limits");
+    assert_eq!(r.status, 200);
+    std::thread::sleep(Duration::from_millis(2 * PERIOD_MS));
+    let spray = Spray::start(&addrs, 3);
+    support::wait_for("leases again", Duration::from_secs(10), || {
+        (spray.admitted() >= 40).then_some(())
+    });
+    let during = spray.stop();
+    let smaller = "capacity = 20\nrefill_per_sec = 0.0001";
+    for g in &gws {
+        g.rewrite_config(&config(&url, &up, smaller, "deny"));
+    }
+    support::wait_for("every replica to reload", Duration::from_secs(20), || {
+        gws.iter()
+            .all(|g| g.metric("gateway_config_reloads_total{result=\"ok\"}") >= 1.0)
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(2 * PERIOD_MS));
+    let after_reload = spray_to_exhaustion(&gws);
+    println!(
+        "FIGURES reload: {} admitted on the old plan; after the reload to 20: {} ({after_reload:?})",
+        during.iter().sum::<u64>(),
+        after_reload.iter().sum::<u64>()
+    );
+    assert_eq!(after_reload.iter().sum::<u64>(), 20, "the new limit, exactly");
+}
