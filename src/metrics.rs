@@ -124,7 +124,7 @@ pub fn install() {
         }
         describe_counter!(
             "gateway_lease_tokens_total",
-            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, given back to the shared bucket), lost (unspent and not returned: the lease expired where it could not be, or its entry was evicted)"
+            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, taken back by the shared bucket), lost (unspent and not taken back: Redis takes back only what leaves the bucket exactly as if never leased, and a reset or evicted entry loses its lease; the shared limit under-admits by them)"
         );
         for event in ["granted", "spent", "returned", "lost"] {
             counter!("gateway_lease_tokens_total", "event" => event).absolute(0);

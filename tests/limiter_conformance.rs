@@ -626,10 +626,14 @@ fn model_call(
     requests: &[&[Check]],
     asks: &Asks,
 ) -> (Vec<Vec<Decision>>, Vec<Grant>) {
-    for a in &asks.asks {
-        let s = state.entry(a.check.key.clone()).or_default();
-        lease::give_back(&a.check.algorithm, s, now, a.ret, a.win);
-    }
+    let back: Vec<u64> = asks
+        .asks
+        .iter()
+        .map(|a| {
+            let s = state.entry(a.check.key.clone()).or_default();
+            lease::give_back(&a.check.algorithm, s, now, a.ret, a.until).0
+        })
+        .collect();
     let mut verdicts = Vec::new();
     for r in requests {
         let evals: Vec<_> = r
@@ -655,16 +659,19 @@ fn model_call(
     let grants = asks
         .asks
         .iter()
-        .map(|a| {
+        .zip(back)
+        .map(|(a, taken_back)| {
             let s = state.entry(a.check.key.clone()).or_default();
-            lease::grant(&a.check.algorithm, s, now, a.want, asks.replicas, asks.min).0
+            let g = lease::grant(&a.check.algorithm, s, now, a.want, asks.replicas, asks.min).0;
+            Grant { taken_back, ..g }
         })
         .collect();
     (verdicts, grants)
 }
 
-/// Leases: over random sequences of batches carrying grants and returns,
-/// on every algorithm that leases, `limiter.lua` grants, takes back and
+/// Leases: over random sequences of batches carrying lease requests and
+/// returns (of the last grant, naming its `until` or, stale, another), on
+/// every algorithm that leases, `limiter.lua` grants, takes back and
 /// decides exactly what the Rust model (`algorithms::lease`) does.
 #[tokio::test]
 async fn lease_grants_and_returns_agree_with_the_model() {
@@ -673,13 +680,13 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     let redis = redis_backend(&server, &clock, Duration::from_secs(2));
     let mut model = std::collections::HashMap::new();
     let mut rng = fastrand::Rng::with_seed(0x1ea5e);
-    let (mut granted, mut returned, mut nothing, mut rejected) = (0u64, 0u64, 0, 0);
+    let (mut granted, mut back, mut refused_back, mut nothing, mut rejected) = (0u64, 0, 0, 0, 0);
     for round in 0..45 {
         let which = [0, 2, 3][round % 3];
         let alg = random_algorithm(&mut rng, which, 200, 3);
         let route = check(Tier::Route, &format!("lr{round}"), alg, "global");
         let plan = check(Tier::Key, "plan", tb(40, 30.0), &format!("k{round}"));
-        let mut last_grant = Grant::default();
+        let mut last = Grant::default();
         for _ in 0..40 {
             clock.advance(rng.i64(0..150_000));
             let now = ratelimit_gateway::clock::Clock::now_us(&*clock);
@@ -691,13 +698,16 @@ async fn lease_grants_and_returns_agree_with_the_model() {
             }
             let refs: Vec<&[Check]> = requests.iter().map(Vec::as_slice).collect();
             // Ask for the route's bucket and sometimes the plan's; give back
-            // part of the last grant, in its window or (stale) the one before.
+            // part of the last grant, naming its `until` or another.
+            // (Sometimes more than was granted: Redis must refuse what it
+            // cannot take back exactly.)
+            let ret = rng.u64(0..=last.tokens + 20);
             let mut asks = Asks {
                 asks: vec![Ask {
                     check: route.clone(),
                     want: rng.u64(0..80),
-                    ret: rng.u64(0..=last_grant.tokens),
-                    win: last_grant.window - rng.i64(0..2) * (which != 0) as i64,
+                    ret,
+                    until: last.until - rng.i64(0..2) * rng.i64(1..3),
                 }],
                 replicas: rng.u64(1..5),
                 min: rng.u64(1..6),
@@ -707,7 +717,7 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                     check: plan.clone(),
                     want: rng.u64(0..30),
                     ret: 0,
-                    win: 0,
+                    until: 0,
                 });
             }
             let (verdicts, grants, at) = redis.decide_leasing(&refs, &asks).await.expect("redis");
@@ -719,17 +729,19 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                 grants, model_grants,
                 "round {round}: grants differ ({alg:?}, {asks:?})"
             );
-            last_grant = grants[0];
             granted += grants.iter().map(|g| g.tokens).sum::<u64>();
-            returned += asks.asks[0].ret;
+            back += grants[0].taken_back;
+            refused_back += (ret > 0 && grants[0].taken_back == 0) as usize;
+            last = grants[0];
             nothing += grants.iter().filter(|g| g.tokens == 0).count();
             rejected += expected.iter().flatten().filter(|d| !d.allowed).count();
         }
     }
-    // Every branch exercised: grants, returns, refusals to grant, rejections.
+    // Every branch exercised: grants, returns taken back and refused,
+    // refusals to grant, rejections.
     assert!(
-        granted > 1000 && returned > 200 && nothing > 100 && rejected > 100,
-        "granted {granted}, returned {returned}, nothing {nothing}, rejected {rejected}"
+        granted > 1000 && back > 100 && refused_back > 20 && nothing > 100 && rejected > 100,
+        "granted {granted}, taken back {back}, returns refused {refused_back}, nothing {nothing}, rejected {rejected}"
     );
 }
 

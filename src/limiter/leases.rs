@@ -14,9 +14,11 @@
 //!   client never waits for Redis.
 //! - A lease lives one period from when its call was sent (never past the
 //!   end of the window it was counted in), so it expires here no later than
-//!   on Redis's clock. Its unspent tokens go back with the bucket's next ask;
-//!   tokens never asked for again are lost: Redis under-admits by them,
-//!   never over-admits.
+//!   on Redis's clock. Its unspent tokens go back with the next call that
+//!   carries an ask for the bucket, or any call a period later; Redis takes
+//!   them back only where that is exact (`algorithms::lease`), and tokens it
+//!   refuses are lost: the shared limit under-admits by them, never
+//!   over-admits.
 //! - Entries are bounded by `local_max_entries`: a full table first drops
 //!   entries idle for two periods, then takes no new bucket (it is decided by
 //!   Redis, as without leases).
@@ -46,12 +48,12 @@ pub const MIN_GRANT: u64 = 4;
 pub struct Ask {
     /// The bucket (its key and rule).
     pub check: Check,
-    /// Tokens asked for (0: only returning).
+    /// Tokens asked for (0: only giving back).
     pub want: u64,
     /// Unspent tokens of an expired lease, given back.
     pub ret: u64,
-    /// The window those were counted in (0 for a token bucket).
-    pub win: i64,
+    /// What that lease's grant answered (`Grant::until`).
+    pub until: i64,
 }
 
 /// What a call asks for: the leases, and how to size them.
@@ -76,8 +78,8 @@ struct Entry {
     tokens: u64,
     /// The lease's end on this replica's clock.
     expires: Instant,
-    /// The window the lease's tokens count in (0 for a token bucket).
-    window: i64,
+    /// What the lease's grant answered (`Grant::until`): a return names it.
+    until: i64,
     /// Bumped at every grant: a request that took tokens and then had to
     /// give them back (another tier was short) gives them only to the
     /// lease it took them from.
@@ -104,7 +106,7 @@ impl Entry {
             algorithm,
             tokens: 0,
             expires: now,
-            window: 0,
+            until: 0,
             generation: 0,
             demand: 0,
             demand_prev: 0,
@@ -129,9 +131,19 @@ impl Entry {
         self.last_seen = now;
     }
 
-    /// The lease this replica would like: its demand over a period.
-    fn want(&self) -> u64 {
-        self.demand.max(self.demand_prev)
+    /// The lease this replica would like: its demand over a period, the
+    /// current period's extrapolated from what has passed of it (at least
+    /// a tenth of it), so a bucket that just became hot is seen at once.
+    fn want(&self, now: Instant, period: Duration) -> u64 {
+        if self.demand + self.demand_prev < 2 {
+            // One request is not a hot bucket.
+            return 0;
+        }
+        let passed = now
+            .saturating_duration_since(self.period_start)
+            .max(period / 10);
+        let current = (self.demand as f64 * period.as_secs_f64() / passed.as_secs_f64()) as u64;
+        current.max(self.demand_prev)
     }
 
     fn asked_recently(&self, now: Instant, period: Duration) -> bool {
@@ -164,6 +176,9 @@ pub struct Leases {
     /// Buckets whose lease ran low on a request decided here: asked for in
     /// the next call.
     renewals: Mutex<Vec<Check>>,
+    /// Buckets holding a lease, and when they were last looked at for one
+    /// that expired with tokens to give back.
+    leased: Mutex<(HashMap<String, Check>, Option<Instant>)>,
     replicas: AtomicU32,
     hasher: std::collections::hash_map::RandomState,
 }
@@ -175,6 +190,7 @@ impl Leases {
             per_shard: max_entries.div_ceil(SHARDS).max(1),
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             renewals: Mutex::new(Vec::new()),
+            leased: Mutex::new((HashMap::new(), None)),
             replicas: AtomicU32::new(1),
             hasher: Default::default(),
         }
@@ -221,7 +237,10 @@ impl Leases {
             e.spent_since += c.cost;
             taken.push((i, e.generation));
             decisions.push(e.decision(now));
-            if e.tokens <= e.want() / 2 && !e.renew_queued && !e.asked_recently(now, self.period) {
+            if e.tokens <= e.want(now, self.period) / 2
+                && !e.renew_queued
+                && !e.asked_recently(now, self.period)
+            {
                 e.renew_queued = true;
                 self.renewals.lock().push(c.clone());
                 renew = true;
@@ -290,6 +309,25 @@ impl Leases {
                 asks.extend(self.ask_for(c, now));
             }
         }
+        // Once a period, any call carries back what expired on buckets no
+        // request has named since.
+        let expired: Vec<Check> = {
+            let mut leased = self.leased.lock();
+            if leased
+                .1
+                .is_some_and(|t| now.saturating_duration_since(t) < self.period)
+            {
+                Vec::new()
+            } else {
+                leased.1 = Some(now);
+                leased.0.values().cloned().collect()
+            }
+        };
+        for c in &expired {
+            if seen.insert(c.key.as_str()) {
+                asks.extend(self.ask_for(c, now));
+            }
+        }
         Asks {
             asks,
             replicas: self.replicas.load(Ordering::Relaxed) as u64,
@@ -301,23 +339,26 @@ impl Leases {
         let mut shard = self.shard(&c.key).lock();
         let e = shard.get_mut(&c.key)?;
         e.renew_queued = false;
-        let expired = now >= e.expires;
-        let ret = if expired {
+        let ret = if now >= e.expires {
             std::mem::take(&mut e.tokens)
         } else {
             0
         };
-        let want = e.want();
-        let low = expired || e.tokens <= want / 2;
-        let asking = want >= 2 && low && !e.asked_recently(now, self.period);
+        let want = e.want(now, self.period);
+        // Less than the smallest grant is never granted: not worth asking.
+        let asking =
+            want >= MIN_GRANT && e.tokens <= want / 2 && !e.asked_recently(now, self.period);
         if asking {
             e.asking = Some(now);
+        }
+        if e.tokens == 0 {
+            self.leased.lock().0.remove(&c.key);
         }
         (asking || ret > 0).then(|| Ask {
             check: c.clone(),
             want: if asking { want } else { 0 },
             ret,
-            win: e.window,
+            until: e.until,
         })
     }
 
@@ -326,7 +367,8 @@ impl Leases {
     pub fn granted(&self, asks: &Asks, grants: &[Grant], sent: Instant, now_us: Micros) {
         let period_us = self.period.as_micros() as i64;
         for (a, g) in asks.asks.iter().zip(grants) {
-            metrics::lease_tokens(LeaseEvent::Returned, a.ret);
+            metrics::lease_tokens(LeaseEvent::Returned, g.taken_back);
+            metrics::lease_tokens(LeaseEvent::Lost, a.ret - g.taken_back.min(a.ret));
             let c = &a.check;
             let mut shard = self.shard(&c.key).lock();
             let Some(e) = shard.get_mut(&c.key) else {
@@ -345,7 +387,7 @@ impl Leases {
                 Algorithm::FixedWindow { window_secs, .. }
                 | Algorithm::SlidingWindow { window_secs, .. } => {
                     let w = window_secs as i64 * 1_000_000;
-                    period_us.min((g.window + 1) * w - now_us).max(0)
+                    period_us.min((g.until + 1) * w - now_us).max(0)
                 }
                 _ => period_us,
             };
@@ -353,21 +395,28 @@ impl Leases {
             // the lease ends here first.
             let expires = sent + Duration::from_micros(life_us as u64);
             let now = Instant::now();
-            if now < e.expires && e.window == g.window {
+            let windowed = !matches!(c.algorithm, Algorithm::TokenBucket { .. });
+            if now < e.expires && e.tokens > 0 && (!windowed || e.until == g.until) {
+                // Tokens of both leases: a return must hold for the older
+                // (a token bucket's `until` only grows).
                 e.tokens += g.tokens;
+                e.until = e.until.min(g.until);
             } else {
                 metrics::lease_tokens(LeaseEvent::Lost, e.tokens);
                 e.tokens = g.tokens;
+                e.until = g.until;
             }
             e.expires = expires;
-            e.window = g.window;
             e.generation += 1;
+            drop(shard);
+            self.leased.lock().0.insert(c.key.clone(), c.clone());
             metrics::lease_tokens(LeaseEvent::Granted, g.tokens);
         }
     }
 
-    /// A call carrying `asks` failed: what it returned may not have
-    /// arrived (counted lost), and its buckets may be asked for again.
+    /// A call carrying `asks` failed: its buckets may be asked for again;
+    /// what it gave back may or may not have arrived (counted lost: never
+    /// sent twice).
     pub fn failed(&self, asks: &Asks) {
         for a in &asks.asks {
             metrics::lease_tokens(LeaseEvent::Lost, a.ret);
@@ -400,8 +449,8 @@ impl Leases {
             .then(|| (e.tokens, e.expires.saturating_duration_since(now)))
     }
 
-    /// Drops the leases on these buckets (a reset): their tokens are
-    /// not spent, and not returned (the bucket was emptied).
+    /// Drops the leases on these buckets (a reset): their tokens, taken
+    /// from the bucket before it was made whole, are not spent.
     pub fn cancel(&self, keys: &[&str]) {
         for &k in keys {
             if let Some(e) = self.shard(k).lock().get_mut(k) {
@@ -454,7 +503,11 @@ mod tests {
         let grants: Vec<Grant> = asks
             .asks
             .iter()
-            .map(|_| Grant { tokens, window: 0 })
+            .map(|_| Grant {
+                tokens,
+                until: 0,
+                taken_back: 0,
+            })
             .collect();
         l.granted(&asks, &grants, sent, 0);
         asks
@@ -481,21 +534,25 @@ mod tests {
         }
         let asks = grant(&l, &c, 6, now);
         assert_eq!(asks.asks.len(), 1);
-        assert_eq!(asks.asks[0].want, 10);
+        // Ten requests within a tenth of a period: a hundred a period.
+        assert_eq!(asks.asks[0].want, 100);
         let mut local = 0;
         while l.spend(&c, now, 0).is_some() {
             local += 1;
         }
         assert_eq!(local, 6, "exactly the lease");
-        // The lease expires: tokens left are returned with the next ask.
+        // The lease expires: what is left of it is never spent, and goes
+        // back with the next call.
         let _ = grant(&l, &c, 3, now);
+        assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(3));
         let later = now + Duration::from_millis(150);
-        let asks = l.asks(&[&c[..]], later);
-        assert_eq!(asks.asks[0].ret, 3);
         assert!(
             l.spend(&c, later, 0).is_none(),
             "an expired lease spends nothing"
         );
+        assert_eq!(l.outstanding("a", later), None);
+        let asks = l.asks(&[&c[..]], later);
+        assert_eq!(asks.asks[0].ret, 3);
     }
 
     #[test]

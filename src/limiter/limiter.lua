@@ -35,9 +35,8 @@ then per request: the index of its shape (requests of one client on one
 then, optionally, leases (leases.rs): l, the number of them, r, the replicas
          sharing the limit, and g0, the smallest lease worth granting; per
          lease four values: k (a token bucket, fixed or sliding window),
-         want (tokens asked for), ret (unspent tokens of an expired lease
-         given back) and win (the window those were counted in; 0 for a
-         token bucket)
+         want (tokens asked for), ret (unspent tokens of an expired lease,
+         given back) and until (what its grant answered: see below)
 
 A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
 set of parameters however many requests of the batch use it.
@@ -46,30 +45,24 @@ Returns, for each request and each of its tiers:
   remaining when admitted, -1 when rejected
   reset_after_us (when rejected: the retry time)
   delay_us, for a leaky bucket only (its wait for its slot)
-then per lease: the tokens granted and the window they count in
+then per lease: the tokens granted, their `until`, and the tokens taken back
 then the `now` that was used.
 
-Leases: returns are applied before the requests are decided (a token bucket
-never above full: its TAT not before now; a window only the window the
-tokens were counted in), grants after them. A grant is the smaller of
-`want` and a fair share (what the bucket holds now / r), taken exactly as a
-request of that cost would be; a share under g0 grants nothing, so the last
-tokens are decided one request at a time.
-
-Within a request every tier is checked first; only if every non-shadow tier
-admits are the admitting tiers charged. A rejected request charges no tier.
-
-Worked example: one request, a token bucket of 20 at 10/s for its key and a
-fixed window of 10/min for the route, at now = 1700000000000000:
-  EVALSHA <sha> 2 rl:key:free:tb-20-10:k:demo rl:route:zone-stats:fw-10-60:global
-          1700000000000000 1 1 0  1 20 10  3 10 60  2 1 1 2 1  1
-  -> 19 100000   9 40000000   1700000000000000
-(the bucket is full after 100 ms; the window ends 40 s later).
-
-The arithmetic mirrors src/limiter/algorithms/*.rs operation for operation, in
-the same order, so Lua's doubles and Rust's f64 agree to the bit. GCRA state
-is handed to SET as a number, which Redis prints exactly (17 significant
-digits at most), so it reads back as the same double.
+Leases. Returns are taken back before the requests are decided, grants
+made after them. A grant is the smaller of `want` and a fair share (what the
+bucket holds now / r), taken exactly as a request of that cost would be; a
+share under g0 grants nothing, so the last tokens are decided one request at
+a time. A return must leave the bucket exactly as if the unspent tokens had
+never been taken; capping it at a full bucket is not enough (a bucket that
+refilled while the lease was out, then was partly spent, would get the lease
+back on top). So a grant answers `until`: for a window, the window its
+tokens count in, taken back only in that window and only from a count that
+holds them; for a token bucket, the TAT the bucket would have had without
+the grant (its floor): until then no request can have found that bucket
+full, so the tokens come back exactly, and the return is refused after it.
+A bucket reset while the lease was out is told from its state only when its
+count or TAT is lower than the lease left it: a reset bucket spent past that
+point may take back a lease from before the reset (README).
 ]]
 
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
@@ -292,7 +285,7 @@ do
   lease_at = a + m
 end
 local nl, reps, g0 = 0, 1, 1
-local lk, lwant, lret, lwin = {}, {}, {}, {}
+local lk, lwant, lret, luntil = {}, {}, {}, {}
 if lease_at <= na then
   nl, reps, g0 = tonum(ARGV[lease_at]), tonum(ARGV[lease_at + 1]), tonum(ARGV[lease_at + 2])
   if not whole(nl, 0, na) or not whole(reps, 1, 2 ^ 31) or not whole(g0, 1, 2 ^ 40)
@@ -301,12 +294,12 @@ if lease_at <= na then
   end
   for i = 1, nl do
     local b = lease_at + 4 * i - 1
-    local k, want, ret, win = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
+    local k, want, ret, til = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
     if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
-        or not whole(ret, 0, 2 ^ 40) or not whole(win, -2 ^ 52, 2 ^ 52) then
-      return bad('lease ' .. i .. ' is not a token bucket or window with want, ret, win')
+        or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53) then
+      return bad('lease ' .. i .. ' is not a token bucket or window with want, ret, until')
     end
-    lk[i], lwant[i], lret[i], lwin[i] = k, want, ret, win
+    lk[i], lwant[i], lret[i], luntil[i] = k, want, ret, til
   end
 end
 
@@ -333,23 +326,31 @@ local function touch(k, ttl)
   ttl_of[k] = ttl
 end
 
--- Unspent tokens of expired leases, back first (algorithms/lease.rs).
+-- Unspent tokens of expired leases, taken back where that is exact
+-- (algorithms/lease.rs).
+local lback = {}
 for i = 1, nl do
-  local k, ret, s = lk[i], lret[i], state[lk[i]]
+  local k, ret, til, s = lk[i], lret[i], luntil[i], state[lk[i]]
+  lback[i] = 0
   if ret > 0 and s then
     local kind = kinds[k]
     if kind == 1 then
-      local tat = max(s - ret * ts[k], now)
-      state[k] = tat
-      touch(k, ceil_us(tat - now))
-    elseif s[1] == lwin[i] then
+      local tat = s - ret * ts[k]
+      if now <= til and tat >= til then
+        state[k] = tat
+        touch(k, ceil_us(tat - now))
+        lback[i] = ret
+      end
+    elseif s[1] == til then
       local w = ws[k]
-      if kind == 3 then
-        state[k] = {s[1], max(0, s[2] - ret)}
+      if kind == 3 and s[2] >= ret then
+        state[k] = {s[1], s[2] - ret}
         touch(k, max(0, (s[1] + 1) * w - now))
-      else
-        state[k] = {s[1], s[2], max(0, s[3] - ret)}
+        lback[i] = ret
+      elseif kind == 4 and s[3] >= ret then
+        state[k] = {s[1], s[2], s[3] - ret}
         touch(k, ceil_us(s[1] * w + 2 * w - now))
+        lback[i] = ret
       end
     end
   end
@@ -435,7 +436,7 @@ for i = 1, nl do
   end
   local g = floor(avail / reps)
   if g > want then g = want end
-  local granted, win = 0, 0
+  local granted, til = 0, 0
   if g >= g0 then
     local ok, new, ttl, _
     if kind == 1 then
@@ -446,14 +447,19 @@ for i = 1, nl do
       ok, _, _, _, new, ttl = sliding_window(s, p1s[k], ws[k], now, g)
     end
     if ok then
+      if kind == 1 then
+        til = now
+        if s and s > now then til = floor(s) end
+      else
+        til = new[1]
+      end
       state[k] = new
       touch(k, ttl)
       granted = g
-      if kind ~= 1 then win = new[1] end
     end
   end
-  out[no + 1], out[no + 2] = granted, win
-  no = no + 2
+  out[no + 1], out[no + 2], out[no + 3] = granted, til, lback[i]
+  no = no + 3
 end
 
 for j = 1, ndirty do

@@ -7,9 +7,19 @@
 //! taken. Its size is the smaller of what the replica asked for (its recent
 //! demand) and a fair share of what the bucket holds (`available / replicas`);
 //! a share under `min` grants nothing, so a bucket's last tokens are decided
-//! one request at a time. Unspent tokens of an expired lease come back
-//! capped: a token bucket never above full, a window only the window they
-//! were counted in.
+//! one request at a time.
+//!
+//! Unspent tokens of an expired lease come back only where that is exact:
+//! the bucket must end as if they had never been taken. Capping a return
+//! at a full bucket is not enough (a bucket that refilled while the lease
+//! was out, then was partly spent, would get the lease back on top of that).
+//! So each grant carries `until`: for a window, the window its tokens count
+//! in (taken back only there, and only from a count that holds them); for a
+//! token bucket, the floor of the TAT the bucket would have had without the
+//! grant. Until that instant no request can have found that bucket full, so
+//! the tokens come back exactly (the TAT moves back by them, never before
+//! `until`); after it the return is refused and the tokens are lost, which
+//! under-admits by them and never over-admits.
 
 use crate::config::Algorithm;
 
@@ -28,42 +38,52 @@ pub fn leasable(alg: &Algorithm) -> bool {
     )
 }
 
-/// Gives `ret` unspent tokens back to a bucket; `win` is the window they
-/// were counted in (ignored by a token bucket). Returns the state's new time
-/// to live when it changed.
+/// Takes back `ret` unspent tokens of a lease whose grant answered
+/// `until`, where that is exact; returns how many were taken back and the
+/// state's new time to live.
 pub fn give_back(
     alg: &Algorithm,
     state: &mut Option<State>,
     now: Micros,
     ret: u64,
-    win: i64,
-) -> Option<u64> {
+    until: i64,
+) -> (u64, Option<u64>) {
+    let Some(s) = state.as_mut() else {
+        return (0, None);
+    };
     if ret == 0 {
-        return None;
+        return (0, None);
     }
     let now_f = now as f64;
-    match (alg, state.as_mut()?) {
+    match (alg, s) {
         (Algorithm::TokenBucket { refill_per_sec, .. }, State::Gcra { tat }) => {
             let t = 1e6 / refill_per_sec;
-            *tat = (*tat - ret as f64 * t).max(now_f);
-            Some(super::ceil_us(*tat - now_f))
+            let back = *tat - ret as f64 * t;
+            if now <= until && back >= until as f64 {
+                *tat = back;
+                return (ret, Some(super::ceil_us(back - now_f)));
+            }
         }
         (Algorithm::FixedWindow { window_secs, .. }, State::Window { window, count })
-            if *window == win =>
+            if *window == until && *count >= ret =>
         {
             let w = *window_secs as i64 * 1_000_000;
-            *count = count.saturating_sub(ret);
-            Some(((*window + 1) * w - now).max(0) as u64)
+            *count -= ret;
+            return (ret, Some(((*window + 1) * w - now).max(0) as u64));
         }
         (Algorithm::SlidingWindow { window_secs, .. }, State::Sliding { window, cur, .. })
-            if *window == win =>
+            if *window == until && *cur >= ret =>
         {
             let w = *window_secs as f64 * 1e6;
-            *cur = cur.saturating_sub(ret);
-            Some(super::ceil_us(*window as f64 * w + 2.0 * w - now_f))
+            *cur -= ret;
+            return (
+                ret,
+                Some(super::ceil_us(*window as f64 * w + 2.0 * w - now_f)),
+            );
         }
-        _ => None,
+        _ => {}
     }
+    (0, None)
 }
 
 /// What the bucket holds at `now`: the most one request could take.
@@ -125,12 +145,15 @@ fn window_of(now: Micros, w: i64, s: Option<&State>) -> i64 {
     }
 }
 
-/// A lease granted to one replica: tokens taken, and the window they count
-/// in (0 for a token bucket).
+/// A lease granted to one replica: tokens taken, and what a return of
+/// them must name (`give_back`): the window they count in, or for a token
+/// bucket the floor of its TAT without the grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Grant {
     pub tokens: u64,
-    pub window: i64,
+    pub until: i64,
+    /// Tokens of the call's return taken back (reported with the grant).
+    pub taken_back: u64,
 }
 
 /// Grants a lease of up to `want` tokens, a `replicas`th of what is left at
@@ -152,12 +175,23 @@ pub fn grant(
     if !e.decision.allowed {
         return (Grant::default(), None);
     }
-    commit(state, &e.update);
-    let window = match state {
-        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => *window,
-        _ => 0,
+    let until = match state {
+        Some(State::Gcra { tat }) if *tat > now as f64 => tat.floor() as i64,
+        _ => now,
     };
-    (Grant { tokens: g, window }, Some(e.ttl_us))
+    commit(state, &e.update);
+    let until = match state {
+        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => *window,
+        _ => until,
+    };
+    (
+        Grant {
+            tokens: g,
+            until,
+            taken_back: 0,
+        },
+        Some(e.ttl_us),
+    )
 }
 
 #[cfg(test)]
@@ -207,14 +241,24 @@ mod tests {
     }
 
     #[test]
-    fn returns_never_lift_a_bucket_above_full() {
+    fn a_token_bucket_takes_a_lease_back_only_while_that_is_exact() {
+        // A drained bucket: a lease taken from it comes back exactly.
         let mut s = None;
-        let (g, _) = grant(&TB, &mut s, NOW, 40, 1, 1);
-        assert_eq!(g.tokens, 40);
-        give_back(&TB, &mut s, NOW, 100, 0);
-        assert_eq!(available(&TB, s.as_ref(), NOW), 100);
-        give_back(&TB, &mut s, NOW, 100, 0);
-        assert_eq!(available(&TB, s.as_ref(), NOW), 100);
+        let e = check(&TB, None, NOW, 60);
+        commit(&mut s, &e.update);
+        let (g, _) = grant(&TB, &mut s, NOW, 10, 1, 1);
+        assert_eq!(available(&TB, s.as_ref(), NOW), 30);
+        assert_eq!(give_back(&TB, &mut s, NOW + 1000, 10, g.until).0, 10);
+        assert_eq!(available(&TB, s.as_ref(), NOW + 1000), 40);
+        // From a full bucket, refilled and then spent: the return would lift
+        // it above what it would hold had the lease never been taken.
+        let mut s = None;
+        let (g, _) = grant(&TB, &mut s, NOW, 10, 1, 1);
+        let later = NOW + 2_000_000; // refilled
+        let e = check(&TB, s.as_ref(), later, 5);
+        commit(&mut s, &e.update);
+        assert_eq!(give_back(&TB, &mut s, later, 10, g.until).0, 0);
+        assert_eq!(available(&TB, s.as_ref(), later), 95);
     }
 
     #[test]
@@ -223,13 +267,11 @@ mod tests {
             let mut s = None;
             let (g, _) = grant(&alg, &mut s, NOW, 30, 1, 1);
             assert_eq!(available(&alg, s.as_ref(), NOW), 70);
-            // Another window's tokens: nothing changes.
-            assert_eq!(give_back(&alg, &mut s, NOW, 30, g.window - 1), None);
-            assert_eq!(available(&alg, s.as_ref(), NOW), 70);
-            assert!(give_back(&alg, &mut s, NOW, 20, g.window).is_some());
+            // Another window's tokens, or more than the count holds: nothing.
+            assert_eq!(give_back(&alg, &mut s, NOW, 30, g.until - 1).0, 0);
+            assert_eq!(give_back(&alg, &mut s, NOW, 31, g.until).0, 0);
+            assert_eq!(give_back(&alg, &mut s, NOW, 20, g.until).0, 20);
             assert_eq!(available(&alg, s.as_ref(), NOW), 90, "{alg:?}");
-            give_back(&alg, &mut s, NOW, 1_000, g.window);
-            assert_eq!(available(&alg, s.as_ref(), NOW), 100, "{alg:?}");
         }
     }
 

@@ -128,7 +128,7 @@ pub(super) async fn run_leasing(
             cmd.arg(index[a.check.key.as_str()])
                 .arg(a.want)
                 .arg(a.ret)
-                .arg(a.win);
+                .arg(a.until);
         }
     }
     let reply: Vec<i64> = match send(conn, &cmd, asking).await {
@@ -143,10 +143,10 @@ pub(super) async fn run_leasing(
         other => other,
     }
     .map_err(redis_err)?;
-    // Two integers per tier, three for a leaky bucket (its delay), two per
+    // Two integers per tier, three for a leaky bucket (its delay), three per
     // lease, then `now`.
     let expected = 1
-        + 2 * asks.asks.len()
+        + 3 * asks.asks.len()
         + requests
             .iter()
             .flat_map(|r| r.iter())
@@ -161,11 +161,12 @@ pub(super) async fn run_leasing(
         )));
     }
     let now_us = reply[expected - 1];
-    let grants = reply[expected - 1 - 2 * asks.asks.len()..expected - 1]
-        .chunks(2)
+    let grants = reply[expected - 1 - 3 * asks.asks.len()..expected - 1]
+        .chunks(3)
         .map(|g| Grant {
             tokens: g[0].max(0) as u64,
-            window: g[1],
+            until: g[1],
+            taken_back: g[2].max(0) as u64,
         })
         .collect();
     let mut at = 0;
