@@ -408,7 +408,7 @@ fn a_reset_or_a_smaller_limit_holds_within_a_lease_period() {
     );
     assert_eq!(
         after_reset.iter().sum::<u64>(),
-        200,
+        1000,
         "the reset bucket, exactly"
     );
 
