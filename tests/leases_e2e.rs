@@ -10,13 +10,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use support::topology::ClusterGuard;
 use support::{Client, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard};
 
 const PERIOD_MS: u64 = 100;
 
 /// A replica of three (its own 2 threads) with one API key on `plan`, on
-/// the Redis at `redis_url`.
+/// the Redis at `redis_url` (or, for a URL starting with `mode`, the
+/// `[redis]` lines given).
 fn config(redis_url: &str, up: &UpstreamGuard, plan: &str, on_failure: &str) -> String {
+    let redis = if redis_url.starts_with("mode") {
+        redis_url.to_string()
+    } else {
+        format!("urls = [\"{redis_url}\"]")
+    };
     format!(
         r#"
 [server]
@@ -36,7 +43,7 @@ enabled = true
 period_ms = {PERIOD_MS}
 
 [redis]
-urls = ["{redis_url}"]
+{redis}
 timeout_ms = 50
 probe_interval_ms = 50
 
@@ -212,6 +219,31 @@ fn exhaustion_admits_exactly_the_bucket() {
     let admitted: u64 = per.iter().sum();
     let leased = lease_decisions(&gws);
     println!("FIGURES exhaustion: admitted {admitted} of 50 (per replica {per:?}), decided on a lease per replica {leased:?}");
+    assert_eq!(admitted, 50, "exactly the bucket, per replica {per:?}");
+    assert_eq!(up.count("/r"), 50, "the upstream saw exactly 50");
+    assert!(
+        leased.iter().sum::<f64>() >= 10.0,
+        "leases decided part of it: {leased:?}"
+    );
+}
+
+/// The same on a Redis Cluster of three masters: each master's call
+/// carries the lease requests of the buckets it serves.
+#[test]
+fn exhaustion_admits_exactly_the_bucket_on_a_cluster() {
+    let cluster = ClusterGuard::start();
+    let up = UpstreamGuard::start();
+    let section = cluster.redis_section();
+    let gws = replicas(
+        [&section, &section, &section],
+        &up,
+        "capacity = 50\nrefill_per_sec = 0.0001",
+        "deny",
+    );
+    let per = spray_to_exhaustion(&gws);
+    let admitted: u64 = per.iter().sum();
+    let leased = lease_decisions(&gws);
+    println!("FIGURES exhaustion on a cluster: admitted {admitted} of 50 (per replica {per:?}), decided on a lease per replica {leased:?}");
     assert_eq!(admitted, 50, "exactly the bucket, per replica {per:?}");
     assert_eq!(up.count("/r"), 50, "the upstream saw exactly 50");
     assert!(

@@ -271,31 +271,47 @@ impl Fallback {
         }
         // Tokens Redis already debited for this replica are spent first,
         // Redis up or not (a replica cut off spends what it holds, then
-        // decides by `on_redis_failure`).
-        if let Some(leases) = redis.leases() {
-            if let Some((verdict, renew)) = leases.spend(checks, started, SystemClock.now_us()) {
-                if renew && up {
-                    redis.renew();
-                }
+        // decides by `on_redis_failure`). Tiers no lease covers go to Redis.
+        let leases = redis.leases();
+        let taken = leases.map(|l| l.spend(checks, started));
+        if let (Some(leases), Some(t)) = (leases, &taken) {
+            if t.renew && up {
+                redis.renew();
+            }
+            if t.all() {
+                leases.confirm(checks, t);
                 metrics::decided_by(DecidedBy::Lease);
                 return Outcome::Decided {
-                    verdict,
+                    verdict: Verdict {
+                        decisions: t.decisions.iter().flatten().copied().collect(),
+                        now_us: SystemClock.now_us(),
+                    },
                     backend: FallbackState::Redis,
                     checks: checks.clone(),
                 };
             }
         }
+        let taken = taken.filter(|t| t.any());
         if up {
-            let result = redis.decide_shared(checks.clone(), epoch).await;
+            let asked: Arc<[Check]> = match &taken {
+                Some(t) => checks
+                    .iter()
+                    .zip(&t.decisions)
+                    .filter(|(_, d)| d.is_none())
+                    .map(|(c, _)| c.clone())
+                    .collect(),
+                None => checks.clone(),
+            };
+            let result = redis.decide_shared(asked.clone(), epoch).await;
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(verdict) => {
                     metrics::decided_by(DecidedBy::Redis);
                     let received = Instant::now();
-                    if let Some(leases) = redis.leases() {
-                        leases.answered(checks, &verdict.decisions, received);
+                    if let Some(leases) = leases {
+                        leases.answered(&asked, &verdict.decisions, received);
                     }
-                    for (c, d) in checks.iter().zip(&verdict.decisions) {
+                    for (c, d) in asked.iter().zip(&verdict.decisions) {
                         if !d.allowed && !c.shadow {
                             self.denied.remember(
                                 &c.key,
@@ -306,8 +322,31 @@ impl Fallback {
                     // An answer that arrives after the breaker opened must
                     // not overwrite what the fallback has admitted since.
                     if self.redis_up.load(Ordering::Acquire) {
-                        self.seed(checks, &verdict.decisions);
+                        self.seed(&asked, &verdict.decisions);
                     }
+                    // The covered tiers' decisions in their places.
+                    let verdict = match (&taken, leases) {
+                        (Some(t), Some(leases)) => {
+                            let mut answered = verdict.decisions.into_iter();
+                            let decisions = t
+                                .decisions
+                                .iter()
+                                .map(|d| d.or_else(|| answered.next()))
+                                .collect::<Option<Vec<_>>>()
+                                .unwrap_or_default();
+                            let verdict = Verdict {
+                                decisions,
+                                now_us: verdict.now_us,
+                            };
+                            if verdict.admitted(checks) {
+                                leases.confirm(checks, t);
+                            } else {
+                                leases.give_back(checks, t);
+                            }
+                            verdict
+                        }
+                        _ => verdict,
+                    };
                     return Outcome::Decided {
                         verdict,
                         backend: FallbackState::Redis,
@@ -323,11 +362,19 @@ impl Fallback {
                     }
                     if matches!(e, LimiterError::CrossSlot) {
                         // A key-layout bug must never become allow-all (or deny-all).
+                        if let (Some(t), Some(leases)) = (&taken, leases) {
+                            leases.give_back(checks, t);
+                        }
                         metrics::decided_by(DecidedBy::Fallback);
                         return self.fallback_outcome(checks).await;
                     }
                 }
             }
+        }
+        // The whole request is decided by the fallback: its leased tiers'
+        // tokens go back to their leases.
+        if let (Some(t), Some(leases)) = (&taken, leases) {
+            leases.give_back(checks, t);
         }
         match self.on_failure {
             OnRedisFailure::Local => {

@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 
 use super::algorithms::lease::{leasable, Grant};
 use super::algorithms::quota;
-use super::{Check, Decision, Micros, Verdict};
+use super::{Check, Decision, Micros};
 use crate::config::Algorithm;
 use crate::metrics::{self, LeaseEvent};
 
@@ -54,6 +54,29 @@ pub struct Ask {
     pub ret: u64,
     /// What that lease's grant answered (`Grant::until`).
     pub until: i64,
+}
+
+/// What a request took from this replica's leases (`Leases::spend`).
+#[derive(Debug)]
+pub struct Taken {
+    /// Per tier: its decision when its lease covered it.
+    pub decisions: Vec<Option<Decision>>,
+    /// Per covered tier: the lease it was taken from.
+    generations: Vec<u64>,
+    /// A lease ran low and was queued for the next call (the caller makes
+    /// sure one is sent).
+    pub renew: bool,
+}
+
+impl Taken {
+    /// Every tier is covered: the request is admitted here.
+    pub fn all(&self) -> bool {
+        !self.decisions.is_empty() && self.decisions.iter().all(Option::is_some)
+    }
+
+    pub fn any(&self) -> bool {
+        self.decisions.iter().any(Option::is_some)
+    }
 }
 
 /// What a call asks for: the leases, and how to size them.
@@ -209,59 +232,70 @@ impl Leases {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
-    /// Notes a request's demand on each bucket, and admits it from its
-    /// leases when every tier holds enough. `Some((verdict, renew))`:
-    /// admitted here; `renew`: a lease ran low and was queued for the next
-    /// call (the caller makes sure one is sent). `None`: ask Redis.
-    pub fn spend(&self, checks: &[Check], now: Instant, now_us: Micros) -> Option<(Verdict, bool)> {
-        let mut ok = !checks.is_empty();
-        let mut taken: Vec<(usize, u64)> = Vec::new();
-        let mut decisions = Vec::with_capacity(checks.len());
-        let mut renew = false;
+    /// Notes a request's demand on each bucket, and takes its cost from
+    /// the leases that hold enough. When every tier is covered the request
+    /// is admitted here (`Taken::all`); otherwise the other tiers go to
+    /// Redis, and if the request is not admitted the tokens taken go back
+    /// to their leases (`give_back`).
+    pub fn spend(&self, checks: &[Check], now: Instant) -> Taken {
+        let mut taken = Taken {
+            decisions: vec![None; checks.len()],
+            generations: vec![0; checks.len()],
+            renew: false,
+        };
         for (i, c) in checks.iter().enumerate() {
             if c.shadow || !leasable(&c.algorithm) {
-                ok = false;
                 continue;
             }
             let mut shard = self.shard(&c.key).lock();
             let Some(e) = self.entry(&mut shard, c, now) else {
-                ok = false;
                 continue;
             };
             e.note_demand(c.cost, now, self.period);
-            if !ok || e.tokens < c.cost || now >= e.expires {
-                ok = false;
+            if e.tokens < c.cost || now >= e.expires {
                 continue;
             }
             e.tokens -= c.cost;
             e.spent_since += c.cost;
-            taken.push((i, e.generation));
-            decisions.push(e.decision(now));
+            taken.generations[i] = e.generation;
+            taken.decisions[i] = Some(e.decision(now));
             if e.tokens <= e.want(now, self.period) / 2
                 && !e.renew_queued
                 && !e.asked_recently(now, self.period)
             {
                 e.renew_queued = true;
                 self.renewals.lock().push(c.clone());
-                renew = true;
+                taken.renew = true;
             }
         }
-        if !ok {
-            // Another tier was short: the tokens go back to their lease.
-            for (i, generation) in taken {
-                let c = &checks[i];
-                if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
-                    if e.generation == generation {
-                        e.tokens += c.cost;
-                        e.spent_since -= c.cost;
-                    }
+        taken
+    }
+
+    /// The request was admitted: its leased tokens are spent.
+    pub fn confirm(&self, checks: &[Check], taken: &Taken) {
+        let spent = checks
+            .iter()
+            .zip(&taken.decisions)
+            .filter(|(_, d)| d.is_some())
+            .map(|(c, _)| c.cost)
+            .sum();
+        metrics::lease_tokens(LeaseEvent::Spent, spent);
+    }
+
+    /// The request was not admitted: the tokens it took go back to the
+    /// leases they came from (not to a lease granted since).
+    pub fn give_back(&self, checks: &[Check], taken: &Taken) {
+        for (i, c) in checks.iter().enumerate() {
+            if taken.decisions[i].is_none() {
+                continue;
+            }
+            if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
+                if e.generation == taken.generations[i] {
+                    e.tokens += c.cost;
+                    e.spent_since -= c.cost;
                 }
             }
-            return None;
         }
-        let spent: u64 = checks.iter().map(|c| c.cost).sum();
-        metrics::lease_tokens(LeaseEvent::Spent, spent);
-        Some((Verdict { decisions, now_us }, renew))
     }
 
     /// The bucket's entry, made if there is room (after dropping idle ones).
@@ -518,10 +552,10 @@ mod tests {
         let l = Leases::new(Duration::from_millis(100), 1000);
         let now = Instant::now();
         let c = [check("a", 1)];
-        assert!(l.spend(&c, now, 0).is_none());
+        assert!(!l.spend(&c, now).any());
         // One request of demand: not worth a lease.
         assert!(grant(&l, &c, 10, now).is_empty());
-        assert!(l.spend(&c, now, 0).is_none());
+        assert!(!l.spend(&c, now).any());
     }
 
     #[test]
@@ -530,14 +564,14 @@ mod tests {
         let now = Instant::now();
         let c = [check("a", 1)];
         for _ in 0..10 {
-            assert!(l.spend(&c, now, 0).is_none());
+            assert!(!l.spend(&c, now).any());
         }
         let asks = grant(&l, &c, 6, now);
         assert_eq!(asks.asks.len(), 1);
         // Ten requests within a tenth of a period: a hundred a period.
         assert_eq!(asks.asks[0].want, 100);
         let mut local = 0;
-        while l.spend(&c, now, 0).is_some() {
+        while l.spend(&c, now).all() {
             local += 1;
         }
         assert_eq!(local, 6, "exactly the lease");
@@ -546,28 +580,30 @@ mod tests {
         let _ = grant(&l, &c, 3, now);
         assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(3));
         let later = now + Duration::from_millis(150);
-        assert!(
-            l.spend(&c, later, 0).is_none(),
-            "an expired lease spends nothing"
-        );
+        assert!(!l.spend(&c, later).any(), "an expired lease spends nothing");
         assert_eq!(l.outstanding("a", later), None);
         let asks = l.asks(&[&c[..]], later);
         assert_eq!(asks.asks[0].ret, 3);
     }
 
     #[test]
-    fn a_request_spends_leases_only_when_every_tier_has_enough() {
+    fn a_request_short_on_one_tier_takes_the_others_and_can_give_them_back() {
         let l = Leases::new(Duration::from_millis(100), 1000);
         let now = Instant::now();
         let both = [check("a", 1), check("b", 2)];
         for _ in 0..10 {
-            l.spend(&both, now, 0);
+            let t = l.spend(&both, now);
+            l.give_back(&both, &t);
         }
         let _ = grant(&l, &both[..1], 5, now);
         let _ = grant(&l, &both[1..], 3, now);
-        assert!(l.spend(&both, now, 0).is_some());
-        // b holds 1, the request needs 2: nothing is taken from a.
-        assert!(l.spend(&both, now, 0).is_none());
+        assert!(l.spend(&both, now).all());
+        // b holds 1, the request needs 2: a covers its tier, b goes to Redis.
+        let t = l.spend(&both, now);
+        assert!(t.any() && !t.all());
+        assert_eq!(l.outstanding("a", now).unwrap().0, 3);
+        // Redis refused it: a's token goes back.
+        l.give_back(&both, &t);
         assert_eq!(l.outstanding("a", now).unwrap().0, 4);
         assert_eq!(l.outstanding("b", now).unwrap().0, 1);
     }
@@ -577,7 +613,7 @@ mod tests {
         let l = Leases::new(Duration::from_millis(100), 32);
         let now = Instant::now();
         for i in 0..1000 {
-            l.spend(&[check(&format!("k{i}"), 1)], now, 0);
+            l.spend(&[check(&format!("k{i}"), 1)], now);
         }
         assert!(l.len() <= 32, "{}", l.len());
     }

@@ -26,6 +26,7 @@ impl Inner {
         &self,
         conn: &Conn,
         requests: &[&[Check]],
+        asks: &Asks,
     ) -> Result<Vec<Verdict>, LimiterError> {
         self.refresh_slot_map(conn, false);
         // A map kept past twice its age (no batch read it again: the
@@ -40,8 +41,13 @@ impl Inner {
             // connection still, each call following its own redirection);
             // then through the cluster client.
             let by_slot = attempt > 0;
+            // Leases are asked for once: a call that ran granted its share
+            // (applied as it answered), and a batch decided again asks for
+            // none.
+            let none = Asks::default();
+            let asks = if attempt == 0 { asks } else { &none };
             let result = self
-                .decide_grouped(conn, requests, map.as_deref(), by_slot)
+                .decide_grouped(conn, requests, asks, map.as_deref(), by_slot)
                 .await;
             match result {
                 // Nothing ran, and the batch's other shares were refunded:
@@ -120,9 +126,11 @@ impl Inner {
         &self,
         conn: &Conn,
         requests: &[&[Check]],
+        asks: &Asks,
         map: Option<&SlotMap>,
         by_slot: bool,
     ) -> Result<Vec<Verdict>, LimiterError> {
+        let sent = Instant::now();
         // A group: a node (or, by slot or unmapped, a slot): its first slot,
         // whether it spans several, and its shares.
         let group_of = |sl: u16| match map.and_then(|m| m.node(sl)).filter(|_| !by_slot) {
@@ -155,6 +163,30 @@ impl Inner {
             }
             placed.push(at);
         }
+        // Each lease request goes with its bucket's group (a group of its
+        // own when no request of the batch names that node or slot).
+        let mut group_asks: Vec<Asks> = Vec::new();
+        for a in &asks.asks {
+            let sl = slot(&a.check.key);
+            let id = group_of(sl);
+            let g = match groups.iter().position(|(x, ..)| *x == id) {
+                Some(g) => g,
+                None => {
+                    groups.push((id, sl, false, Vec::new()));
+                    groups.len() - 1
+                }
+            };
+            groups[g].2 |= groups[g].1 != sl;
+            group_asks.resize_with(groups.len(), || Asks {
+                asks: Vec::new(),
+                ..*asks
+            });
+            group_asks[g].asks.push(a.clone());
+        }
+        group_asks.resize_with(groups.len(), || Asks {
+            asks: Vec::new(),
+            ..*asks
+        });
         // Each group's call goes on its master's own connection when the map
         // says where the master is, else through the cluster client; all at
         // once, from this task.
@@ -167,27 +199,53 @@ impl Inner {
                 },
             )
             .collect();
-        let calls = groups.iter().zip(&conns).map(|((_, _, spans, shares), c)| {
-            let conn = c.clone();
-            async move {
-                let parts: Vec<&[Check]> = shares.iter().map(|(_, c)| c.as_slice()).collect();
-                let mut conn = conn?;
-                let (script, clock) = (&self.script, self.clock.as_ref());
-                match run_script(script, clock, &mut conn, &parts, *spans, false).await {
-                    // A master's own connection redirected: follow it once,
-                    // as the cluster client would (ASK: on the node
-                    // importing the slot, this call only).
-                    Err(LimiterError::Misplaced(code @ ("ASK" | "MOVED"), Some(to)))
-                        if matches!(conn, Conn::Single(_)) =>
-                    {
-                        let mut there = self.node_connection(&to)?;
-                        let asking = code == "ASK";
-                        run_script(script, clock, &mut there, &parts, *spans, asking).await
+        let calls =
+            groups
+                .iter()
+                .zip(&conns)
+                .zip(&group_asks)
+                .map(|(((_, _, spans, shares), c), asks)| {
+                    let conn = c.clone();
+                    async move {
+                        let parts: Vec<&[Check]> =
+                            shares.iter().map(|(_, c)| c.as_slice()).collect();
+                        let mut conn = conn?;
+                        let (script, clock) = (&self.script, self.clock.as_ref());
+                        let result = match run_leasing(
+                            script, clock, &mut conn, &parts, asks, *spans, false,
+                        )
+                        .await
+                        {
+                            // A master's own connection redirected: follow it
+                            // once, as the cluster client would (ASK: on the
+                            // node importing the slot, this call only).
+                            Err(LimiterError::Misplaced(code @ ("ASK" | "MOVED"), Some(to)))
+                                if matches!(conn, Conn::Single(_)) =>
+                            {
+                                let mut there = self.node_connection(&to)?;
+                                let asking = code == "ASK";
+                                run_leasing(script, clock, &mut there, &parts, asks, *spans, asking)
+                                    .await
+                            }
+                            other => other,
+                        };
+                        // A call that ran took its grants, whatever the batch's
+                        // other calls did.
+                        match (result, &self.leases) {
+                            (Ok((verdicts, grants, now_us)), Some(leases)) => {
+                                leases.granted(asks, &grants, sent, now_us);
+                                Ok(verdicts)
+                            }
+                            (Ok((verdicts, ..)), None) => Ok(verdicts),
+                            (Err(e), leases) => {
+                                if let Some(leases) = leases {
+                                    leases.failed(asks);
+                                }
+                                Err(e)
+                            }
+                        }
                     }
-                    other => other,
-                }
-            }
-        });
+                });
         let results = futures::future::join_all(calls).await;
         let mut answers: Vec<Option<Vec<Verdict>>> = Vec::with_capacity(results.len());
         // The error the batch fails with: a misplaced call's only if every

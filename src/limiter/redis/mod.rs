@@ -130,7 +130,7 @@ struct Inner {
     node_conns: Arc<parking_lot::Mutex<HashMap<String, ConnectionManager>>>,
     /// Cluster: the refunds' own cluster connection (`refund_client`).
     refund_conn: ArcSwapOption<ClusterConnection>,
-    /// Standalone and sentinel: this replica's leases (`None`: disabled).
+    /// This replica's leases (`None`: disabled).
     leases: Option<Leases>,
 }
 
@@ -239,12 +239,9 @@ impl RedisBackend {
         }
     }
 
-    /// Turns leases on (`[limiter.leases]`), in standalone and sentinel
-    /// modes; a cluster's calls carry none yet (see the README). Before the
-    /// backend is shared.
+    /// Turns leases on (`[limiter.leases]`). Before the backend is shared.
     pub fn with_leases(mut self, period: Duration, max_entries: usize) -> Self {
-        let cluster = matches!(**self.inner.topology.load(), Topology::Cluster { .. });
-        if let (Some(inner), false) = (Arc::get_mut(&mut self.inner), cluster) {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
             inner.leases = Some(Leases::new(period, max_entries));
         }
         self
@@ -466,7 +463,11 @@ impl Decider for Inner {
     ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
         if let Conn::Cluster(_) = conn {
-            let call = self.decide_clustered(&conn, requests);
+            let asks = match &self.leases {
+                Some(leases) => leases.asks(requests, Instant::now()),
+                None => Asks::default(),
+            };
+            let call = self.decide_clustered(&conn, requests, &asks);
             return self.answer(call, abandon).await;
         }
         let Some(leases) = &self.leases else {

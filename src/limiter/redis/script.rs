@@ -23,8 +23,8 @@ pub(super) async fn run_script(
     Ok(verdicts)
 }
 
-/// `run_script` with lease requests: returns the grants too, one per ask.
-/// The asks' buckets are declared with the requests' (standalone only).
+/// `run_script` with lease requests: returns the grants too, one per ask,
+/// and Redis's time.
 pub(super) async fn run_leasing(
     script: &redis::Script,
     clock: Option<&Arc<dyn Clock>>,
@@ -48,22 +48,19 @@ pub(super) async fn run_leasing(
     // (TRYAGAIN) unless all of them have arrived, where a single declared
     // name would let the others read as empty on the node importing them.
     // The other slots' names are passed as arguments.
-    let anchor = requests
-        .iter()
-        .flat_map(|r| r.iter())
-        .next()
-        .filter(|_| across_slots)
-        .map(|c| slot(&c.key));
-    for c in requests.iter().flat_map(|r| r.iter()) {
+    // The asks' buckets come after the requests' (a renewal's may be in no
+    // request of the call).
+    let all = || {
+        requests
+            .iter()
+            .flat_map(|r| r.iter())
+            .chain(asks.asks.iter().map(|a| &a.check))
+    };
+    let anchor = all().next().filter(|_| across_slots).map(|c| slot(&c.key));
+    for c in all() {
         if anchor.is_none_or(|a| slot(&c.key) == a) && !index.contains_key(c.key.as_str()) {
             buckets.push(c);
             index.insert(c.key.as_str(), buckets.len() as i64);
-        }
-    }
-    for a in &asks.asks {
-        if !index.contains_key(a.check.key.as_str()) {
-            buckets.push(&a.check);
-            index.insert(a.check.key.as_str(), buckets.len() as i64);
         }
     }
     let declared = buckets.len();
@@ -80,6 +77,12 @@ pub(super) async fn run_leasing(
             [if c.shadow { -k } else { k }, c.cost as i64]
         })
         .collect();
+    for a in &asks.asks {
+        index.entry(a.check.key.as_str()).or_insert_with(|| {
+            buckets.push(&a.check);
+            buckets.len() as i64
+        });
+    }
     let mut shapes: Vec<&[[i64; 2]]> = Vec::new();
     let mut shape_of: HashMap<&[[i64; 2]], usize> = HashMap::new();
     let mut rest = refs.as_slice();
