@@ -85,9 +85,35 @@ fn a_minimal_file_passes_and_prints_its_defaults() {
         "ip: (off)",
         "api keys: 0",
         "all * / -> a: no route limit",
+        "leases.enabled=true leases.period_ms=100",
     ] {
         assert!(out.contains(expected), "missing {expected:?} in:\n{out}");
     }
+}
+
+/// `[limiter.leases]`: its values printed as set, and every mistake named
+/// with its key and line.
+#[test]
+fn leases_are_checked() {
+    let with = |body: &str| format!("{MINIMAL}\n[limiter.leases]\n{body}\n");
+    let (ok, out, err) = check(&with("enabled = false\nperiod_ms = 250"));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("leases.enabled=false leases.period_ms=250"),
+        "{out}"
+    );
+    for (body, problem) in [
+        ("period_ms = 5", "limiter.leases.period_ms (line"),
+        ("enabled = \"yes\"", "limiter.leases.enabled (line"),
+        ("size = 3", "limiter.leases.size"),
+    ] {
+        let (ok, _, err) = check(&with(body));
+        assert!(!ok, "{body}: {err}");
+        assert!(err.contains(problem), "{body}: {err}");
+    }
+    let (ok, _, err) = check(&with("period_ms = 5"));
+    assert!(!ok);
+    assert!(err.contains("from 10 to 60000, found 5"), "{err}");
 }
 
 #[test]

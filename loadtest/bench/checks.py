@@ -52,6 +52,7 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
         if t in REDIS_TARGETS:
             d["redis_cpu_us_per_req"] = median(r.get("redis_cpu_us_per_req") for r in tr)
             d["script_calls_per_req"] = median(r.get("script_calls_per_req") for r in tr)
+            d["lease_share"] = median(r.get("lease_share") for r in tr)
             d["redis_script_usec_per_call"] = median(r.get("redis_script_usec_per_call") for r in tr)
             d["redis_net_bytes_per_req"] = median(r.get("redis_net_bytes_per_req") for r in tr)
             # Every Redis command per request, the ones scripts run inside included.

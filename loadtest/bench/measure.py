@@ -59,7 +59,7 @@ METRIC_RE = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$')
 def gateway_metrics(admin: str) -> dict:
     """Status counts and failover counters from the gateway's /metrics."""
     status, _, body = http_get(f"http://{admin}/metrics", timeout=5)
-    out = {"status": {}, "fallback": {}, "backend": {}}
+    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}}
     if status != 200:
         return out
     for line in body.decode(errors="replace").splitlines():
@@ -75,6 +75,8 @@ def gateway_metrics(admin: str) -> dict:
             out["fallback"][lab.get("to", "?")] = value
         elif name == "gateway_limiter_backend":
             out["backend"][lab.get("backend", "?")] = value
+        elif name == "gateway_limiter_decisions_total":
+            out["decided_by"][lab.get("path", "?")] = value
     return out
 
 
@@ -173,6 +175,11 @@ class Meter:
         if "metrics" in b:
             mb, me = b["metrics"], e["metrics"]
             r["gateway_status"] = delta_counts(mb["status"], me["status"])
+            # How the limiter decided the window's requests (a binary from
+            # before leases counts none: no share is reported).
+            paths = delta_counts(mb.get("decided_by", {}), me.get("decided_by", {}))
+            if sum(paths.values()) > 0:
+                r["lease_share"] = paths.get("lease", 0) / sum(paths.values())
             fb = delta_counts(mb["fallback"], me["fallback"])
             if fb:
                 r["fallback_transitions"] = fb

@@ -70,6 +70,12 @@ def markdown(s: dict) -> str:
                  + (f", {fmt(rd['script_usec_per_call'], 2)} µs inside the script per call" if rd.get('script_usec_per_call') else "")
                  + (f"; commands per request (those a script runs included): {cmds}" if cmds else "") + ".")
         L.append("")
+    shares = [(t, d.get("lease_share")) for t, d in T.items()
+              if t in REDIS_TARGETS and d.get("lease_share") is not None]
+    if shares:
+        L.append("Decided on a lease (no round trip to Redis), share of the max-throughput window's requests: "
+                 + ", ".join(f"`{t}` {100 * v:.1f}%" for t, v in shares) + ".")
+        L.append("")
     L += cluster_md(s)
     L += clients_md(s)
     L.append("*proxy CPU*: the proxy's processes (for `direct`, the upstream itself) from `/proc/PID/stat` over the "
