@@ -64,11 +64,53 @@ limit = {{ algorithm = "token_bucket", capacity = 100, refill_per_sec = 0.001, s
     )
 }
 
+/// Three replicas on `redis`, without leases: every figure below is what
+/// Redis holds after each request (with leases, a replica holds tokens of
+/// its own: `a_replicas_lease_is_shown_beside_what_redis_holds`).
 fn redis_backend(redis: &RedisGuard) -> String {
+    redis_backend_with(redis, "enabled = false")
+}
+
+fn redis_backend_with(redis: &RedisGuard, leases: &str) -> String {
     format!(
-        "backend = \"redis\"\ninstances = 3\n\n[redis]\nurls = [\"{}\"]\ntimeout_ms = 200\nprobe_interval_ms = 100",
+        "backend = \"redis\"\ninstances = 3\n\n[limiter.leases]\n{leases}\n\n[redis]\nurls = [\"{}\"]\ntimeout_ms = 200\nprobe_interval_ms = 100",
         redis.url()
     )
+}
+
+/// With leases, `/limits` on the replica holding one shows it beside what
+/// Redis holds: the two add up to what the client has left. (A lease of a
+/// minute, so it is still out when read.)
+#[test]
+fn a_replicas_lease_is_shown_beside_what_redis_holds() {
+    let up = UpstreamGuard::start();
+    let redis = RedisGuard::start();
+    let cfg = config(
+        &up,
+        &redis_backend_with(&redis, "enabled = true\nperiod_ms = 60000"),
+        "",
+    );
+    let gw = GatewayGuard::start(&cfg);
+    let got: Vec<u16> = (0..10).map(|_| status(&gw, "/status")).collect();
+    assert_eq!(got, [200, 200, 200, 200, 200, 429, 429, 429, 429, 429]);
+    let (s, v) = admin(&gw, "GET", "/limits?ip=127.0.0.1", None);
+    assert_eq!(s, 200, "{v}");
+    let ip = &v["buckets"][0];
+    assert_eq!(ip["tier"], "ip", "{v}");
+    let lease = ip["lease"]["tokens"].as_u64().unwrap_or(0);
+    assert!(lease > 0, "the ip bucket is leased: {v}");
+    assert!(ip["lease"]["expires_ms"].as_u64().unwrap_or(0) > 0, "{v}");
+    // 5 admitted of 50 (the 5 refused by the plan took nothing).
+    assert_eq!(
+        ip["remaining"].as_u64().unwrap() + lease,
+        45,
+        "Redis's remaining and the lease: {v}"
+    );
+    // The plan's bucket is too small to lease (a share of 5 / 3 replicas):
+    // each request took its ip and route tiers from leases and asked Redis
+    // for its plan alone.
+    let spent = gw.metric("gateway_lease_tokens_total{event=\"spent\"}");
+    assert!(spent >= 2.0, "{spent} leased tokens spent");
 }
 
 const ALICE: (&str, &str) = ("x-api-key", "alice-secret-key");

@@ -305,12 +305,9 @@ impl Fallback {
             let result = redis.decide_shared(asked.clone(), epoch).await;
             metrics::redis_call(started.elapsed());
             match result {
-                Ok(verdict) => {
+                Ok(mut verdict) => {
                     metrics::decided_by(DecidedBy::Redis);
                     let received = Instant::now();
-                    if let Some(leases) = leases {
-                        leases.answered(&asked, &verdict.decisions, received);
-                    }
                     for (c, d) in asked.iter().zip(&verdict.decisions) {
                         if !d.allowed && !c.shadow {
                             self.denied.remember(
@@ -323,6 +320,11 @@ impl Fallback {
                     // not overwrite what the fallback has admitted since.
                     if self.redis_up.load(Ordering::Acquire) {
                         self.seed(&asked, &verdict.decisions);
+                    }
+                    // Then the client is told what it has left here: what
+                    // Redis holds and this replica's lease.
+                    if let Some(leases) = leases {
+                        leases.answered(&asked, &mut verdict.decisions, received);
                     }
                     // The covered tiers' decisions in their places.
                     let verdict = match (&taken, leases) {

@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 
 use super::algorithms::lease::{leasable, Grant};
 use super::algorithms::quota;
-use super::{Check, Decision, Micros};
+use super::{Check, Decision, Micros, Verdict};
 use crate::config::Algorithm;
 use crate::metrics::{self, LeaseEvent};
 
@@ -103,23 +103,25 @@ struct Entry {
     expires: Instant,
     /// What the lease's grant answered (`Grant::until`): a return names it.
     until: i64,
-    /// Bumped at every grant: a request that took tokens and then had to
-    /// give them back (another tier was short) gives them only to the
-    /// lease it took them from.
+    /// Bumped when a lease replaces an expired one (or a reset cancels
+    /// it): a request that took tokens and then had to give them back gives
+    /// them only to the lease it took them from, or one merged into it.
     generation: u64,
     /// Tokens requests wanted in this period and in the previous one.
     demand: u64,
     demand_prev: u64,
     period_start: Instant,
+    /// Requests seen (saturating): one is not a hot bucket.
+    requests: u32,
     /// A call carrying an ask for this bucket left then (cleared by its grant).
     asking: Option<Instant>,
     /// Queued for the next call (`renewals`).
     renew_queued: bool,
-    /// What Redis said at its last answer, for the headers of requests
-    /// decided here: remaining, and when the bucket is whole again.
+    /// What Redis held at its last answer (leases granted in that call
+    /// already taken out: `debit`), for the headers of requests decided
+    /// here: remaining, and when the bucket is whole again.
     redis_remaining: u64,
     reset_at: Instant,
-    spent_since: u64,
     last_seen: Instant,
 }
 
@@ -134,11 +136,11 @@ impl Entry {
             demand: 0,
             demand_prev: 0,
             period_start: now,
+            requests: 0,
             asking: None,
             renew_queued: false,
             redis_remaining: 0,
             reset_at: now,
-            spent_since: 0,
             last_seen: now,
         }
     }
@@ -151,6 +153,7 @@ impl Entry {
             self.period_start = now;
         }
         self.demand += cost;
+        self.requests = self.requests.saturating_add(1);
         self.last_seen = now;
     }
 
@@ -158,8 +161,8 @@ impl Entry {
     /// current period's extrapolated from what has passed of it (at least
     /// a tenth of it), so a bucket that just became hot is seen at once.
     fn want(&self, now: Instant, period: Duration) -> u64 {
-        if self.demand + self.demand_prev < 2 {
-            // One request is not a hot bucket.
+        if self.requests < 2 {
+            // One request is not a hot bucket (however much it costs).
             return 0;
         }
         let passed = now
@@ -174,20 +177,50 @@ impl Entry {
             .is_some_and(|t| now.saturating_duration_since(t) < period)
     }
 
-    /// A request admitted here, as its headers describe it.
+    /// A request admitted here, as its headers describe it: what Redis held
+    /// at its last answer plus what this replica still holds of its lease
+    /// (other replicas' spending since is not seen); a token bucket is whole
+    /// again when Redis's TAT, less the unspent lease, is reached.
     fn decision(&self, now: Instant) -> Decision {
+        let limit = quota(&self.algorithm);
         let mut reset = self.reset_at.saturating_duration_since(now).as_micros() as u64;
         if let Algorithm::TokenBucket { refill_per_sec, .. } = self.algorithm {
-            // Each token spent since the answer takes 1/rate longer to refill.
-            reset += (self.spent_since as f64 * 1e6 / refill_per_sec) as u64;
+            reset = reset.saturating_sub((self.tokens as f64 * 1e6 / refill_per_sec) as u64);
         }
         Decision {
             allowed: true,
-            limit: quota(&self.algorithm),
-            remaining: self.redis_remaining.saturating_sub(self.spent_since),
+            limit,
+            remaining: (self.redis_remaining + self.tokens).min(limit),
             retry_after_us: 0,
             reset_after_us: reset,
             delay_us: 0,
+        }
+    }
+}
+
+/// Takes the leases a call granted out of what its verdicts say each
+/// bucket holds: Redis granted them after deciding the call's requests, so
+/// a verdict's `remaining` (and a token bucket's time to full) is as it
+/// stood before. What the fallback starts from (`Fallback::seed`) and what
+/// later requests on a lease report must not count those tokens twice.
+pub fn debit(requests: &[&[Check]], verdicts: &mut [Verdict], asks: &Asks, grants: &[Grant]) {
+    for (a, g) in asks.asks.iter().zip(grants) {
+        if g.tokens == 0 {
+            continue;
+        }
+        let more_us = match a.check.algorithm {
+            Algorithm::TokenBucket { refill_per_sec, .. } => {
+                (g.tokens as f64 * 1e6 / refill_per_sec).ceil() as u64
+            }
+            _ => 0,
+        };
+        for (r, v) in requests.iter().zip(verdicts.iter_mut()) {
+            for (c, d) in r.iter().zip(v.decisions.iter_mut()) {
+                if c.key == a.check.key && d.allowed {
+                    d.remaining = d.remaining.saturating_sub(g.tokens);
+                    d.reset_after_us += more_us;
+                }
+            }
         }
     }
 }
@@ -256,7 +289,6 @@ impl Leases {
                 continue;
             }
             e.tokens -= c.cost;
-            e.spent_since += c.cost;
             taken.generations[i] = e.generation;
             taken.decisions[i] = Some(e.decision(now));
             if e.tokens <= e.want(now, self.period) / 2
@@ -292,7 +324,6 @@ impl Leases {
             if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
                 if e.generation == taken.generations[i] {
                     e.tokens += c.cost;
-                    e.spent_since -= c.cost;
                 }
             }
         }
@@ -436,12 +467,14 @@ impl Leases {
                 e.tokens += g.tokens;
                 e.until = e.until.min(g.until);
             } else {
+                // A new lease: tokens taken from the old one are not given
+                // back to it.
                 metrics::lease_tokens(LeaseEvent::Lost, e.tokens);
                 e.tokens = g.tokens;
                 e.until = g.until;
+                e.generation += 1;
             }
             e.expires = expires;
-            e.generation += 1;
             drop(shard);
             self.leased.lock().0.insert(c.key.clone(), c.clone());
             metrics::lease_tokens(LeaseEvent::Granted, g.tokens);
@@ -460,9 +493,11 @@ impl Leases {
         }
     }
 
-    /// What Redis said of each bucket of a request it decided: the start of
-    /// what requests decided here report.
-    pub fn answered(&self, checks: &[Check], decisions: &[Decision], now: Instant) {
+    /// What Redis said of each bucket of a request it decided (leases
+    /// granted in the same call taken out: `debit`): kept as the start of
+    /// what requests decided here report, and the request's own decisions
+    /// told as those are, with what this replica holds of its lease.
+    pub fn answered(&self, checks: &[Check], decisions: &mut [Decision], now: Instant) {
         for (c, d) in checks.iter().zip(decisions) {
             if c.shadow || !leasable(&c.algorithm) {
                 continue;
@@ -470,7 +505,11 @@ impl Leases {
             if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
                 e.redis_remaining = d.remaining;
                 e.reset_at = now + Duration::from_micros(d.reset_after_us);
-                e.spent_since = 0;
+                if d.allowed && e.tokens > 0 && now < e.expires {
+                    let told = e.decision(now);
+                    d.remaining = told.remaining;
+                    d.reset_after_us = told.reset_after_us;
+                }
             }
         }
     }
@@ -606,6 +645,42 @@ mod tests {
         l.give_back(&both, &t);
         assert_eq!(l.outstanding("a", now).unwrap().0, 4);
         assert_eq!(l.outstanding("b", now).unwrap().0, 1);
+    }
+
+    #[test]
+    fn a_grant_is_taken_out_of_what_its_call_reported() {
+        let c = check("a", 1);
+        let d = Decision {
+            allowed: true,
+            limit: 1000,
+            remaining: 50,
+            retry_after_us: 0,
+            reset_after_us: 9_500_000,
+            delay_us: 0,
+        };
+        let mut verdicts = vec![Verdict {
+            decisions: vec![d],
+            now_us: 0,
+        }];
+        let asks = Asks {
+            asks: vec![Ask {
+                check: c.clone(),
+                want: 10,
+                ret: 0,
+                until: 0,
+            }],
+            replicas: 1,
+            min: MIN_GRANT,
+        };
+        let grant = Grant {
+            tokens: 10,
+            until: 0,
+            taken_back: 0,
+        };
+        debit(&[&[c][..]], &mut verdicts, &asks, &[grant]);
+        // 10 tokens at 100/s: 100 ms more to refill.
+        assert_eq!(verdicts[0].decisions[0].remaining, 40);
+        assert_eq!(verdicts[0].decisions[0].reset_after_us, 9_600_000);
     }
 
     #[test]

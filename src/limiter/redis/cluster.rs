@@ -138,22 +138,28 @@ impl Inner {
             None => 0x1_0000 | sl as u32,
         };
         let mut groups: Vec<(u32, u16, bool, Vec<Share>)> = Vec::new();
+        // The group of a bucket's slot (made when new), marked as spanning
+        // slots when it holds another.
+        let group = |groups: &mut Vec<(u32, u16, bool, Vec<Share>)>, key: &str| {
+            let sl = slot(key);
+            let id = group_of(sl);
+            let g = match groups.iter().position(|(x, ..)| *x == id) {
+                Some(g) => g,
+                None => {
+                    groups.push((id, sl, false, Vec::new()));
+                    groups.len() - 1
+                }
+            };
+            groups[g].2 |= groups[g].1 != sl;
+            g
+        };
         // Per request and tier: (group, share, position in the share).
         let mut placed: Vec<Vec<(usize, usize, usize)>> = Vec::with_capacity(requests.len());
         for (r, checks) in requests.iter().enumerate() {
             let mut at = Vec::with_capacity(checks.len());
             for c in checks.iter() {
-                let sl = slot(&c.key);
-                let id = group_of(sl);
-                let g = match groups.iter().position(|(x, ..)| *x == id) {
-                    Some(g) => g,
-                    None => {
-                        groups.push((id, sl, false, Vec::new()));
-                        groups.len() - 1
-                    }
-                };
-                let (_, first, spans, shares) = &mut groups[g];
-                *spans |= *first != sl;
+                let g = group(&mut groups, &c.key);
+                let shares = &mut groups[g].3;
                 if shares.last().is_none_or(|(q, _)| *q != r) {
                     shares.push((r, Vec::new()));
                 }
@@ -167,16 +173,7 @@ impl Inner {
         // own when no request of the batch names that node or slot).
         let mut group_asks: Vec<Asks> = Vec::new();
         for a in &asks.asks {
-            let sl = slot(&a.check.key);
-            let id = group_of(sl);
-            let g = match groups.iter().position(|(x, ..)| *x == id) {
-                Some(g) => g,
-                None => {
-                    groups.push((id, sl, false, Vec::new()));
-                    groups.len() - 1
-                }
-            };
-            groups[g].2 |= groups[g].1 != sl;
+            let g = group(&mut groups, &a.check.key);
             group_asks.resize_with(groups.len(), || Asks {
                 asks: Vec::new(),
                 ..*asks
@@ -232,8 +229,9 @@ impl Inner {
                         // A call that ran took its grants, whatever the batch's
                         // other calls did.
                         match (result, &self.leases) {
-                            (Ok((verdicts, grants, now_us)), Some(leases)) => {
+                            (Ok((mut verdicts, grants, now_us)), Some(leases)) => {
                                 leases.granted(asks, &grants, sent, now_us);
+                                debit(&parts, &mut verdicts, asks, &grants);
                                 Ok(verdicts)
                             }
                             (Ok((verdicts, ..)), None) => Ok(verdicts),

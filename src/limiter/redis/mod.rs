@@ -50,7 +50,7 @@ use super::algorithms::lease::Grant;
 use super::algorithms::outage::Debt;
 use super::algorithms::quota;
 use super::batch::{Batcher, Decider};
-use super::leases::{Asks, Leases};
+use super::leases::{debit, Asks, Leases};
 use super::{Backend, Check, Decision, LimiterError, Micros, Verdict};
 use crate::clock::Clock;
 use crate::config::{Algorithm, RedisMode, RedisSettings};
@@ -497,8 +497,9 @@ impl Decider for Inner {
             false,
         );
         match self.answer(call, abandon).await {
-            Ok((verdicts, grants, now_us)) => {
+            Ok((mut verdicts, grants, now_us)) => {
                 leases.granted(&asks, &grants, sent, now_us);
+                debit(requests, &mut verdicts, &asks, &grants);
                 Ok(verdicts)
             }
             Err(e) => {
