@@ -252,10 +252,6 @@ impl Leases {
         }
     }
 
-    pub fn period(&self) -> Duration {
-        self.period
-    }
-
     /// The replicas a grant is shared among.
     pub fn set_replicas(&self, n: u32) {
         self.replicas.store(n.max(1), Ordering::Relaxed);
@@ -533,21 +529,10 @@ impl Leases {
         }
     }
 
-    /// Drops every lease (a reload: rules whose parameters changed have new
-    /// buckets, and the old buckets' leases are never spent).
-    pub fn clear(&self) {
-        for s in self.shards.iter() {
-            s.lock().clear();
-        }
-    }
-
     /// Buckets with an entry (bounded by `local_max_entries`).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.shards.iter().map(|s| s.lock().len()).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -12,11 +12,7 @@ pub fn check(
     cost: u64,
 ) -> Evaluation {
     let w = window_secs as i64 * 1_000_000;
-    let mut n = now.div_euclid(w);
-    // Time never moves a bucket backwards: a stale clock stays in the newer window.
-    if let Some((win, _)) = state {
-        n = n.max(win);
-    }
+    let n = super::window_index(now, w, state.map(|(win, _)| win));
     let count = match state {
         Some((win, count)) if win == n => count,
         _ => 0,

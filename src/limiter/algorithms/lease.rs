@@ -135,14 +135,13 @@ pub fn available(alg: &Algorithm, state: Option<&State>, now: Micros) -> u64 {
     }
 }
 
-/// The window `now` falls in, never before the stored one (as the
-/// algorithms read it).
+/// The window `now` falls in for a window bucket's state.
 fn window_of(now: Micros, w: i64, s: Option<&State>) -> i64 {
-    let n = now.div_euclid(w);
-    match s {
-        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => n.max(*window),
-        _ => n,
-    }
+    let stored = match s {
+        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => Some(*window),
+        _ => None,
+    };
+    super::window_index(now, w, stored)
 }
 
 /// A lease granted to one replica: tokens taken, and what a return of

@@ -193,6 +193,14 @@ pub fn commit(state: &mut Option<State>, update: &Update) {
     }
 }
 
+/// The window of `w` microseconds that `now` falls in, never before the
+/// stored one: time never moves a bucket backwards (a stale clock stays in
+/// the newer window). `limiter.lua`'s `window_index`.
+pub(crate) fn window_index(now: Micros, w: i64, stored: Option<i64>) -> i64 {
+    let n = now.div_euclid(w);
+    stored.map_or(n, |s| n.max(s))
+}
+
 /// Rounds a non-negative microsecond span up to whole microseconds.
 pub(crate) fn ceil_us(x: f64) -> u64 {
     if x <= 0.0 {

@@ -319,10 +319,11 @@ pub fn charge(
         }
         (Algorithm::FixedWindow { window_secs, .. }, Debt::Window { window, count }) => {
             let w = window_secs as i64 * 1_000_000;
-            let mut n = now.div_euclid(w);
-            if let Some(State::Window { window: sw, .. }) = state {
-                n = n.max(*sw);
-            }
+            let stored = match state {
+                Some(State::Window { window: sw, .. }) => Some(*sw),
+                _ => None,
+            };
+            let n = super::window_index(now, w, stored);
             if *window != n {
                 return None;
             }

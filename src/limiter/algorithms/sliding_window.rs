@@ -15,10 +15,7 @@ pub fn check(
     cost: u64,
 ) -> Evaluation {
     let w = window_secs as i64 * 1_000_000;
-    let mut n = now.div_euclid(w);
-    if let Some((win, _, _)) = state {
-        n = n.max(win);
-    }
+    let n = super::window_index(now, w, state.map(|(win, _, _)| win));
     let (prev, cur) = match state {
         Some((win, prev, cur)) if win == n => (prev, cur),
         Some((win, _, cur)) if win == n - 1 => (cur, 0),

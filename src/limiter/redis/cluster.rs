@@ -171,19 +171,20 @@ impl Inner {
         }
         // Each lease request goes with its bucket's group (a group of its
         // own when no request of the batch names that node or slot).
-        let mut group_asks: Vec<Asks> = Vec::new();
-        for a in &asks.asks {
-            let g = group(&mut groups, &a.check.key);
-            group_asks.resize_with(groups.len(), || Asks {
+        let ask_groups: Vec<usize> = asks
+            .asks
+            .iter()
+            .map(|a| group(&mut groups, &a.check.key))
+            .collect();
+        let mut group_asks: Vec<Asks> = (0..groups.len())
+            .map(|_| Asks {
                 asks: Vec::new(),
                 ..*asks
-            });
+            })
+            .collect();
+        for (a, g) in asks.asks.iter().zip(ask_groups) {
             group_asks[g].asks.push(a.clone());
         }
-        group_asks.resize_with(groups.len(), || Asks {
-            asks: Vec::new(),
-            ..*asks
-        });
         // Each group's call goes on its master's own connection when the map
         // says where the master is, else through the cluster client; all at
         // once, from this task.
@@ -208,24 +209,26 @@ impl Inner {
                             shares.iter().map(|(_, c)| c.as_slice()).collect();
                         let mut conn = conn?;
                         let (script, clock) = (&self.script, self.clock.as_ref());
-                        let result = match run_leasing(
-                            script, clock, &mut conn, &parts, asks, *spans, false,
-                        )
-                        .await
-                        {
-                            // A master's own connection redirected: follow it
-                            // once, as the cluster client would (ASK: on the
-                            // node importing the slot, this call only).
-                            Err(LimiterError::Misplaced(code @ ("ASK" | "MOVED"), Some(to)))
-                                if matches!(conn, Conn::Single(_)) =>
+                        let result =
+                            match run_script(script, clock, &mut conn, &parts, asks, *spans, false)
+                                .await
                             {
-                                let mut there = self.node_connection(&to)?;
-                                let asking = code == "ASK";
-                                run_leasing(script, clock, &mut there, &parts, asks, *spans, asking)
+                                // A master's own connection redirected: follow it
+                                // once, as the cluster client would (ASK: on the
+                                // node importing the slot, this call only).
+                                Err(LimiterError::Misplaced(
+                                    code @ ("ASK" | "MOVED"),
+                                    Some(to),
+                                )) if matches!(conn, Conn::Single(_)) => {
+                                    let mut there = self.node_connection(&to)?;
+                                    let asking = code == "ASK";
+                                    run_script(
+                                        script, clock, &mut there, &parts, asks, *spans, asking,
+                                    )
                                     .await
-                            }
-                            other => other,
-                        };
+                                }
+                                other => other,
+                            };
                         // A call that ran took its grants, whatever the batch's
                         // other calls did.
                         match (result, &self.leases) {

@@ -272,7 +272,7 @@ impl RedisBackend {
         asks: &Asks,
     ) -> Result<(Vec<Verdict>, Vec<Grant>, Micros), LimiterError> {
         let mut conn = self.inner.connection()?;
-        run_leasing(
+        run_script(
             &self.inner.script,
             self.inner.clock.as_ref(),
             &mut conn,
@@ -462,32 +462,21 @@ impl Decider for Inner {
         abandon: &mut tokio::sync::watch::Receiver<u64>,
     ) -> Result<Vec<Verdict>, LimiterError> {
         let mut conn = self.connection()?;
-        if let Conn::Cluster(_) = conn {
-            let asks = match &self.leases {
-                Some(leases) => leases.asks(requests, Instant::now()),
-                None => Asks::default(),
-            };
-            let call = self.decide_clustered(&conn, requests, &asks);
-            return self.answer(call, abandon).await;
-        }
-        let Some(leases) = &self.leases else {
-            let call = run_script(
-                &self.script,
-                self.clock.as_ref(),
-                &mut conn,
-                requests,
-                false,
-                false,
-            );
-            return self.answer(call, abandon).await;
-        };
         let sent = Instant::now();
-        let asks = leases.asks(requests, sent);
+        let asks = match &self.leases {
+            Some(leases) => leases.asks(requests, sent),
+            None => Asks::default(),
+        };
         if asks.is_empty() && requests.iter().all(|r| r.is_empty()) {
             // Only renewals, already asked for by another call.
             return Ok(requests.iter().map(|_| Verdict::default()).collect());
         }
-        let call = run_leasing(
+        if let Conn::Cluster(_) = conn {
+            // Each master's call applies its own grants (`decide_grouped`).
+            let call = self.decide_clustered(&conn, requests, &asks);
+            return self.answer(call, abandon).await;
+        }
+        let call = run_script(
             &self.script,
             self.clock.as_ref(),
             &mut conn,
@@ -496,7 +485,11 @@ impl Decider for Inner {
             false,
             false,
         );
-        match self.answer(call, abandon).await {
+        let result = self.answer(call, abandon).await;
+        let Some(leases) = &self.leases else {
+            return result.map(|(verdicts, ..)| verdicts);
+        };
+        match result {
             Ok((mut verdicts, grants, now_us)) => {
                 leases.granted(&asks, &grants, sent, now_us);
                 debit(requests, &mut verdicts, &asks, &grants);

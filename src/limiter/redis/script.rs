@@ -5,27 +5,13 @@
 
 use super::*;
 
-/// One call of limiter.lua over a batch of requests: EVALSHA, and on NOSCRIPT
-/// (after a restart or SCRIPT FLUSH) load the script and send it again.
-/// Returns one verdict per request. `across_slots`: the buckets are in
-/// several slots of one cluster node (only one is declared as a key).
+/// One call of limiter.lua over a batch of requests, with lease requests
+/// (`asks`, empty when leases are off): EVALSHA, and on NOSCRIPT (after a
+/// restart or SCRIPT FLUSH) load the script and send it again. Returns one
+/// verdict per request, one grant per ask and Redis's time.
+/// `across_slots`: the buckets are in several slots of one cluster node
+/// (only one is declared as a key).
 pub(super) async fn run_script(
-    script: &redis::Script,
-    clock: Option<&Arc<dyn Clock>>,
-    conn: &mut Conn,
-    requests: &[&[Check]],
-    across_slots: bool,
-    asking: bool,
-) -> Result<Vec<Verdict>, LimiterError> {
-    let none = Asks::default();
-    let (verdicts, _, _) =
-        run_leasing(script, clock, conn, requests, &none, across_slots, asking).await?;
-    Ok(verdicts)
-}
-
-/// `run_script` with lease requests: returns the grants too, one per ask,
-/// and Redis's time.
-pub(super) async fn run_leasing(
     script: &redis::Script,
     clock: Option<&Arc<dyn Clock>>,
     conn: &mut Conn,
