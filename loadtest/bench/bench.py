@@ -110,7 +110,7 @@ def run(args) -> int:
         if not args.memory_only:
             tg.prime(targets)
             extra["tls_negotiated"] = tg.negotiated(targets)
-            per = args.warmup + args.duration + 0.7
+            per = args.warmup + args.duration + 0.7 + args.redis_idle
             per_l = args.warmup + args.latency_duration + 0.7
             eta = len(targets) * args.rounds * (per + per_l)
             log("up: " + ", ".join(f"{t} {tg.t[t]['url']}" for t in targets))
@@ -245,6 +245,9 @@ def main() -> int:
     r.add_argument("--duration", type=float)
     r.add_argument("--latency-duration", type=float)
     r.add_argument("--warmup", type=float)
+    r.add_argument("--redis-idle", type=float, default=2.0,
+                   help="seconds of no traffic before each Redis target's max-throughput window, to measure "
+                        "Redis's idle CPU (0: not measured)")
     r.add_argument("--rounds", type=int)
     r.add_argument("--connections", type=int, default=32)
     r.add_argument("--threads", type=int, default=2)

@@ -20,6 +20,15 @@ CHECKS = [
      "Redis CPU per three-tier decision, cluster (summed over its nodes) / standalone (#17)", "<=", 1.5),
     ("cluster_vs_standalone_gateway_cpu", "gateway CPU per request, gateway_redis_cluster / gateway_redis (#17)",
      "<=", 1.2),
+    # #24, leases: the shared limit at local speed (hot client).
+    ("redis_vs_local_rps", "gateway_redis rps / gateway_local rps (#24)", ">=", 0.97),
+    ("p99_added_over_local_ms", "p99 added by gateway_redis over gateway_local (ms, fixed rate; #24)", "<=", 0.1),
+    ("script_calls_per_req", "script calls per request, gateway_redis (#24)", "<=", 0.01),
+    ("redis_cpu_us_per_req", "Redis CPU µs per request, gateway_redis (#24)", "<=", 0.5),
+    ("redis_cpu_us_per_req_above_idle",
+     "Redis CPU µs per request above Redis's idle CPU, gateway_redis (#24)", "<=", 0.5),
+    ("cluster_vs_standalone_redis_cpu_above_idle",
+     "Redis CPU per request above idle, cluster (summed over its nodes) / standalone (#17, #24)", "<=", 1.5),
 ]
 
 # Context, not targets of the issue (never pass/fail, no effect on the exit
@@ -51,6 +60,8 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
         }
         if t in REDIS_TARGETS:
             d["redis_cpu_us_per_req"] = median(r.get("redis_cpu_us_per_req") for r in tr)
+            d["redis_cpu_us_per_req_above_idle"] = median(r.get("redis_cpu_us_per_req_above_idle") for r in tr)
+            d["redis_idle_cpu_ms_per_s"] = median(r.get("redis_idle_cpu_ms_per_s") for r in tr)
             d["script_calls_per_req"] = median(r.get("script_calls_per_req") for r in tr)
             d["lease_share"] = median(r.get("lease_share") for r in tr)
             d["redis_script_usec_per_call"] = median(r.get("redis_script_usec_per_call") for r in tr)
@@ -172,6 +183,15 @@ def compute_checks(s: dict) -> list[dict]:
                                                  get("gateway_redis", "redis_cpu_us_per_req")),
         "cluster_vs_standalone_gateway_cpu": ratio(get("gateway_redis_cluster", "cpu_us_per_req"),
                                                    get("gateway_redis", "cpu_us_per_req")),
+        "redis_vs_local_rps": ratio(get("gateway_redis", "rps"), get("gateway_local", "rps")),
+        "p99_added_over_local_ms": (get("gateway_redis", "p99_ms") - get("gateway_local", "p99_ms"))
+        if get("gateway_redis", "p99_ms") is not None and get("gateway_local", "p99_ms") is not None else None,
+        "script_calls_per_req": get("gateway_redis", "script_calls_per_req"),
+        "redis_cpu_us_per_req": get("gateway_redis", "redis_cpu_us_per_req"),
+        "redis_cpu_us_per_req_above_idle": get("gateway_redis", "redis_cpu_us_per_req_above_idle"),
+        "cluster_vs_standalone_redis_cpu_above_idle": ratio(
+            get("gateway_redis_cluster", "redis_cpu_us_per_req_above_idle"),
+            get("gateway_redis", "redis_cpu_us_per_req_above_idle")),
     }
     checks = list(CHECKS)
     mem = s.get("memory")

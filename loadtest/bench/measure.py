@@ -234,8 +234,22 @@ class Meter:
                        CLIENTS_OVER_PATH=OVER_PATH)
         return argv, env
 
+    def redis_idle(self, target: str) -> float | None:
+        """Redis's CPU per second with the target up and no traffic (summed
+        over a cluster's nodes): its own housekeeping (serverCron at `hz`,
+        the cluster bus) and the gateway's heartbeats, spent whatever the
+        load. Measured before the warm-up, so no lease is outstanding."""
+        nodes = self.tg.redis_nodes(target)
+        if not nodes or self.a.redis_idle <= 0:
+            return None
+        t0, c0 = time.monotonic(), sum(r.info()["cpu"] for r in nodes)
+        time.sleep(self.a.redis_idle)
+        t1, c1 = time.monotonic(), sum(r.info()["cpu"] for r in nodes)
+        return (c1 - c0) / (t1 - t0)
+
     def throughput(self, target: str, tag: str) -> dict:
         a = self.a
+        idle = self.redis_idle(target)
         if a.warmup > 0:
             argv, env = self.wrk_argv(target, a.warmup, None)
             self.loadgen(argv, a.warmup + 30, env)
@@ -253,6 +267,12 @@ class Meter:
              "wrk_latency_ms": {k: v / 1000 for k, v in w["latency_us"].items()}}
         r.update(self.diff(target, b, e, w["requests"], e["wall"] - b["wall"], lg_ticks))
         r["loadgen_cpu_cores"] = lg_ticks / CLK_TCK / (e["wall"] - b["wall"])
+        if idle is not None and "redis_cpu_us_per_req" in r:
+            # What the requests cost Redis: the window's CPU less what Redis
+            # spends idle over as long.
+            r["redis_idle_cpu_ms_per_s"] = idle * 1e3
+            r["redis_cpu_us_per_req_above_idle"] = max(
+                0.0, r["redis_cpu_us_per_req"] - idle * (e["wall"] - b["wall"]) * 1e6 / max(w["requests"], 1))
         if self.many_clients(target):
             r["clients"] = self.a.clients
         self.check_statuses(target, "wrk", r, w)

@@ -68,6 +68,9 @@ def markdown(s: dict) -> str:
         L.append(f"Redis during `gateway_redis`: {fmt(rd['cpu_us_per_req'], 2)} µs CPU and "
                  f"{fmt(rd['script_calls_per_req'], 3)} script calls per request"
                  + (f", {fmt(rd['script_usec_per_call'], 2)} µs inside the script per call" if rd.get('script_usec_per_call') else "")
+                 + (f"; {fmt(T['gateway_redis'].get('redis_cpu_us_per_req_above_idle'), 2)} µs per request above "
+                    f"Redis's idle CPU ({fmt(T['gateway_redis'].get('redis_idle_cpu_ms_per_s'), 2)} ms per second "
+                    "with no traffic)" if T.get('gateway_redis', {}).get('redis_cpu_us_per_req_above_idle') is not None else "")
                  + (f"; commands per request (those a script runs included): {cmds}" if cmds else "") + ".")
         L.append("")
     shares = [(t, d.get("lease_share")) for t, d in T.items()
@@ -123,6 +126,11 @@ def cluster_md(s: dict) -> list[str]:
         (f"Redis CPU µs/req (cluster: summed over {n} node{'s' if n != 1 else ''})", fmt(a["redis_cpu_us_per_req"], 2),
          f"{fmt(b['redis_cpu_us_per_req'], 2)}{nodes(rc.get('nodes_cpu_us_per_req'), 1)}",
          ratio(b["redis_cpu_us_per_req"], a["redis_cpu_us_per_req"])),
+        ("Redis CPU µs/req above Redis's idle CPU", fmt(a.get("redis_cpu_us_per_req_above_idle"), 2),
+         fmt(b.get("redis_cpu_us_per_req_above_idle"), 2),
+         ratio(b.get("redis_cpu_us_per_req_above_idle"), a.get("redis_cpu_us_per_req_above_idle"))),
+        ("Redis idle CPU, ms per second (no traffic)", fmt(a.get("redis_idle_cpu_ms_per_s"), 2),
+         fmt(b.get("redis_idle_cpu_ms_per_s"), 2), ratio(b.get("redis_idle_cpu_ms_per_s"), a.get("redis_idle_cpu_ms_per_s"))),
         ("script calls/req (cluster: summed over nodes)", fmt(a["script_calls_per_req"], 3),
          f"{fmt(b['script_calls_per_req'], 3)}{nodes(rc.get('nodes_script_calls_per_req'), 3)}",
          ratio(b["script_calls_per_req"], a["script_calls_per_req"])),

@@ -6,10 +6,10 @@
 //!   is admitted from them at once; if any tier is short it goes to Redis as
 //!   before. An empty lease means "ask Redis", never "reject".
 //! - The calls to Redis carry lease requests (`asks`): for a bucket of the
-//!   call whose lease is at most half of this replica's demand over the last
-//!   period, that demand. `limiter.lua` grants the smaller of it and a fair
+//!   call whose lease is at most a quarter of this replica's demand over the
+//!   last period, what tops it up to that demand. `limiter.lua` grants the smaller of it and a fair
 //!   share of what the bucket holds, debited as a request of that cost.
-//!   When a request spends a lease below half, the bucket is queued for the
+//!   When a request spends a lease that low, the bucket is queued for the
 //!   next call and one is started if none would come (`renew`): a steady
 //!   client never waits for Redis.
 //! - A lease lives one period from when its call was sent (never past the
@@ -42,6 +42,13 @@ const SHARDS: usize = 16;
 /// tokens grants nothing, so a bucket's last tokens are decided one request
 /// at a time, by Redis.
 pub const MIN_GRANT: u64 = 4;
+
+/// A lease holding a quarter of a period's demand or less is renewed: a
+/// quarter period is ample for a round trip, and the top-up to the whole
+/// demand (`ask_for`) then lasts three quarters of the lease's life.
+fn running_low(tokens: u64, demand: u64) -> bool {
+    tokens <= demand / 4
+}
 
 /// A lease request for one bucket, sent with a call.
 #[derive(Debug, Clone)]
@@ -287,7 +294,7 @@ impl Leases {
             e.tokens -= c.cost;
             taken.generations[i] = e.generation;
             taken.decisions[i] = Some(e.decision(now));
-            if e.tokens <= e.want(now, self.period) / 2
+            if running_low(e.tokens, e.want(now, self.period))
                 && !e.renew_queued
                 && !e.asked_recently(now, self.period)
             {
@@ -405,10 +412,15 @@ impl Leases {
         } else {
             0
         };
-        let want = e.want(now, self.period);
+        // Topped up to a period's demand: a lease then runs low within the
+        // period it lives, so it is renewed before it expires, never after
+        // (asking for a whole period on top of what is held would leave
+        // tokens to expire, and the requests after them to wait for Redis).
+        let want = e.want(now, self.period).saturating_sub(e.tokens);
         // Less than the smallest grant is never granted: not worth asking.
-        let asking =
-            want >= MIN_GRANT && e.tokens <= want / 2 && !e.asked_recently(now, self.period);
+        let asking = want >= MIN_GRANT
+            && running_low(e.tokens, e.tokens + want)
+            && !e.asked_recently(now, self.period);
         if asking {
             e.asking = Some(now);
         }
