@@ -78,12 +78,56 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                             b
                         })
                         .collect();
-                    Ok(json!({ "buckets": list }))
+                    let mut answer = json!({ "buckets": list });
+                    add_leases(&config, ask, &mut answer);
+                    Ok(answer)
                 }
             })
         }
         _ => ask_admin(&config, ask),
     }
+}
+
+/// Leases live in each replica's memory, not in Redis: the replica at
+/// `server.admin_listen` is asked for its own (`/limits` reports them), and
+/// each bucket read from Redis gets that replica's `lease` (null: none).
+/// If that replica cannot be asked, `leases` says why and no bucket
+/// claims a lease it may or may not hold.
+fn add_leases(config: &Config, ask: &Ask, answer: &mut Value) {
+    if config.server.admin_listen.is_none() {
+        answer["leases"] =
+            "unknown: server.admin_listen is not set, so no replica can be asked for its own"
+                .into();
+        return;
+    }
+    let from = match ask_admin(config, ask) {
+        Ok(replica) => replica,
+        Err(e) => {
+            answer["leases"] = format!("unknown: {e}").into();
+            return;
+        }
+    };
+    let id = |b: &Value| {
+        (
+            b["tier"].clone(),
+            b["route"].clone(),
+            b["sub_bucket"].clone(),
+        )
+    };
+    let theirs: Vec<&Value> = from["buckets"].as_array().into_iter().flatten().collect();
+    if let Some(list) = answer["buckets"].as_array_mut() {
+        for b in list {
+            b["lease"] = theirs
+                .iter()
+                .find(|t| id(t) == id(b))
+                .map_or(Value::Null, |t| t["lease"].clone());
+        }
+    }
+    answer["leases"] = format!(
+        "of the replica at {} (server.admin_listen)",
+        config.server.admin_listen.as_deref().unwrap_or("?")
+    )
+    .into();
 }
 
 /// `/limits`'s query for `ask`, percent-encoded.
@@ -165,9 +209,15 @@ pub fn table(answer: &Value) -> String {
     let mut out = String::new();
     if let Some(list) = answer["buckets"].as_array() {
         out.push_str(&format!(
-            "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {}\n",
-            "tier", "route", "algorithm", "limit", "remaining", "reset_ms", "backend"
+            "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {:<8} {}\n",
+            "tier", "route", "algorithm", "limit", "remaining", "reset_ms", "backend", "lease"
         ));
+        // This replica's unspent lease: tokens, and ms until it expires.
+        let lease = |b: &Value| match b.get("lease") {
+            None => "?".to_string(),
+            Some(Value::Null) => "-".to_string(),
+            Some(l) => format!("{} ({} ms)", l["tokens"], l["expires_ms"]),
+        };
         // A split global limit's sub-buckets: "route (2 of 4)".
         let route = |b: &Value| {
             let name = b["route"].as_str().unwrap_or("-");
@@ -178,7 +228,7 @@ pub fn table(answer: &Value) -> String {
         };
         for b in list {
             out.push_str(&format!(
-                "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {}\n",
+                "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {:<8} {}\n",
                 b["tier"].as_str().unwrap_or("?"),
                 route(b),
                 b["algorithm"].as_str().unwrap_or("?"),
@@ -187,10 +237,14 @@ pub fn table(answer: &Value) -> String {
                 b["remaining"].to_string(),
                 b["reset_ms"].to_string(),
                 b["backend"].as_str().unwrap_or("?"),
+                lease(b),
             ));
         }
         if list.is_empty() {
             out.push_str("(no buckets: this client is not limited by any tier or route)\n");
+        }
+        if let Some(from) = answer["leases"].as_str() {
+            out.push_str(&format!("leases: {from}\n"));
         }
     } else if let Some(list) = answer["reset"].as_array() {
         for b in list {

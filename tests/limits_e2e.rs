@@ -111,6 +111,27 @@ fn a_replicas_lease_is_shown_beside_what_redis_holds() {
     // for its plan alone.
     let spent = gw.metric("gateway_lease_tokens_total{event=\"spent\"}");
     assert!(spent >= 2.0, "{spent} leased tokens spent");
+
+    // `gateway limits show` reads Redis itself, and asks the replica at
+    // server.admin_listen for its lease: the same figures.
+    let (ok, out, err) = cli(&gw, &["show", "--ip", "127.0.0.1", "--json"]);
+    assert!(ok, "{err}");
+    let shown: Value = serde_json::from_str(&out).expect("json");
+    let first = &shown["buckets"][0];
+    assert_eq!(first["tier"], "ip", "{shown}");
+    assert_eq!(first["lease"]["tokens"].as_u64(), Some(lease), "{shown}");
+    assert_eq!(first["remaining"], ip["remaining"], "{shown}");
+    assert!(
+        shown["leases"]
+            .as_str()
+            .unwrap_or("")
+            .contains("admin_listen"),
+        "{shown}"
+    );
+    let (ok, table, err) = cli(&gw, &["show", "--ip", "127.0.0.1"]);
+    assert!(ok, "{err}");
+    assert!(table.contains(&format!("{lease} (")), "{table}");
+    assert!(table.contains("leases: of the replica at"), "{table}");
 }
 
 const ALICE: (&str, &str) = ("x-api-key", "alice-secret-key");
@@ -121,14 +142,28 @@ fn status(gw: &GatewayGuard, path: &str) -> u16 {
         .map_or(0, |r| r.status)
 }
 
+/// An admin request; a token goes as `bearer` in lower case, which is the
+/// same scheme (RFC 9110 §11.1).
 fn admin(gw: &GatewayGuard, method: &str, path: &str, token: Option<&str>) -> (u16, Value) {
-    let auth = token.map(|t| format!("Bearer {t}"));
-    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-    let r = Client::connect(gw.admin)
-        .and_then(|mut c| c.request(method, path, &headers, b""))
-        .expect("admin request");
+    let auth = token.map(|t| format!("bearer {t}"));
+    let r = admin_raw(gw, method, path, auth.as_deref());
     let body = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
     (r.status, body)
+}
+
+fn admin_raw(
+    gw: &GatewayGuard,
+    method: &str,
+    path: &str,
+    authorization: Option<&str>,
+) -> support::http::Response {
+    let headers: Vec<(&str, &str)> = authorization
+        .iter()
+        .map(|a| ("authorization", *a))
+        .collect();
+    Client::connect(gw.admin)
+        .and_then(|mut c| c.request(method, path, &headers, b""))
+        .expect("admin request")
 }
 
 /// (tier, route) -> (limit, remaining, backend) of a `/limits` answer.
@@ -270,7 +305,8 @@ fn inspect_and_reset_across_three_replicas_on_redis() {
 }
 
 /// The local backend: the buckets live in the gateway, the CLI asks its
-/// admin port, and a configured token guards both reading and resetting.
+/// admin port, and a configured token guards resetting (reading changes
+/// nothing and is open, as the contract says).
 #[test]
 fn inspect_and_reset_on_the_local_backend_with_a_token() {
     let up = UpstreamGuard::start();
@@ -279,16 +315,22 @@ fn inspect_and_reset_on_the_local_backend_with_a_token() {
     let got: Vec<u16> = (0..6).map(|_| status(&gw, "/rides")).collect();
     assert_eq!(got, [200, 200, 200, 200, 200, 429]);
 
+    // A reset without the token, or with a wrong one: 401, and the
+    // challenge RFC 9110 §11.6.1 asks for.
+    for auth in [None, Some("Bearer wrong-token-0123456789")] {
+        let r = admin_raw(&gw, "DELETE", "/limits?key=alice", auth);
+        assert_eq!(r.status, 401, "{auth:?}");
+        assert_eq!(
+            r.header("www-authenticate"),
+            Some("Bearer realm=\"gateway admin\""),
+            "{auth:?}"
+        );
+    }
+    // Another method: 405 naming the ones served.
+    let r = admin_raw(&gw, "POST", "/limits?key=alice", None);
+    assert_eq!(r.status, 405);
+    assert_eq!(r.header("allow"), Some("GET, DELETE"));
     let (s, v) = admin(&gw, "GET", "/limits?key=alice", None);
-    assert_eq!(s, 401, "{v}");
-    let (s, _) = admin(
-        &gw,
-        "DELETE",
-        "/limits?key=alice",
-        Some("wrong-token-0123456789"),
-    );
-    assert_eq!(s, 401);
-    let (s, v) = admin(&gw, "GET", "/limits?key=alice", Some(TOKEN));
     assert_eq!(s, 200, "{v}");
     assert_eq!(
         buckets(&v),
@@ -313,11 +355,17 @@ fn inspect_and_reset_on_the_local_backend_with_a_token() {
             "no route is named \"nope\"",
         ),
         ("/limits?ip=1.2.3", 400, "not an IP address"),
-        ("/limits", 404, "name a client"),
+        ("/limits", 400, "missing query parameter: name a client"),
+        ("/limits?route=rides", 400, "missing query parameter"),
     ] {
-        let (s, v) = admin(&gw, "GET", q, Some(TOKEN));
-        assert_eq!(s, want, "{q}: {v}");
-        assert!(v["error"].as_str().unwrap_or("").contains(what), "{q}: {v}");
+        for method in ["GET", "DELETE"] {
+            let (s, v) = admin(&gw, method, q, Some(TOKEN));
+            assert_eq!(s, want, "{method} {q}: {v}");
+            assert!(
+                v["error"].as_str().unwrap_or("").contains(what),
+                "{method} {q}: {v}"
+            );
+        }
     }
 
     // The CLI goes through the admin port (the config gives it the token).

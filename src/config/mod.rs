@@ -110,10 +110,12 @@ impl Config {
         }
         if srv.admin_listen.is_some() {
             let admin = match (&self.admin.token, admin_loopback_only(srv)) {
-                (Some(_), _) => "token=(set): /limits needs it",
-                (None, true) => "no token: /limits served to loopback only",
+                (Some(_), _) => "token=(set): a reset (DELETE /limits) needs it; reading is open",
+                (None, true) => {
+                    "no token: reading /limits open, resets served (the admin listener is loopback-only)"
+                }
                 (None, false) => {
-                    "no token: DELETE /limits refused (set [admin] token: the admin listener is not loopback-only)"
+                    "no token: reading /limits open, resets refused (set [admin] token: the admin listener is not loopback-only)"
                 }
             };
             let _ = writeln!(s, "admin: {admin}");

@@ -27,6 +27,7 @@ pub struct Admin {
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let path = session.req_header().uri.path().to_string();
+        let mut extra = Vec::new();
         let (status, ctype, body) = match path.as_str() {
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             "/readyz" => {
@@ -57,7 +58,7 @@ impl ServeHttp for Admin {
                 // of the config: it is an Arc of its own).
                 let live = self.live.load_full();
                 let req = session.req_header();
-                let (status, body) = limits::serve(
+                let a = limits::serve(
                     &self.limiter,
                     &live.policy.config,
                     &live.policy,
@@ -66,7 +67,12 @@ impl ServeHttp for Admin {
                     req.headers.get("authorization").map(|v| v.as_bytes()),
                 )
                 .await;
-                (status, "application/json", body.to_string().into_bytes())
+                extra = a.headers;
+                (
+                    a.status,
+                    "application/json",
+                    a.body.to_string().into_bytes(),
+                )
             }
             "/metrics" => (200, "text/plain; version=0.0.4", {
                 // As of this scrape, not of the last probe.
@@ -76,10 +82,14 @@ impl ServeHttp for Admin {
             }),
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };
-        Response::builder()
+        let mut response = Response::builder()
             .status(status)
             .header("content-type", ctype)
-            .header("content-length", body.len())
+            .header("content-length", body.len());
+        for (name, value) in extra {
+            response = response.header(name, value);
+        }
+        response
             .body(body)
             .unwrap_or_else(|_| Response::new(Vec::new()))
     }

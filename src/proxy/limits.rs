@@ -6,9 +6,11 @@
 //! parameter: the bucket of that value). `DELETE` with the same query resets
 //! exactly the buckets `GET` shows.
 //!
-//! With `[admin] token` set, both need `Authorization: Bearer TOKEN`.
-//! Without one, `DELETE` is served only when the admin listener is
-//! loopback-only: anyone who can reach a wider one could reset limits.
+//! Reading changes nothing and is open, like `/metrics`. A reset changes
+//! state: with `[admin] token` set it needs `Authorization: Bearer TOKEN`
+//! (the scheme in any case, RFC 9110 §11.1) on any listener; without one it
+//! is served only when the admin listener is loopback-only: anyone who can
+//! reach a wider one could reset limits.
 
 use std::net::IpAddr;
 
@@ -21,8 +23,20 @@ use crate::attributes;
 use crate::config::{admin_loopback_only, Config};
 use crate::limiter::Fallback;
 
-/// Status and JSON body.
-pub type Answer = (u16, Value);
+/// Status, JSON body, and the headers the status calls for.
+pub struct Answer {
+    pub status: u16,
+    pub body: Value,
+    pub headers: Vec<(&'static str, &'static str)>,
+}
+
+fn answer(status: u16, body: Value) -> Answer {
+    Answer {
+        status,
+        body,
+        headers: Vec::new(),
+    }
+}
 
 /// What a `/limits` request asks.
 #[derive(Debug, PartialEq)]
@@ -33,7 +47,7 @@ struct Ask {
 }
 
 fn error(status: u16, message: impl Into<String>) -> Answer {
-    (status, json!({ "error": message.into() }))
+    answer(status, json!({ "error": message.into() }))
 }
 
 pub async fn serve(
@@ -47,7 +61,11 @@ pub async fn serve(
     let deleting = match *method {
         Method::GET => false,
         Method::DELETE => true,
-        _ => return error(405, "use GET to see buckets, DELETE to reset them"),
+        _ => {
+            let mut a = error(405, "use GET to see buckets, DELETE to reset them");
+            a.headers.push(("allow", "GET, DELETE"));
+            return a;
+        }
     };
     if let Err(refused) = authorize(config, deleting, authorization) {
         return refused;
@@ -56,6 +74,12 @@ pub async fn serve(
         Ok(a) => a,
         Err(e) => return error(400, e),
     };
+    if ask.subject == Subject::Nobody && !(ask.route.is_some() && ask.value.is_some()) {
+        return error(
+            400,
+            "missing query parameter: name a client with key=ID or ip=ADDRESS (or a route's value with route=NAME&value=V)",
+        );
+    }
     let buckets = match admission::buckets(
         policy,
         &ask.subject,
@@ -71,7 +95,7 @@ pub async fn serve(
         return match limiter.reset(&checks).await {
             Ok(done) => {
                 tracing::info!(subject = ?ask.subject, route = ?ask.route, buckets = checks.len(), backend = done.backend.as_str(), "admin: buckets reset");
-                (
+                answer(
                     200,
                     json!({
                         "reset": (0..buckets.len()).map(describe).collect::<Vec<_>>(),
@@ -113,7 +137,7 @@ pub async fn serve(
                     b
                 })
                 .collect();
-            (200, json!({ "buckets": list }))
+            answer(200, json!({ "buckets": list }))
         }
         Err(e) => error(
             503,
@@ -127,29 +151,43 @@ pub async fn serve(
 
 /// The token rule: see the module's doc.
 fn authorize(config: &Config, deleting: bool, authorization: Option<&[u8]>) -> Result<(), Answer> {
+    if !deleting {
+        return Ok(());
+    }
     match &config.admin.token {
         Some(token) => {
-            let presented = authorization
-                .and_then(|v| v.strip_prefix(b"Bearer "))
-                .map(|t| t.trim_ascii());
             // Compared as digests: the time taken says nothing about the token.
-            let same = presented
+            let same = authorization
+                .and_then(bearer)
                 .is_some_and(|p| Sha256::digest(p) == Sha256::digest(token.expose().as_bytes()));
             if same {
                 Ok(())
             } else {
-                Err(error(
+                let mut a = error(
                     401,
-                    "this endpoint needs Authorization: Bearer <[admin] token>",
-                ))
+                    "resetting buckets needs Authorization: Bearer <[admin] token>",
+                );
+                a.headers
+                    .push(("www-authenticate", "Bearer realm=\"gateway admin\""));
+                Err(a)
             }
         }
-        None if deleting && !admin_loopback_only(&config.server) => Err(error(
+        None if !admin_loopback_only(&config.server) => Err(error(
             403,
             "resetting buckets needs [admin] token when admin_listen is not loopback-only",
         )),
         None => Ok(()),
     }
+}
+
+/// The credentials of an `Authorization: Bearer <token>` header: the scheme
+/// is matched in any case, then one or more spaces (RFC 9110 §11.4).
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii()).filter(|t| !t.is_empty())
 }
 
 fn parse(query: &str) -> Result<Ask, String> {
@@ -205,39 +243,42 @@ mod tests {
     #[test]
     fn who_may_read_and_reset() {
         let status = |c: &Config, deleting, auth: Option<&str>| {
-            authorize(c, deleting, auth.map(str::as_bytes)).map_or_else(|(s, _)| s, |()| 200)
+            authorize(c, deleting, auth.map(str::as_bytes)).map_or_else(|a| a.status, |()| 200)
         };
         let loopback = config("127.0.0.1:9091", None);
         assert_eq!(status(&loopback, false, None), 200);
         assert_eq!(status(&loopback, true, None), 200);
         let open = config("0.0.0.0:9091", None);
-        assert_eq!(
-            status(&open, false, None),
-            200,
-            "reading needs no token when none is set"
-        );
+        assert_eq!(status(&open, false, None), 200, "reading is open");
         assert_eq!(
             status(&open, true, None),
             403,
             "a wide listener resets nothing without a token"
         );
         let token = "0123456789abcdef-token";
-        let guarded = config("0.0.0.0:9091", Some(token));
-        assert_eq!(status(&guarded, false, None), 401);
-        assert_eq!(status(&guarded, true, Some("Bearer nope")), 401);
-        assert_eq!(
-            status(&guarded, true, Some(token)),
-            401,
-            "the Bearer scheme is required"
-        );
-        assert_eq!(
-            status(&guarded, true, Some(&format!("Bearer {token}"))),
-            200
-        );
-        assert_eq!(
-            status(&guarded, false, Some(&format!("Bearer {token}"))),
-            200
-        );
+        for listen in ["0.0.0.0:9091", "127.0.0.1:9091"] {
+            let guarded = config(listen, Some(token));
+            assert_eq!(status(&guarded, false, None), 200, "reading is open");
+            assert_eq!(status(&guarded, true, None), 401, "{listen}");
+            assert_eq!(status(&guarded, true, Some("Bearer nope")), 401);
+            assert_eq!(
+                status(&guarded, true, Some(token)),
+                401,
+                "the Bearer scheme is required"
+            );
+            for scheme in ["Bearer", "bearer", "BEARER", "Bearer  "] {
+                assert_eq!(
+                    status(&guarded, true, Some(&format!("{scheme} {token}"))),
+                    200,
+                    "{scheme:?}"
+                );
+            }
+            assert_eq!(status(&guarded, true, Some(&format!("Bearer{token}"))), 401);
+        }
+        let refused = authorize(&config("0.0.0.0:9091", Some(token)), true, None).unwrap_err();
+        assert!(refused
+            .headers
+            .contains(&("www-authenticate", "Bearer realm=\"gateway admin\"")));
     }
 
     #[test]
