@@ -114,6 +114,9 @@ impl RouteRule {
                         .zip(&verdict.decisions)
                         .any(|(c, d)| c.tier == Tier::Route && !d.allowed)
             }
+            // Only the denying tier was asked: the turn is kept only if
+            // that was the sub-bucket itself.
+            Outcome::Remembered { checks, tier, .. } => checks[*tier].tier == Tier::Route,
             // Allowed or denied without Redis: nothing was spent anywhere.
             Outcome::FailOpen | Outcome::FailClosed => false,
         };
@@ -334,16 +337,36 @@ pub struct Plan {
     pub preflight: Option<cors::Headers>,
 }
 
-/// The route a refused request is counted under (metrics, access log):
-/// the route it matched, or for a 405 the one its path matched; `None` when
-/// no route matches its path. Only called for refusals (the cold path).
-pub fn refused_route(policy: &Policy, req: &RequestView<'_>) -> Option<usize> {
-    let path = normalize_path(req.path).ok()?;
-    let host = req.host.map(host_of);
-    match policy.routes.find(host.as_deref(), &path, req.method) {
-        RouteMatch::Found(i) => Some(i),
-        RouteMatch::MethodNotAllowed(_) => policy.routes.find_path(host.as_deref(), &path),
-        RouteMatch::NotFound => None,
+/// Where a refused request is counted (metrics, access log) and who sent
+/// it. Only made for refusals (the cold path).
+pub struct Refused {
+    /// The route it matched; for a 405 the one its path matched; for a CORS
+    /// preflight the route that answered it; `None` when no route matches.
+    pub route: Option<usize>,
+    pub client: ClientAddr,
+}
+
+pub fn refused(policy: &Policy, req: &RequestView<'_>) -> Refused {
+    let cfg = &policy.config;
+    let client_ip = identity::client_ip(
+        req.peer,
+        req.xff.iter().copied(),
+        &cfg.clients.trusted_proxies,
+    );
+    let route = normalize_path(req.path).ok().and_then(|path| {
+        let host = req.host.map(host_of);
+        if let Some((route, _)) = preflight_route(policy, host.as_deref(), &path, req) {
+            return Some(route);
+        }
+        match policy.routes.find(host.as_deref(), &path, req.method) {
+            RouteMatch::Found(i) => Some(i),
+            RouteMatch::MethodNotAllowed(_) => policy.routes.find_path(host.as_deref(), &path),
+            RouteMatch::NotFound => None,
+        }
+    });
+    Refused {
+        route,
+        client: ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len),
     }
 }
 
@@ -435,30 +458,63 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     })
 }
 
-/// A CORS preflight for a route with a CORS policy: that route (the one the
-/// announced method would reach, else the path's) and its answer. `None`
-/// for anything else, which is routed as the request it is.
+/// A CORS preflight for a route with a CORS policy: that route and its
+/// answer. `None` for anything else, which is routed as the request it is.
 fn preflight(
     policy: &Policy,
     host: Option<&str>,
     path: &str,
     req: &RequestView<'_>,
 ) -> Option<(usize, Result<cors::Headers, CorsError>)> {
+    let (route, takes_method) = preflight_route(policy, host, path, req)?;
+    let rules = policy.cors(Some(route))?;
+    let answer = rules.preflight(req.headers);
+    if !takes_method {
+        // Its origin checked first: a refused origin is told as such.
+        let method = CorsError::Method(announced(req).map(str::to_string));
+        return Some((route, answer.and(Err(method))));
+    }
+    Some((route, answer))
+}
+
+fn announced<'a>(req: &RequestView<'a>) -> Option<&'a str> {
+    req.headers
+        .get(http::header::ACCESS_CONTROL_REQUEST_METHOD)?
+        .to_str()
+        .ok()
+}
+
+/// The route with a CORS policy that answers a preflight, and whether it
+/// takes the announced method. The path's own routes (the most specific
+/// host and prefix that serve it) come first: the one taking the method
+/// answers if it has a policy; if none of them takes it, a policy there
+/// refuses it. So a route with a CORS policy answers every preflight for its
+/// prefix, and a method it does not take is never passed on to a route
+/// behind it (a catch-all) and its upstream. Only a path whose own routes
+/// have no policy leaves the preflight to the route the method reaches.
+fn preflight_route(
+    policy: &Policy,
+    host: Option<&str>,
+    path: &str,
+    req: &RequestView<'_>,
+) -> Option<(usize, bool)> {
     if !cors::is_preflight(req.method, req.headers) {
         return None;
     }
-    let announced = req
-        .headers
-        .get(http::header::ACCESS_CONTROL_REQUEST_METHOD)?
-        .to_str()
-        .ok()?;
-    let route = match policy.routes.find(host, path, announced) {
-        RouteMatch::Found(i) => i,
-        RouteMatch::MethodNotAllowed(_) => policy.routes.find_path(host, path)?,
+    let found = match policy.routes.find(host, path, announced(req)?) {
+        RouteMatch::Found(i) => Some(i),
+        RouteMatch::MethodNotAllowed(_) => None,
         RouteMatch::NotFound => return None,
     };
-    let rules = policy.cors(Some(route))?;
-    Some((route, rules.preflight(req.headers)))
+    let own = policy.routes.find_path(host, path)?;
+    let routes = &policy.config.routes;
+    let level = |i: usize| (&routes[i].host, &routes[i].path_prefix);
+    let has_policy = |i: usize| policy.cors(Some(i)).is_some();
+    match found {
+        Some(i) if level(i) == level(own) => has_policy(i).then_some((i, true)),
+        _ if has_policy(own) => Some((own, false)),
+        _ => found.filter(|&i| has_policy(i)).map(|i| (i, true)),
+    }
 }
 
 /// The identity of a request's bucket under its route's limit: everyone's
@@ -525,6 +581,23 @@ impl Bucket {
     }
 }
 
+/// Why `buckets` has none to name.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BucketsError {
+    /// A key id or route the config does not have.
+    Unknown(String),
+    /// The question lacks what would name a bucket (a client, a value).
+    Missing(String),
+}
+
+impl std::fmt::Display for BucketsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BucketsError::Unknown(m) | BucketsError::Missing(m) => f.write_str(m),
+        }
+    }
+}
+
 /// The buckets a subject's requests are charged to: its own tier bucket
 /// (ip or key), then, for each route (or only `route`), the route's bucket
 /// it would use: its client bucket, the route's global bucket, or with
@@ -535,7 +608,7 @@ pub fn buckets(
     subject: &Subject,
     route: Option<&str>,
     value: Option<&str>,
-) -> Result<Vec<Bucket>, String> {
+) -> Result<Vec<Bucket>, BucketsError> {
     let cfg = &policy.config;
     let client = match subject {
         Subject::Key(id) => {
@@ -543,7 +616,7 @@ pub fn buckets(
                 .api_keys
                 .iter()
                 .find(|k| &k.id == id)
-                .ok_or_else(|| format!("no API key has id \"{id}\""))?;
+                .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?;
             Some((format!("k:{id}"), policy.plan_rules.get(&key.plan)))
         }
         Subject::Ip(ip) => {
@@ -552,7 +625,9 @@ pub fn buckets(
         }
         Subject::Nobody if route.is_some() && value.is_some() => None,
         Subject::Nobody => {
-            return Err("name a client: key=ID or ip=ADDRESS (or route=NAME with value=V)".into())
+            return Err(BucketsError::Missing(
+                "name a client: key=ID or ip=ADDRESS (or route=NAME with value=V)".into(),
+            ))
         }
     };
     let routes: Vec<usize> = match route {
@@ -560,7 +635,7 @@ pub fn buckets(
             .routes
             .iter()
             .position(|r| r.name == name)
-            .ok_or_else(|| format!("no route is named \"{name}\""))?],
+            .ok_or_else(|| BucketsError::Unknown(format!("no route is named \"{name}\"")))?],
         None => (0..cfg.routes.len()).collect(),
     };
     let mut out = Vec::new();
@@ -585,6 +660,15 @@ pub fn buckets(
             }
             // Without a value: the bucket requests lacking the attribute use.
             (_, _, None, own) if rr.missing == Missing::Client => own.map(str::to_string),
+            // A route asked for by name whose buckets are its values': say
+            // how to name one rather than answer an empty list.
+            (_, LimitKey::Attribute(a) | LimitKey::ClientAnd(a), None, _) if route.is_some() => {
+                return Err(BucketsError::Missing(format!(
+                    "route \"{}\" is keyed on {}: name the value too (value=V; from the shell, --value V)",
+                    cfg.routes[i].name,
+                    a.spelling()
+                )))
+            }
             _ => None,
         };
         let route_name = || Some(cfg.routes[i].name.clone());
@@ -630,20 +714,38 @@ pub enum Conclusion {
     Unavailable,
 }
 
-/// Per-tier results for metrics and the access log.
-pub fn tier_labels(checks: &[Check], decisions: &[Decision]) -> Vec<(Tier, DecisionLabel)> {
-    checks
-        .iter()
-        .zip(decisions)
-        .map(|(c, d)| {
-            let label = match (d.allowed, c.shadow) {
-                (true, _) => DecisionLabel::Allowed,
-                (false, true) => DecisionLabel::ShadowRejected,
-                (false, false) => DecisionLabel::Rejected,
-            };
-            (c.tier, label)
-        })
-        .collect()
+/// Per-tier results for metrics and the access log: every tier of a
+/// decided request once.
+pub fn tier_labels(outcome: &Outcome) -> Vec<(Tier, DecisionLabel)> {
+    match outcome {
+        Outcome::Decided {
+            verdict, checks, ..
+        } => checks
+            .iter()
+            .zip(&verdict.decisions)
+            .map(|(c, d)| {
+                let label = match (d.allowed, c.shadow) {
+                    (true, _) => DecisionLabel::Allowed,
+                    (false, true) => DecisionLabel::ShadowRejected,
+                    (false, false) => DecisionLabel::Rejected,
+                };
+                (c.tier, label)
+            })
+            .collect(),
+        Outcome::Remembered { checks, tier, .. } => checks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let label = if i == *tier {
+                    DecisionLabel::Rejected
+                } else {
+                    DecisionLabel::NotAsked
+                };
+                (c.tier, label)
+            })
+            .collect(),
+        Outcome::FailOpen | Outcome::FailClosed => Vec::new(),
+    }
 }
 
 /// Turns the limiter's outcome into what the client sees. `jitter_us` is the
@@ -653,6 +755,22 @@ pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclu
         Outcome::Decided {
             verdict, checks, ..
         } => (verdict, checks),
+        Outcome::Remembered {
+            checks,
+            tier,
+            decision,
+            now_us,
+        } => {
+            // The policy names every tier, as on any other answer.
+            let wait_us = decision.retry_after_us;
+            let mut hs = headers(style, checks, &checks[*tier], decision, wait_us, *now_us);
+            hs.push(retry_after(wait_us, jitter_us));
+            return Conclusion::Reject {
+                headers: hs,
+                retry_after_ms: wait_us.div_ceil(1000),
+                violated: vec![checks[*tier].tier],
+            };
+        }
         Outcome::FailOpen => {
             return Conclusion::Admit {
                 headers: Vec::new(),
@@ -690,16 +808,21 @@ pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclu
             .expect("a rejected verdict has a rejecting tier");
         let wait_us = d.retry_after_us;
         let mut hs = headers(style, checks, c, d, wait_us, verdict.now_us);
-        hs.push((
-            "retry-after",
-            HeaderValue::from((wait_us + jitter_us).div_ceil(1_000_000).max(1)),
-        ));
+        hs.push(retry_after(wait_us, jitter_us));
         Conclusion::Reject {
             headers: hs,
             retry_after_ms: wait_us.div_ceil(1000),
             violated: rejecting().map(|(c, _)| c.tier).collect(),
         }
     }
+}
+
+/// Retry-After in whole seconds, never earlier than the true wait.
+fn retry_after(wait_us: u64, jitter_us: u64) -> (&'static str, HeaderValue) {
+    (
+        "retry-after",
+        HeaderValue::from((wait_us + jitter_us).div_ceil(1_000_000).max(1)),
+    )
 }
 
 /// The rate-limit headers for the most restrictive tier `(c, d)`.
@@ -774,6 +897,7 @@ fn quota_window(alg: &Algorithm) -> (u64, u64) {
 pub fn backend_of(outcome: &Outcome) -> &'static str {
     match outcome {
         Outcome::Decided { backend, .. } => backend.as_str(),
+        Outcome::Remembered { .. } => crate::limiter::FallbackState::Redis.as_str(),
         Outcome::FailOpen => "fail-open",
         Outcome::FailClosed => "fail-closed",
     }

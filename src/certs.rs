@@ -112,6 +112,26 @@ impl ResolvesServerCert for Certificates {
     }
 }
 
+/// Every problem of every configured certificate, for `gateway check` and
+/// start-up to list beside the file's own (`config::load_checked`). Files
+/// that cannot be read are listed only when `unreadable_too`: `check` may
+/// run on a machine that does not hold them.
+pub fn problems(
+    files: &[CertificateFiles],
+    unreadable_too: bool,
+) -> Vec<crate::config::ConfigError> {
+    files
+        .iter()
+        .filter_map(|f| read_all(std::slice::from_ref(f)).err())
+        .filter(|e| unreadable_too || !e.unreadable)
+        .map(|e| crate::config::ConfigError {
+            path: e.key_path,
+            line: Some(e.line),
+            message: e.problem,
+        })
+        .collect()
+}
+
 fn problem(f: &CertificateFiles, what: impl Into<String>) -> CertError {
     CertError {
         key_path: f.key_path.clone(),

@@ -11,6 +11,7 @@ pub mod config;
 pub mod cors;
 pub mod identity;
 pub mod limiter;
+pub mod logging;
 pub mod metrics;
 pub mod operator;
 pub mod path;

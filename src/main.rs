@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use ratelimit_gateway::admission::Subject;
-use ratelimit_gateway::{certs, config, metrics, operator, proxy};
+use ratelimit_gateway::{certs, config, logging, metrics, operator, proxy};
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +27,20 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Start serving.
+    #[command(after_help = "\
+Signals:
+  HUP   reload the config file (also reloaded when its content changes: polled every 500 ms)
+  TERM  graceful shutdown: stop accepting, finish requests in flight (server.grace_period_secs)
+  INT   fast shutdown
+
+Watched while running: the config file, the certificate files server.tls names,
+redis.password_file. A file that cannot be read is logged once; what was read
+last stays in use. Keys that need a restart are logged when they change.
+
+Environment:
+  GATEWAY_LOG         log filter, like RUST_LOG (default: info,rustls=error)
+  GATEWAY_LOG_FORMAT  json: one JSON object per line (default: text)
+  ${VAR} in the config: any string value may name one (${VAR:-default})")]
     Run {
         #[arg(short, long, default_value = "gateway.toml")]
         config: PathBuf,
@@ -37,7 +51,8 @@ enum Command {
         config: PathBuf,
     },
     /// See or reset a client's buckets (Redis directly, or the gateway's
-    /// admin port for the local backend).
+    /// admin port for the local backend). Name a client with --key or --ip,
+    /// or a header- or query-keyed route's bucket with --route and --value.
     Limits {
         #[command(subcommand)]
         action: LimitsAction,
@@ -77,51 +92,47 @@ struct LimitsArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Check { config } => match config::load(&config) {
-            Ok(cfg) => {
-                // Certificate files belong to the machine that runs the
-                // gateway: one that cannot be read here is a warning (run
-                // refuses to start without it), one that is read and refused
-                // is an error.
-                let certs = cfg
-                    .server
-                    .tls
-                    .as_ref()
-                    .map(|t| certs::Certificates::load(&t.certificates));
-                if let Some(Err(e)) = &certs {
-                    if !e.unreadable {
-                        eprintln!("{}: {e}", config.display());
-                        return ExitCode::from(2);
+        // Certificate files belong to the machine that runs the gateway: one
+        // that cannot be read here is a warning (run refuses to start
+        // without it), one that is read and refused is a problem listed
+        // with the file's own.
+        Command::Check { config } => {
+            match config::load_checked(&config, &|tls| certs::problems(&tls.certificates, false)) {
+                Ok(cfg) => {
+                    let certs = cfg
+                        .server
+                        .tls
+                        .as_ref()
+                        .map(|t| certs::Certificates::load(&t.certificates));
+                    // Written without println!, which panics when the reader has
+                    // gone (`gateway check | head -1`).
+                    let mut out = std::io::stdout().lock();
+                    let _ = write!(out, "{}: ok\n{}", config.display(), cfg.summary());
+                    match certs {
+                        Some(Ok(c)) => {
+                            let _ = writeln!(out, "tls: certificates serve {:?}", c.names());
+                        }
+                        Some(Err(e)) => eprintln!(
+                            "warning: {e}; `gateway run` refuses to start until it can be read"
+                        ),
+                        None => {}
                     }
-                }
-                // Written without println!, which panics when the reader has
-                // gone (`gateway check | head -1`).
-                let mut out = std::io::stdout().lock();
-                let _ = write!(out, "{}: ok\n{}", config.display(), cfg.summary());
-                match certs {
-                    Some(Ok(c)) => {
-                        let _ = writeln!(out, "tls: certificates serve {:?}", c.names());
-                    }
-                    Some(Err(e)) => eprintln!(
-                        "warning: {e}; `gateway run` refuses to start until it can be read"
-                    ),
-                    None => {}
-                }
-                if let Some(path) = cfg.redis.as_ref().and_then(|r| r.password_file.as_ref()) {
-                    if let Err(e) = std::fs::read(path) {
-                        eprintln!(
+                    if let Some(path) = cfg.redis.as_ref().and_then(|r| r.password_file.as_ref()) {
+                        if let Err(e) = std::fs::read(path) {
+                            eprintln!(
                             "warning: redis.password_file: cannot read {}: {e}; `gateway run` refuses to start until it can be read",
                             path.display()
                         );
+                        }
                     }
+                    ExitCode::SUCCESS
                 }
-                ExitCode::SUCCESS
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::from(2)
+                }
             }
-            Err(e) => {
-                eprintln!("{e}");
-                ExitCode::from(2)
-            }
-        },
+        }
         Command::Limits { action } => {
             let (args, reset) = match action {
                 LimitsAction::Show(a) => (a, false),
@@ -137,7 +148,11 @@ fn main() -> ExitCode {
             let subject = match (args.key, args.ip) {
                 (Some(k), _) => Subject::Key(k),
                 (None, Some(ip)) => Subject::Ip(ip),
-                (None, None) => Subject::Nobody,
+                (None, None) if args.route.is_some() && args.value.is_some() => Subject::Nobody,
+                (None, None) => {
+                    eprintln!("gateway limits: name a client: --key ID or --ip ADDRESS (or a keyed route's bucket: --route NAME --value V)");
+                    return ExitCode::from(2);
+                }
             };
             let ask = operator::Ask {
                 subject,
@@ -162,8 +177,10 @@ fn main() -> ExitCode {
             }
         }
         Command::Run { config } => {
-            init_tracing();
-            let cfg = match config::load(&config) {
+            logging::init();
+            let cfg = match config::load_checked(&config, &|tls| {
+                certs::problems(&tls.certificates, true)
+            }) {
                 Ok(cfg) => cfg,
                 Err(e) => {
                     eprintln!("{e}");
@@ -177,24 +194,5 @@ fn main() -> ExitCode {
             }
             ExitCode::FAILURE
         }
-    }
-}
-
-fn init_tracing() {
-    use tracing_subscriber::EnvFilter;
-    // rustls warns per connection about what clients send (an IP address
-    // as SNI, say): the client's business, not the operator's.
-    let filter = EnvFilter::try_from_env("GATEWAY_LOG")
-        .unwrap_or_else(|_| EnvFilter::new("info,rustls=error"));
-    let json = std::env::var("GATEWAY_LOG_FORMAT").is_ok_and(|v| v == "json");
-    use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
     }
 }

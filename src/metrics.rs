@@ -38,7 +38,7 @@ pub fn install() {
         );
         describe_counter!(
             "gateway_ratelimit_decisions_total",
-            "Rate-limit decisions by tier, route and decision (allowed, rejected, shadow_rejected)"
+            "Rate-limit decisions by tier, route and decision (allowed, rejected, shadow_rejected, not_asked: another tier's remembered denial answered first); each request counted once per tier"
         );
         describe_gauge!(
             "gateway_requests_in_flight",
@@ -47,6 +47,14 @@ pub fn install() {
         describe_gauge!(
             "gateway_limiter_backend",
             "1 for the limiter backend in use (redis or local)"
+        );
+        describe_counter!(
+            "gateway_downstream_handshake_failures_total",
+            "Client TLS or HTTP/2 handshakes that failed, by reason (client_alert, protocol, closed, timeout, h2, other); logged at debug"
+        );
+        describe_counter!(
+            "gateway_upstream_pool_reuse_races_total",
+            "Pooled upstream connections still held by the pool's idle watcher, so a new one was opened; logged at debug"
         );
         describe_counter!(
             "gateway_fallback_transitions_total",
@@ -169,6 +177,9 @@ pub enum DecisionLabel {
     Allowed,
     Rejected,
     ShadowRejected,
+    /// Another tier's remembered denial refused the request first: this
+    /// tier was not asked (every tier of a request is counted once).
+    NotAsked,
 }
 
 impl DecisionLabel {
@@ -177,6 +188,7 @@ impl DecisionLabel {
             DecisionLabel::Allowed => "allowed",
             DecisionLabel::Rejected => "rejected",
             DecisionLabel::ShadowRejected => "shadow_rejected",
+            DecisionLabel::NotAsked => "not_asked",
         }
     }
 }
@@ -204,6 +216,18 @@ pub fn redis_probe(ok: bool) {
 /// How long this replica has been on its fallback (zero: not on it).
 pub fn fallback_for(d: Duration) {
     gauge!("gateway_fallback_seconds").set(d.as_secs_f64());
+}
+
+/// A client's TLS (or HTTP/2) handshake that failed: the client's
+/// business, counted rather than logged as an error (`logging`).
+pub fn downstream_handshake_failure(reason: &'static str) {
+    counter!("gateway_downstream_handshake_failures_total", "reason" => reason).increment(1);
+}
+
+/// Pingora found a pooled upstream connection still held by its idle
+/// watcher and opened a new one (`logging`).
+pub fn upstream_pool_reuse_race() {
+    counter!("gateway_upstream_pool_reuse_races_total").increment(1);
 }
 
 pub fn redis_error(reason: &'static str) {
@@ -346,7 +370,7 @@ pub fn config_reload(ok: bool) {
 pub struct RouteMetrics {
     route: String,
     requests: [OnceLock<Counter>; STATUS_LABELS],
-    decisions: [[OnceLock<Counter>; 3]; 3],
+    decisions: [[OnceLock<Counter>; 4]; 3],
     upstream: OnceLock<Histogram>,
 }
 
@@ -370,6 +394,7 @@ impl RouteMetrics {
                 DecisionLabel::Allowed,
                 DecisionLabel::Rejected,
                 DecisionLabel::ShadowRejected,
+                DecisionLabel::NotAsked,
             ] {
                 m.decisions_counter(tier, d).increment(0);
             }

@@ -32,7 +32,8 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                 &ask.subject,
                 ask.route.as_deref(),
                 ask.value.as_deref(),
-            )?;
+            )
+            .map_err(|e| e.to_string())?;
             let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -467,6 +467,17 @@ fn environment_variables_in_strings() {
     assert!(ok, "{err}");
     assert!(out.contains("key_prefix=edge password=(set)"), "{out}");
     assert!(!out.contains("s3cret-from-env") && !err.contains("s3cret-from-env"));
+
+    // A number is not a string: said so, not just "expected an integer".
+    let (ok, _, err) = check_with_env(
+        &format!("{MINIMAL}\n[limiter]\ninstances = \"${{GW_TEST_N:-3}}\"\n"),
+        &[],
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("limiter.instances (line") && err.contains("expanded inside strings only"),
+        "{err}"
+    );
 }
 
 /// `check` writes the file's own spellings and survives a reader that goes

@@ -257,3 +257,71 @@ fn preflights_are_answered_free_and_refusals_are_readable_by_the_page() {
         "{m}"
     );
 }
+
+/// A route with a CORS policy answers every preflight for its prefix (#27):
+/// one from an origin it does not name, or announcing a method it does not
+/// take, is refused there and counted under it (with its client), never
+/// passed to the catch-all behind it and its upstream.
+#[test]
+fn a_cors_route_answers_every_preflight_for_its_prefix() {
+    let up = UpstreamGuard::start();
+    let gw = GatewayGuard::start(&format!(
+        r#"
+{SERVER}
+
+[limiter]
+backend = "local"
+
+[[upstreams]]
+name = "up"
+servers = ["{addr}"]
+
+[[routes]]
+name = "tenant"
+path_prefix = "/tenant"
+methods = ["GET", "POST"]
+upstream = "up"
+cors = {{ allow_origins = ["{APP}"] }}
+
+[[routes]]
+name = "everything-else"
+path_prefix = "/"
+upstream = "up"
+"#,
+        addr = up.addr
+    ));
+    let counted = |route: &str, status: u16| {
+        gw.metric(&format!(
+            "gateway_requests_total{{route=\"{route}\",status=\"{status}\"}}"
+        ))
+    };
+    let r = preflight(&gw, "/tenant/a", "https://evil.example", "GET", "");
+    assert_eq!(r.status, 403, "{}", r.text());
+    // DELETE is the catch-all's, but /tenant's policy answers for /tenant.
+    let r = preflight(&gw, "/tenant/a", APP, "DELETE", "");
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert!(
+        r.text().contains("method DELETE is not allowed"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(r.header("access-control-allow-origin"), None);
+    assert_eq!(preflight(&gw, "/tenant/a", APP, "POST", "").status, 204);
+    assert_eq!(up.total(), 0, "no preflight reached the upstream");
+    assert_eq!(counted("tenant", 403), 2.0);
+    assert_eq!(counted("tenant", 204), 1.0);
+    assert_eq!(counted("everything-else", 403), 0.0);
+    let log = gw.log();
+    let refused: Vec<&str> = log.lines().filter(|l| l.contains("status=403")).collect();
+    assert_eq!(refused.len(), 2, "{log}");
+    for line in refused {
+        assert!(
+            line.contains("route=\"tenant\"") && line.contains("client=127.0.0.1"),
+            "{line}"
+        );
+    }
+    // A path whose own route has no policy: the preflight is the request
+    // it is, for the catch-all's upstream.
+    assert_eq!(preflight(&gw, "/other", APP, "DELETE", "").status, 200);
+    assert_eq!(up.count("/other"), 1);
+}

@@ -526,6 +526,23 @@ fn a_rotated_password_file_is_read_again() {
         "{}",
         gw.log()
     );
+    // Deleted while running: said once (the password read last stays in
+    // use), and nothing breaks.
+    std::fs::remove_file(&file).expect("delete");
+    wait_for("the deletion logged", Duration::from_secs(10), || {
+        gw.log()
+            .contains("redis.password_file cannot be read")
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        gw.log()
+            .matches("redis.password_file cannot be read")
+            .count(),
+        1,
+        "said once"
+    );
+    assert_eq!(send(&mut gw.client(), &[KEY]), 200);
     for secret in ["old-password-1111", "new-password-2222"] {
         assert!(!gw.log().contains(secret), "the log shows a password");
         assert!(!gw.admin_get("/readyz").text().contains(secret));

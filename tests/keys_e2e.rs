@@ -19,6 +19,11 @@ retry_after_jitter_ms = 0
 [clients]
 trusted_proxies = ["127.0.0.1/32"]
 
+[tiers.ip]
+algorithm = "token_bucket"
+capacity = 1000
+refill_per_sec = 0.001
+
 [plans.big]
 capacity = 1000
 refill_per_sec = 0.001
@@ -84,6 +89,44 @@ fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
         "10 - 3: {:?}",
         r.headers
     );
+    // A 429 tells what the bucket holds, as /limits does: 1 token, under
+    // the cost of 3. Its policy names every tier, as a 200's does, also
+    // when a remembered denial answers (the second 429, on Redis).
+    let delta = [("x-tenant-id", "delta")];
+    assert_eq!(statuses(gw, "/reports", &delta, 3), [200, 200, 200]);
+    for _ in 0..2 {
+        let r = gw.client().request("GET", "/reports", &delta, b"").unwrap();
+        assert_eq!(r.status, 429);
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            Some("1"),
+            "{:?}",
+            r.headers
+        );
+        let policy = r.header("ratelimit-policy").unwrap_or("");
+        assert!(
+            policy.contains("\"ip\";q=1000") && policy.contains("\"route\";q=10"),
+            "{policy}"
+        );
+        assert!(
+            r.header("ratelimit")
+                .is_some_and(|v| v.starts_with("\"route\";r=1;")),
+            "{:?}",
+            r.headers
+        );
+    }
+    // Every request that reached the limiter is counted once per tier:
+    // acme 4, beta 4, gamma 1, delta 5.
+    let ip_decisions: f64 = ["allowed", "rejected", "not_asked"]
+        .iter()
+        .map(|d| {
+            gw.metric(&format!(
+                "gateway_ratelimit_decisions_total{{tier=\"ip\",route=\"reports\",decision=\"{d}\"}}"
+            ))
+        })
+        .sum();
+    assert_eq!(ip_decisions, 14.0, "{backend}");
+
     // Without the header (missing = "reject"): 400 naming it; twice: 400.
     let r = gw.client().get("/reports").unwrap();
     assert_eq!(r.status, 400);
@@ -128,12 +171,25 @@ fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
         assert_eq!(r.status, 200, "{q}: {}", r.text());
         r.json()["buckets"][0].clone()
     };
+    // A keyed route asked for without its value: told how to name one.
+    let r = gw.admin_get("/limits?ip=127.0.0.1&route=reports");
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(
+        r.text()
+            .contains("keyed on header:x-tenant-id: name the value too"),
+        "{}",
+        r.text()
+    );
     let v = limits("route=reports&value=gamma");
     assert_eq!(
         (v["limit"].as_u64(), v["remaining"].as_u64()),
         (Some(10), Some(7)),
         "{v}"
     );
+    // (On Redis, with this replica's lease beside what Redis holds.)
+    let v = limits("route=reports&value=delta");
+    let lease = v["lease"]["tokens"].as_u64().unwrap_or(0);
+    assert_eq!(v["remaining"].as_u64().map(|r| r + lease), Some(1), "{v}");
     let v = limits("key=alice&route=export&value=acme");
     assert_eq!(
         (v["limit"].as_u64(), v["remaining"].as_u64()),
@@ -151,8 +207,8 @@ fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
     assert_eq!(v["remaining"].as_u64(), Some(4), "{v}");
     assert_eq!(v["backend"], backend);
 
-    // Admitted: reports 3+3+1, search 3+3, export 2+2+2+2.
-    assert_eq!(up.count("/reports"), 7, "{backend}");
+    // Admitted: reports 3+3+1+3, search 3+3, export 2+2+2+2.
+    assert_eq!(up.count("/reports"), 10, "{backend}");
     assert_eq!(up.count("/search"), 6, "{backend}");
     assert_eq!(up.count("/export"), 8, "{backend}");
     println!(

@@ -368,6 +368,11 @@ fn inspect_and_reset_on_the_local_backend_with_a_token() {
         }
     }
 
+    // The CLI names what is missing in its own flags.
+    let (ok, _, err) = cli(&gw, &["show"]);
+    assert!(!ok);
+    assert!(err.contains("--key ID or --ip ADDRESS"), "{err}");
+
     // The CLI goes through the admin port (the config gives it the token).
     let (ok, out, err) = cli(&gw, &["reset", "--key", "alice", "--json"]);
     assert!(ok, "{err}");

@@ -302,12 +302,35 @@ fn unusable_certificates_are_refused_with_their_key() {
             && err.contains("does not belong to the certificate"),
         "{err}"
     );
+    assert!(err.contains("has 1 problem(s)"), "{err}");
     let (code, err) = run(&["run", "-c"], &mismatched);
-    assert_ne!(code, Some(0), "{err}");
+    assert_eq!(
+        code,
+        Some(2),
+        "one exit code for every config problem: {err}"
+    );
     assert!(
-        err.contains("server.tls.certificates[0] (line 7):"),
+        err.contains("has 1 problem(s)") && err.contains("server.tls.certificates[0] (line 7):"),
         "{err}"
     );
+    // With other problems: one run lists them all, in one format (#27).
+    let many = format!(
+        "{}
+[clients]
+trusted_proxies = [\"10.0.0.0/33\"]
+",
+        mismatched.replace("upstream = \"u\"", "upstream = \"nope\"")
+    );
+    let (code, err) = run(&["check", "-c"], &many);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("has 3 problem(s)"), "{err}");
+    for what in [
+        "server.tls.certificates[0] (line 7):",
+        "routes[0].upstream (line",
+        "clients.trusted_proxies[0] (line",
+    ] {
+        assert!(err.contains(&format!("  {what}")), "{what}: {err}");
+    }
     // A missing file: a warning for check, an error for run.
     let missing = cfg("nope.crt", "a.key");
     let (code, err) = run(&["check", "-c"], &missing);
@@ -317,7 +340,7 @@ fn unusable_certificates_are_refused_with_their_key() {
         "{err}"
     );
     let (code, err) = run(&["run", "-c"], &missing);
-    assert_ne!(code, Some(0), "{err}");
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("cannot read"), "{err}");
 }
 
@@ -542,4 +565,64 @@ fn pooled_tls_connections_keep_to_their_trust() {
         }
     }
     println!("{checked} requests in every order: each upstream kept to its own trust");
+}
+
+/// A client's failed handshake is the client's business (#27): counted by
+/// reason in a metric, logged at debug, never an ERROR line (two testssl.sh
+/// scans made 191 of them).
+#[test]
+fn failed_handshakes_are_counted_not_logged_as_errors() {
+    use std::io::{Read, Write};
+    let pki = Pki::new();
+    pki.ca("ca");
+    pki.ca("other-ca");
+    pki.leaf("ca", "a", &["a.test"]);
+    let s = start(pki, &["a"]);
+    let addr = format!("127.0.0.1:{}", s.tls_port);
+    for _ in 0..5 {
+        // Plaintext HTTP on the TLS port.
+        let mut c = std::net::TcpStream::connect(&addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(5))).ok();
+        let _ = c.write_all(b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n");
+        let _ = c.read(&mut [0u8; 64]);
+    }
+    for _ in 0..5 {
+        // Connected, then gone before a ClientHello.
+        drop(std::net::TcpStream::connect(&addr).expect("connect"));
+    }
+    for _ in 0..3 {
+        // A client that does not trust our certificate hangs up with an alert.
+        assert_eq!(s.https("a.test", "other-ca", "/", WRITE_OUT).0, 60);
+    }
+    let counted = |reason: &str| {
+        s.gw.metric(&format!(
+            "gateway_downstream_handshake_failures_total{{reason=\"{reason}\"}}"
+        ))
+    };
+    wait_for("13 failures counted", Duration::from_secs(10), || {
+        let all: f64 = [
+            "client_alert",
+            "protocol",
+            "closed",
+            "timeout",
+            "h2",
+            "other",
+        ]
+        .iter()
+        .map(|r| counted(r))
+        .sum();
+        (all >= 13.0).then_some(())
+    });
+    let by_reason = (
+        counted("protocol"),
+        counted("closed"),
+        counted("client_alert"),
+    );
+    assert_eq!(by_reason, (5.0, 5.0, 3.0), "{}", s.gw.metrics());
+    // And a good client is served as ever.
+    assert_eq!(s.https("a.test", "ca", "/", WRITE_OUT).1, "2 200");
+    let log = s.gw.log();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+    assert!(errors.is_empty(), "ERROR lines: {errors:#?}");
+    eprintln!("FIGURES tls-noise: 13 failed handshakes (5 protocol, 5 closed, 3 client_alert) counted, 0 ERROR lines");
 }

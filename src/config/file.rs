@@ -20,7 +20,7 @@ use super::reader::{join, Reader, Value};
 use super::ConfigError;
 
 /// Parses and validates a whole file; on failure returns every problem found.
-pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
+pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, Vec<ConfigError>> {
     let root = match DeTable::parse(src) {
         Ok(t) => t,
         Err(e) => {
@@ -134,6 +134,11 @@ pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
         }
     }
 
+    if let (Some(check), Some(Some(srv))) = (check, &server) {
+        if let Some(tls) = &srv.tls {
+            r.errors.extend(check(tls));
+        }
+    }
     if !r.errors.is_empty() {
         let mut errors = r.errors;
         errors.sort_by_key(|e| e.line.unwrap_or(0));

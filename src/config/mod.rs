@@ -75,7 +75,24 @@ pub fn load(path: &Path) -> Result<Config, LoadError> {
 
 /// Validates config text; every problem is returned at once, ordered by line.
 pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
-    file::parse(src)
+    file::parse(src, None)
+}
+
+/// A check of what the file names rather than of its text (the TLS
+/// certificates: `crate::certs::problems`), run while the file is read so
+/// that its problems are listed with the file's own, in one format.
+pub type FileCheck<'a> = &'a dyn Fn(&TlsListeners) -> Vec<ConfigError>;
+
+/// `load`, with `check` run on `[server.tls]` when that section is valid.
+pub fn load_checked(path: &Path, check: FileCheck<'_>) -> Result<Config, LoadError> {
+    let src = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    file::parse(&src, Some(check)).map_err(|errors| LoadError::Invalid {
+        path: path.to_path_buf(),
+        errors,
+    })
 }
 
 impl Config {

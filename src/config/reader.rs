@@ -230,11 +230,18 @@ impl<'s> Reader<'s> {
     }
 
     fn mismatch(&mut self, path: &str, v: &Value<'_>, expected: &str, found: &DeValue<'_>) {
+        // `capacity = "${CAP}"` is a string: say why it is not expanded.
+        let hint = match found {
+            DeValue::String(s) if s.contains("${") => {
+                "; ${VAR} is expanded inside strings only, so a number or a boolean cannot come from the environment"
+            }
+            _ => "",
+        };
         let found = describe(found);
         self.error(
             path,
             Some(&v.span()),
-            format!("expected {expected}, found {found}"),
+            format!("expected {expected}, found {found}{hint}"),
         );
     }
 }

@@ -17,8 +17,16 @@ use super::Check;
 
 const SHARDS: usize = 16;
 
+/// A remembered denial: refused until `until`; the bucket held `held`
+/// tokens (fewer than the request's cost) when Redis said so.
+#[derive(Debug, Clone, Copy)]
+pub struct Denial {
+    pub until: Instant,
+    pub held: u64,
+}
+
 pub struct DenyCache {
-    shards: Vec<Mutex<HashMap<String, Instant>>>,
+    shards: Vec<Mutex<HashMap<String, Denial>>>,
     per_shard: usize,
     hasher: std::hash::RandomState,
 }
@@ -32,18 +40,19 @@ impl DenyCache {
         }
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Instant>> {
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Denial>> {
         &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
-    /// The first enforcing check known to deny at `now`, with the time left.
-    pub fn find(&self, checks: &[Check], now: Instant) -> Option<(usize, Duration)> {
+    /// The first enforcing check known to deny at `now`, with the time left
+    /// and what its bucket held.
+    pub fn find(&self, checks: &[Check], now: Instant) -> Option<(usize, Duration, u64)> {
         checks.iter().enumerate().find_map(|(i, c)| {
             if c.shadow {
                 return None;
             }
-            let until = *self.shard(&c.key).lock().get(&c.key)?;
-            (until > now).then(|| (i, until - now))
+            let d = *self.shard(&c.key).lock().get(&c.key)?;
+            (d.until > now).then(|| (i, d.until - now, d.held))
         })
     }
 
@@ -52,15 +61,15 @@ impl DenyCache {
         self.shard(key).lock().remove(key);
     }
 
-    pub fn remember(&self, key: &str, until: Instant) {
+    pub fn remember(&self, key: &str, denial: Denial) {
         let mut shard = self.shard(key).lock();
         if shard.len() >= self.per_shard && !shard.contains_key(key) {
             let now = Instant::now();
-            shard.retain(|_, t| *t > now);
+            shard.retain(|_, d| d.until > now);
             if shard.len() >= self.per_shard {
                 shard.clear();
             }
         }
-        shard.insert(key.to_string(), until);
+        shard.insert(key.to_string(), denial);
     }
 }

@@ -21,9 +21,9 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 
 use super::algorithms::{outage, Snapshot};
-use super::deny_cache::DenyCache;
+use super::deny_cache::{Denial, DenyCache};
 use super::ledger::Ledger;
-use super::{Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Verdict};
+use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, OnRedisFailure};
 use crate::metrics::{self, DecidedBy};
@@ -77,6 +77,15 @@ pub enum Outcome {
         backend: FallbackState,
         /// The checks as they were enforced (scaled down when local fallback).
         checks: Arc<[Check]>,
+    },
+    /// A denial remembered from Redis's answer (the denied-until cache)
+    /// refused it at once: `checks[tier]` decided it, with `decision`; the
+    /// other tiers were not asked.
+    Remembered {
+        checks: Arc<[Check]>,
+        tier: usize,
+        decision: Decision,
+        now_us: Micros,
     },
     /// Redis failed and `on_redis_failure = "allow"`.
     FailOpen,
@@ -308,14 +317,6 @@ impl Fallback {
                 Ok(mut verdict) => {
                     metrics::decided_by(DecidedBy::Redis);
                     let received = Instant::now();
-                    for (c, d) in asked.iter().zip(&verdict.decisions) {
-                        if !d.allowed && !c.shadow {
-                            self.denied.remember(
-                                &c.key,
-                                received + Duration::from_micros(d.retry_after_us),
-                            );
-                        }
-                    }
                     // An answer that arrives after the breaker opened must
                     // not overwrite what the fallback has admitted since.
                     if self.redis_up.load(Ordering::Acquire) {
@@ -325,6 +326,17 @@ impl Fallback {
                     // Redis holds and this replica's lease.
                     if let Some(leases) = leases {
                         leases.answered(&asked, &mut verdict.decisions, received);
+                    }
+                    for (c, d) in asked.iter().zip(&verdict.decisions) {
+                        if !d.allowed && !c.shadow {
+                            self.denied.remember(
+                                &c.key,
+                                Denial {
+                                    until: received + Duration::from_micros(d.retry_after_us),
+                                    held: d.remaining,
+                                },
+                            );
+                        }
                     }
                     // The covered tiers' decisions in their places.
                     let verdict = match (&taken, leases) {
@@ -422,25 +434,23 @@ impl Fallback {
     }
 
     /// A request that a remembered denial already decides: the denying tier
-    /// alone is reported (the others were not asked).
-    fn remembered_denial(&self, checks: &[Check], now: Instant) -> Option<Outcome> {
-        let (i, wait) = self.denied.find(checks, now)?;
-        let c = &checks[i];
+    /// alone was asked; the others are reported as not asked.
+    fn remembered_denial(&self, checks: &Arc<[Check]>, now: Instant) -> Option<Outcome> {
+        let (tier, wait, held) = self.denied.find(checks, now)?;
         let wait_us = wait.as_micros() as u64;
-        Some(Outcome::Decided {
-            verdict: Verdict {
-                decisions: vec![Decision {
-                    allowed: false,
-                    limit: super::algorithms::quota(&c.algorithm),
-                    remaining: 0,
-                    retry_after_us: wait_us,
-                    reset_after_us: wait_us,
-                    delay_us: 0,
-                }],
-                now_us: SystemClock.now_us(),
+        Some(Outcome::Remembered {
+            checks: checks.clone(),
+            tier,
+            decision: Decision {
+                allowed: false,
+                limit: super::algorithms::quota(&checks[tier].algorithm),
+                // As Redis said when it refused (others may spend meanwhile).
+                remaining: held,
+                retry_after_us: wait_us,
+                reset_after_us: wait_us,
+                delay_us: 0,
             },
-            backend: FallbackState::Redis,
-            checks: Arc::new([c.clone()]),
+            now_us: SystemClock.now_us(),
         })
     }
 

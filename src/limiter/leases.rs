@@ -504,7 +504,9 @@ impl Leases {
     /// What Redis said of each bucket of a request it decided (leases
     /// granted in the same call taken out: `debit`): kept as the start of
     /// what requests decided here report, and the request's own decisions
-    /// told as those are, with what this replica holds of its lease.
+    /// told as those are, with what this replica holds of its lease (a
+    /// refusal too: its `remaining` is what the bucket holds for the client,
+    /// under the request's cost; its retry time stays Redis's).
     pub fn answered(&self, checks: &[Check], decisions: &mut [Decision], now: Instant) {
         for (c, d) in checks.iter().zip(decisions) {
             if c.shadow || !leasable(&c.algorithm) {
@@ -513,10 +515,12 @@ impl Leases {
             if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
                 e.redis_remaining = d.remaining;
                 e.reset_at = now + Duration::from_micros(d.reset_after_us);
-                if d.allowed && e.tokens > 0 && now < e.expires {
+                if e.tokens > 0 && now < e.expires {
                     let told = e.decision(now);
                     d.remaining = told.remaining;
-                    d.reset_after_us = told.reset_after_us;
+                    if d.allowed {
+                        d.reset_after_us = told.reset_after_us;
+                    }
                 }
             }
         }

@@ -42,7 +42,8 @@ A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
 set of parameters however many requests of the batch use it.
 
 Returns, for each request and each of its tiers:
-  remaining when admitted, -1 when rejected
+  remaining when admitted; when rejected, -1 - what the bucket holds (the
+  tokens a request of cost 1 would find: fewer than this one's cost)
   reset_after_us (when rejected: the retry time)
   delay_us, for a leaky bucket only (its wait for its slot)
 then per lease: the tokens granted, their `until`, and the tokens taken back
@@ -381,7 +382,24 @@ for r = 1, m do
     end
     if not ok and not shadow then admit = false end
     t_key[i], t_ok[i], t_new[i], t_ttl[i], t_cost[i] = k, ok, new, ttl, c
-    if not ok then remaining = -1 end
+    if not ok then
+      -- What the bucket holds: what a request of cost 1 would be told, plus it.
+      local held = 0
+      if c > 1 then
+        local ok1, rem1
+        if kind <= 2 then
+          ok1, rem1 = gcra(s, ts[k], taus[k], lims[k], kind == 2, now, 1)
+        elseif kind == 3 then
+          ok1, rem1 = fixed_window(s, p1s[k], ws[k], now, 1)
+        elseif kind == 4 then
+          ok1, rem1 = sliding_window(s, p1s[k], ws[k], now, 1)
+        else
+          ok1, rem1 = sliding_log(names[k], p1s[k], ws[k], now, 1)
+        end
+        if ok1 then held = rem1 + 1 end
+      end
+      remaining = -1 - held
+    end
     out[no + 1], out[no + 2] = remaining, reset
     no = no + 2
     if kind == 2 then

@@ -74,12 +74,6 @@ pub async fn serve(
         Ok(a) => a,
         Err(e) => return error(400, e),
     };
-    if ask.subject == Subject::Nobody && !(ask.route.is_some() && ask.value.is_some()) {
-        return error(
-            400,
-            "missing query parameter: name a client with key=ID or ip=ADDRESS (or a route's value with route=NAME&value=V)",
-        );
-    }
     let buckets = match admission::buckets(
         policy,
         &ask.subject,
@@ -87,7 +81,10 @@ pub async fn serve(
         ask.value.as_deref(),
     ) {
         Ok(b) => b,
-        Err(e) => return error(404, e),
+        Err(admission::BucketsError::Unknown(e)) => return error(404, e),
+        Err(admission::BucketsError::Missing(e)) => {
+            return error(400, format!("missing query parameter: {e}"))
+        }
     };
     let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
     let describe = |i: usize| buckets[i].describe();

@@ -32,7 +32,7 @@ use pingora::upstreams::peer::Peer;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 
 use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
-use crate::limiter::{Fallback, Outcome, Tier};
+use crate::limiter::{Fallback, Tier};
 use crate::metrics::{DecisionLabel, RouteMetrics};
 use responses::Reply;
 use upstreams::Pools;
@@ -87,6 +87,8 @@ pub struct Ctx {
     replied: Option<u16>,
     /// The route a refused request is counted under (no plan was made).
     refused_route: Option<usize>,
+    /// Who sent a refused request (the access log's `client`).
+    refused_client: Option<String>,
     /// Servers that failed this request (a retry goes elsewhere).
     failed: Vec<std::net::SocketAddr>,
     /// Retries spent: the connect retry, and the route's `retries`.
@@ -192,6 +194,7 @@ impl ProxyHttp for Gateway {
             upstream_sent: None,
             replied: None,
             refused_route: None,
+            refused_client: None,
             failed: Vec::new(),
             connect_retried: false,
             retries_used: 0,
@@ -267,7 +270,9 @@ impl ProxyHttp for Gateway {
         let mut plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,
             Err(refusal) => {
-                ctx.refused_route = admission::refused_route(policy, &view);
+                let refused = admission::refused(policy, &view);
+                ctx.refused_route = refused.route;
+                ctx.refused_client = Some(refused.client.to_string());
                 let reply = responses::refusal(&refusal);
                 // A refused preflight carries no CORS headers: the browser
                 // then blocks the request it announced.
@@ -289,12 +294,7 @@ impl ProxyHttp for Gateway {
         policy.settle(&plan, &outcome);
         ctx.plan = Some(plan);
         ctx.backend = admission::backend_of(&outcome);
-        if let Outcome::Decided {
-            verdict, checks, ..
-        } = &outcome
-        {
-            ctx.tiers = admission::tier_labels(checks, &verdict.decisions);
-        }
+        ctx.tiers = admission::tier_labels(&outcome);
         let jitter_us = match cfg.limiter.retry_after_jitter_ms {
             0 => 0,
             ms => fastrand::u64(..=ms * 1000),
@@ -634,7 +634,7 @@ impl ProxyHttp for Gateway {
             route,
             method = %req.method,
             status,
-            client = %ctx.plan.as_ref().map(|p| p.client.to_string()).unwrap_or_default(),
+            client = %ctx.plan.as_ref().map(|p| p.client.to_string()).or_else(|| ctx.refused_client.clone()).unwrap_or_default(),
             key_id = ctx.plan.as_ref().and_then(|p| p.key_id.as_deref()).unwrap_or("-"),
             rejected_by = rejected_by.as_str(),
             shadow_rejected_by = shadow_rejected_by.as_str(),

@@ -37,8 +37,8 @@ pub struct Reloader {
     pub limiter: Arc<Fallback>,
 }
 
-fn digest(path: &PathBuf) -> Option<[u8; 32]> {
-    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
+fn digest(path: &PathBuf) -> std::io::Result<[u8; 32]> {
+    std::fs::read(path).map(|b| Sha256::digest(&b).into())
 }
 
 impl Reloader {
@@ -148,43 +148,71 @@ struct Watch {
     path: Option<PathBuf>,
     seen: Option<[u8; 32]>,
     pending: Option<[u8; 32]>,
+    /// Why the file could not be read at the last poll (said once).
+    unreadable: Option<String>,
+}
+
+/// What a poll found.
+enum Polled {
+    Same,
+    /// New content, stable for one poll.
+    Changed,
+    /// The file was readable and is not now (deleted, or its permissions
+    /// changed): said once, until it is readable again.
+    Unreadable(String),
 }
 
 impl Watch {
     fn new(path: Option<&PathBuf>) -> Self {
         let path = path.cloned();
-        let seen = path.as_ref().and_then(digest);
+        let seen = path.as_ref().and_then(|p| digest(p).ok());
         Watch {
             path,
             seen,
             pending: None,
+            unreadable: None,
         }
     }
 
     fn seen_now(&mut self) {
-        self.seen = self.path.as_ref().and_then(digest);
+        self.seen = self.path.as_ref().and_then(|p| digest(p).ok());
         self.pending = None;
     }
 
-    /// Polled: true once new content has stayed the same for one poll
+    /// Polled: `Changed` once new content has stayed the same for one poll
     /// (debounce: an editor or a symlink swap may write in steps).
-    fn changed(&mut self) -> bool {
+    fn poll(&mut self) -> Polled {
         let Some(path) = &self.path else {
-            return false;
+            return Polled::Same;
         };
-        match (digest(path), self.pending) {
-            (Some(d), Some(p)) if d == p && Some(d) != self.seen => {
+        let d = match digest(path) {
+            Ok(d) => {
+                self.unreadable = None;
+                d
+            }
+            Err(e) => {
+                self.pending = None;
+                let why = e.to_string();
+                if self.unreadable.as_ref() == Some(&why) {
+                    return Polled::Same;
+                }
+                self.unreadable = Some(why.clone());
+                return Polled::Unreadable(why);
+            }
+        };
+        match self.pending {
+            Some(p) if d == p && Some(d) != self.seen => {
                 self.seen = Some(d);
                 self.pending = None;
-                true
+                Polled::Changed
             }
-            (Some(d), _) if Some(d) != self.seen => {
+            _ if Some(d) != self.seen => {
                 self.pending = Some(d);
-                false
+                Polled::Same
             }
             _ => {
                 self.pending = None;
-                false
+                Polled::Same
             }
         }
     }
@@ -212,11 +240,23 @@ impl BackgroundService for Reloader {
                     password.seen_now();
                 }
                 _ = tokio::time::sleep(POLL) => {
-                    if config.changed() {
-                        self.reload("file change");
+                    match config.poll() {
+                        Polled::Changed => self.reload("file change"),
+                        Polled::Unreadable(e) => tracing::warn!(
+                            file = %self.path.display(),
+                            error = %e,
+                            "config file cannot be read; the running config stays in use until it can"
+                        ),
+                        Polled::Same => {}
                     }
-                    if password.changed() {
-                        self.reload_password("file change");
+                    match password.poll() {
+                        Polled::Changed => self.reload_password("file change"),
+                        Polled::Unreadable(e) => tracing::warn!(
+                            file = %self.password_file().map_or(String::new(), |p| p.display().to_string()),
+                            error = %e,
+                            "redis.password_file cannot be read; the password read last stays in use until it can"
+                        ),
+                        Polled::Same => {}
                     }
                 }
             }

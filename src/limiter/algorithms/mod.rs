@@ -119,8 +119,21 @@ pub fn quota(alg: &Algorithm) -> u64 {
 }
 
 /// Decides one request costing `cost` tokens (at least 1, at most the rule's
-/// `quota`) against one bucket without changing it.
+/// `quota`) against one bucket without changing it. `remaining` counts
+/// tokens: after an admitted request, what is left; on a rejection, what the
+/// bucket holds now, fewer than the request's cost (what `/limits` says).
 pub fn check(alg: &Algorithm, state: Option<&State>, now: Micros, cost: u64) -> Evaluation {
+    let mut e = decide(alg, state, now, cost);
+    if !e.decision.allowed && cost > 1 {
+        let one = decide(alg, state, now, 1).decision;
+        if one.allowed {
+            e.decision.remaining = one.remaining + 1;
+        }
+    }
+    e
+}
+
+fn decide(alg: &Algorithm, state: Option<&State>, now: Micros, cost: u64) -> Evaluation {
     match *alg {
         Algorithm::TokenBucket {
             capacity,

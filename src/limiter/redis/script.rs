@@ -239,15 +239,17 @@ pub(super) fn reply_width(alg: &Algorithm) -> usize {
     }
 }
 
-/// One tier's integers: remaining (-1: rejected), reset_after_us (when
-/// rejected, the retry time), and for a leaky bucket delay_us.
+/// One tier's integers: remaining when admitted, -1 - remaining when
+/// rejected (what the bucket holds, under the request's cost),
+/// reset_after_us (when rejected, the retry time), and for a leaky bucket
+/// delay_us.
 pub(super) fn decision(c: &Check, r: &[i64]) -> Decision {
     let allowed = r[0] >= 0;
     let reset = r[1].max(0) as u64;
     Decision {
         allowed,
         limit: quota(&c.algorithm),
-        remaining: r[0].max(0) as u64,
+        remaining: if allowed { r[0] } else { -1 - r[0] }.max(0) as u64,
         retry_after_us: if allowed { 0 } else { reset },
         reset_after_us: reset,
         delay_us: r.get(2).map_or(0, |&d| d.max(0) as u64),
