@@ -585,3 +585,33 @@ allow_origins = []
         "{err}"
     );
 }
+
+/// The help says what an operator needs without the README (#27): signals,
+/// what is watched, the log's environment, and what `limits` must be told.
+#[test]
+fn help_names_signals_watching_and_what_limits_needs() {
+    let help = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .args(args)
+            .output()
+            .expect("gateway --help");
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let run = help(&["run", "--help"]);
+    for what in [
+        "HUP",
+        "TERM",
+        "INT",
+        "redis.password_file",
+        "GATEWAY_LOG ",
+        "GATEWAY_LOG_FORMAT",
+    ] {
+        assert!(run.contains(what), "run --help lacks {what}: {run}");
+    }
+    let limits = help(&["limits", "--help"]);
+    assert!(
+        limits.contains("--key or --ip") && limits.contains("--route and --value"),
+        "{limits}"
+    );
+}
