@@ -45,10 +45,15 @@ impl DenyCache {
     }
 
     /// The first enforcing check known to deny at `now`, with the time left
-    /// and what its bucket held.
-    pub fn find(&self, checks: &[Check], now: Instant) -> Option<(usize, Duration, u64)> {
+    /// and what its bucket held; checks for which `skip` holds are passed.
+    pub fn find(
+        &self,
+        checks: &[Check],
+        now: Instant,
+        skip: impl Fn(&Check) -> bool,
+    ) -> Option<(usize, Duration, u64)> {
         checks.iter().enumerate().find_map(|(i, c)| {
-            if c.shadow {
+            if c.shadow || skip(c) {
                 return None;
             }
             let d = *self.shard(&c.key).lock().get(&c.key)?;

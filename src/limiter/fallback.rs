@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use super::algorithms::{outage, Snapshot};
 use super::deny_cache::{Denial, DenyCache};
+use super::leases::Leases;
 use super::ledger::Ledger;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
@@ -273,7 +274,7 @@ impl Fallback {
         let up = self.redis_up.load(Ordering::Acquire);
         let started = Instant::now();
         if up {
-            if let Some(outcome) = self.remembered_denial(checks, started) {
+            if let Some(outcome) = self.remembered_denial(checks, started, redis.leases()) {
                 metrics::decided_by(DecidedBy::DeniedCache);
                 return outcome;
             }
@@ -434,9 +435,19 @@ impl Fallback {
     }
 
     /// A request that a remembered denial already decides: the denying tier
-    /// alone was asked; the others are reported as not asked.
-    fn remembered_denial(&self, checks: &Arc<[Check]>, now: Instant) -> Option<Outcome> {
-        let (tier, wait, held) = self.denied.find(checks, now)?;
+    /// alone was asked; the others are reported as not asked. A bucket this
+    /// replica holds a lease on is not refused from memory: a grant that
+    /// arrived after the denial (a call already on its way when another
+    /// call was refused) holds tokens Redis debited, and they are spent,
+    /// not stranded until the denial ends.
+    fn remembered_denial(
+        &self,
+        checks: &Arc<[Check]>,
+        now: Instant,
+        leases: Option<&Leases>,
+    ) -> Option<Outcome> {
+        let leased = |c: &Check| leases.is_some_and(|l| l.holds(&c.key, c.cost, now));
+        let (tier, wait, held) = self.denied.find(checks, now, leased)?;
         let wait_us = wait.as_micros() as u64;
         Some(Outcome::Remembered {
             checks: checks.clone(),

@@ -526,6 +526,14 @@ impl Leases {
         }
     }
 
+    /// Whether this replica's lease on `key` could pay `cost` now.
+    pub fn holds(&self, key: &str, cost: u64, now: Instant) -> bool {
+        self.shard(key)
+            .lock()
+            .get(key)
+            .is_some_and(|e| e.tokens >= cost && now < e.expires)
+    }
+
     /// This replica's unspent lease on a bucket and its time left.
     pub fn outstanding(&self, key: &str, now: Instant) -> Option<(u64, Duration)> {
         let shard = self.shard(key).lock();
