@@ -161,6 +161,7 @@ fn key_lookup(c: &mut Criterion) {
             id: format!("rider-{i}"),
             digest: Sha256::digest(format!("secret-key-{i:06}").as_bytes()).into(),
             plan: "free".into(),
+            quotas: None,
         })
         .collect();
     let table = KeyTable::new(&keys);

@@ -16,12 +16,16 @@ use std::time::Duration;
 use http::HeaderValue;
 
 use crate::attributes::{self, AttributeError};
-use crate::config::{Algorithm, Attribute, Config, HeaderStyle, LimitKey, Missing, Scope};
+use crate::calendar::{self, Period, Span};
+use crate::clock::{Clock, SystemClock};
+use crate::config::{
+    Algorithm, ApiKey, Attribute, Config, HeaderStyle, LimitKey, Missing, Quota, Scope,
+};
 use crate::cors::{self, CorsError, CorsRules};
 use crate::identity::{self, ClientAddr, KeyError, KeyTable};
 use crate::limiter::algorithms::quota;
-use crate::limiter::keys::{bucket_name, rule_prefix};
-use crate::limiter::{Check, Decision, Outcome, Tier};
+use crate::limiter::keys::{bucket_key, bucket_name, rule_prefix};
+use crate::limiter::{Check, Decision, Micros, Outcome, Tier};
 use crate::metrics::DecisionLabel;
 use crate::path::{normalize_path, PathError};
 use crate::routing::{RouteMatch, RouteTable};
@@ -40,6 +44,10 @@ pub struct Policy {
     /// `[cors]`'s for a request that matched no route.
     route_cors: Vec<Option<CorsRules>>,
     global_cors: Option<CorsRules>,
+    /// Bucket names start with it (`redis.key_prefix`).
+    key_prefix: String,
+    /// Each quota period's current span (`span`), by `Period::ALL` order.
+    spans: parking_lot::Mutex<[Option<Span>; 5]>,
 }
 
 /// A route's limit: its rule, and what names a request's bucket under it.
@@ -245,7 +253,69 @@ impl Policy {
             ip_rule,
             plan_rules,
             route_rules,
+            key_prefix: p.to_string(),
+            spans: parking_lot::Mutex::new([None; 5]),
             config,
+        }
+    }
+
+    /// The quotas `key` counts against: its own, else its plan's.
+    fn quotas_of<'a>(&'a self, key: &'a ApiKey) -> &'a [Quota] {
+        match &key.quotas {
+            Some(own) => own,
+            None => self
+                .config
+                .plans
+                .get(&key.plan)
+                .map_or(&[][..], |p| p.quotas.as_slice()),
+        }
+    }
+
+    /// One check per quota of `key`, on the period `now` falls in. Each
+    /// period is a bucket of its own, named by the key's id alone (not its
+    /// plan, nor the limit): a key moved to another plan, or a plan whose
+    /// quota changed, keeps what it used this period.
+    fn quota_checks(&self, key: &ApiKey, identity: &str, now: Micros, out: &mut Vec<Check>) {
+        for q in self.quotas_of(key) {
+            let span = self.span(q.period, now);
+            let algorithm = Algorithm::Calendar {
+                limit: q.limit,
+                period: q.period,
+                start: span.start,
+                end: span.end,
+            };
+            out.push(Check {
+                tier: Tier::Quota,
+                key: bucket_key(
+                    &self.key_prefix,
+                    "quota",
+                    q.period.as_str(),
+                    &algorithm,
+                    identity,
+                ),
+                algorithm,
+                shadow: false,
+                cost: 1,
+                shards: 1,
+            });
+        }
+    }
+
+    /// The period of `now`, remembered while it lasts (a calendar in a time
+    /// zone is not free to work out on every request).
+    fn span(&self, period: Period, now: Micros) -> Span {
+        let i = Period::ALL
+            .iter()
+            .position(|(_, p)| *p == period)
+            .unwrap_or(0);
+        let mut spans = self.spans.lock();
+        match spans[i] {
+            Some(s) if s.contains(now) => s,
+            _ => {
+                let s = calendar::span(period, self.config.limiter.quota_time_zone, now);
+                spans[i] = Some(s);
+                s
+            }
         }
     }
 
@@ -433,7 +503,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         )?),
         _ => None,
     };
-    let mut checks = Vec::with_capacity(3);
+    let mut checks = Vec::with_capacity(4);
     if charged && !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
         if let Some(rule) = &policy.ip_rule {
             checks.push(rule.check(&ip_identity));
@@ -442,6 +512,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             if let Some(rule) = policy.plan_rules.get(&k.plan) {
                 checks.push(rule.check(identity));
             }
+            policy.quota_checks(k, identity, SystemClock.now_us(), &mut checks);
         }
         if let (Some(rr), Some(identity)) = (&policy.route_rules[route], &route_identity) {
             checks.push(rr.check(identity));
@@ -577,6 +648,11 @@ impl Bucket {
         if let Some(i) = self.shard {
             v["sub_bucket"] = format!("{} of {}", i + 1, self.check.shards).into();
         }
+        if let Algorithm::Calendar { period, end, .. } = self.check.algorithm {
+            v["tier"] = self.check.policy_name().into();
+            v["period"] = period.as_str().into();
+            v["period_ends"] = (end.div_euclid(1_000_000)).into();
+        }
         v
     }
 }
@@ -646,6 +722,18 @@ pub fn buckets(
             shard: None,
         });
     }
+    // A key's quotas, on the periods under way.
+    if let (Subject::Key(id), Some((identity, _)), None) = (subject, &client, route) {
+        if let Some(key) = cfg.api_keys.iter().find(|k| &k.id == id) {
+            let mut checks = Vec::new();
+            policy.quota_checks(key, identity, SystemClock.now_us(), &mut checks);
+            out.extend(checks.into_iter().map(|check| Bucket {
+                check,
+                route: None,
+                shard: None,
+            }));
+        }
+    }
     for i in routes {
         let Some(rr) = &policy.route_rules[i] else {
             continue;
@@ -708,7 +796,8 @@ pub enum Conclusion {
         headers: Vec<(&'static str, HeaderValue)>,
         /// Exact wait until a retry can succeed, in ms (rounded up).
         retry_after_ms: u64,
-        violated: Vec<Tier>,
+        /// The limits that refused, by `Check::policy_name`.
+        violated: Vec<&'static str>,
     },
     /// Redis failed and the operator chose to deny.
     Unavailable,
@@ -768,7 +857,7 @@ pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclu
             return Conclusion::Reject {
                 headers: hs,
                 retry_after_ms: wait_us.div_ceil(1000),
-                violated: vec![checks[*tier].tier],
+                violated: vec![checks[*tier].policy_name()],
             };
         }
         Outcome::FailOpen => {
@@ -812,7 +901,7 @@ pub fn conclude(outcome: &Outcome, style: HeaderStyle, jitter_us: u64) -> Conclu
         Conclusion::Reject {
             headers: hs,
             retry_after_ms: wait_us.div_ceil(1000),
-            violated: rejecting().map(|(c, _)| c.tier).collect(),
+            violated: rejecting().map(|(c, _)| c.policy_name()).collect(),
         }
     }
 }
@@ -855,11 +944,11 @@ fn headers(
             }
             let (q, w) = quota_window(&check.algorithm);
             let q = q * check.shards;
-            let _ = write!(policy, "\"{}\";q={q};w={w}", check.tier);
+            let _ = write!(policy, "\"{}\";q={q};w={w}", check.policy_name());
         }
         let current = format!(
             "\"{}\";r={};t={}",
-            c.tier,
+            c.policy_name(),
             d.remaining * c.shards,
             reset_us.div_ceil(1_000_000)
         );
@@ -890,6 +979,7 @@ fn quota_window(alg: &Algorithm) -> (u64, u64) {
         Algorithm::FixedWindow { limit, window_secs }
         | Algorithm::SlidingWindow { limit, window_secs }
         | Algorithm::SlidingLog { limit, window_secs } => (limit, window_secs),
+        Algorithm::Calendar { limit, period, .. } => (limit, period.nominal_secs()),
     }
 }
 

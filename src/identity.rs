@@ -303,6 +303,7 @@ mod tests {
             id: "demo".into(),
             digest: Sha256::digest(b"secret").into(),
             plan: "free".into(),
+            quotas: None,
         }];
         let t = KeyTable::new(&keys);
         assert_eq!(t.lookup(b"secret").map(|k| k.id.as_str()), Some("demo"));

@@ -5,6 +5,7 @@
 
 pub mod admission;
 pub mod attributes;
+pub mod calendar;
 pub mod certs;
 pub mod clock;
 pub mod config;

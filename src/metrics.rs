@@ -370,7 +370,7 @@ pub fn config_reload(ok: bool) {
 pub struct RouteMetrics {
     route: String,
     requests: [OnceLock<Counter>; STATUS_LABELS],
-    decisions: [[OnceLock<Counter>; 4]; 3],
+    decisions: [[OnceLock<Counter>; 4]; 4],
     upstream: OnceLock<Histogram>,
 }
 
@@ -389,7 +389,7 @@ impl RouteMetrics {
         for status in statuses.chain([100, 299, 399, 499, 599, 0]) {
             m.requests_counter(status).increment(0);
         }
-        for tier in [Tier::Ip, Tier::Key, Tier::Route] {
+        for tier in Tier::ALL {
             for d in [
                 DecisionLabel::Allowed,
                 DecisionLabel::Rejected,

@@ -615,3 +615,47 @@ fn help_names_signals_watching_and_what_limits_needs() {
         "{limits}"
     );
 }
+
+/// Quotas (#25): a zone that is not one, a period that is not one, a
+/// period given twice, each named with its key and line; a valid file
+/// prints the zone and each plan's and key's quotas.
+#[test]
+fn quotas_and_their_time_zone_are_checked() {
+    let plan = |quotas: &str, zone: &str| {
+        format!(
+            "{MINIMAL}\n[limiter]\nquota_time_zone = \"{zone}\"\n\n[plans.free]\ncapacity = 10\nrefill_per_sec = 1\nquotas = {quotas}\n\n\
+             [[api_keys]]\nid = \"a\"\nkey = \"a-secret-key-1\"\nplan = \"free\"\nquotas = [{{ limit = 9, period = \"month\" }}]\n"
+        )
+    };
+    let (ok, _, err) = check(&plan(
+        "[{ limit = 5, period = \"fortnight\" }, { limit = 0, period = \"day\" }]",
+        "Mars/Olympus_Mons",
+    ));
+    assert!(!ok);
+    for what in [
+        "limiter.quota_time_zone (line",
+        "is not an IANA time zone",
+        "plans.free.quotas[0].period (line",
+        "\"minute\", \"hour\", \"day\", \"week\", \"month\"",
+        "plans.free.quotas[1].limit (line",
+    ] {
+        assert!(err.contains(what), "{what}: {err}");
+    }
+    let (ok, _, err) = check(&plan(
+        "[{ limit = 5, period = \"day\" }, { limit = 50, period = \"day\" }]",
+        "UTC",
+    ));
+    assert!(!ok);
+    assert!(
+        err.contains("plans.free.quotas[1].period (line") && err.contains("one quota per period"),
+        "{err}"
+    );
+    let (ok, out, err) = check(&plan(
+        "[{ limit = 1000, period = \"day\" }, { limit = 20000, period = \"month\" }]",
+        "Europe/Paris",
+    ));
+    assert!(ok, "{err}");
+    assert!(out.contains("quota_time_zone=Europe/Paris"), "{out}");
+    assert!(out.contains("quotas: 1000/day, 20000/month"), "{out}");
+    assert!(out.contains("key a: its own; quotas: 9/month"), "{out}");
+}

@@ -785,3 +785,136 @@ fn malformed_leases_change_nothing() {
         assert_eq!(server.dbsize(), 0, "{what} wrote something");
     }
 }
+
+/// Calendar quotas (#25) across the boundaries that matter, as the planner
+/// makes them (the period `calendar::span` names, a bucket per period): both
+/// backends agree on every decision, and each period admits exactly its
+/// limit however the requests straddle its end. The last microsecond of a
+/// day, month ends of 28, 29, 30 and 31 days, both DST changes of a zone
+/// that has them, and a week.
+#[tokio::test]
+async fn calendar_quotas_agree_across_boundaries() {
+    use chrono::TimeZone;
+    use ratelimit_gateway::calendar::{self, Period};
+    let p = Pair::new();
+    let at = |tz: chrono_tz::Tz, y, mo, d, h| {
+        tz.with_ymd_and_hms(y, mo, d, h, 0, 0)
+            .earliest()
+            .expect("a local time")
+            .timestamp_micros()
+    };
+    let utc = chrono_tz::UTC;
+    let ny: chrono_tz::Tz = "America/New_York".parse().unwrap();
+    let paris: chrono_tz::Tz = "Europe/Paris".parse().unwrap();
+    // (zone, period, a boundary to straddle)
+    let cases = [
+        (utc, Period::Day, at(utc, 2026, 11, 27, 0)),
+        (paris, Period::Month, at(paris, 2026, 3, 1, 0)), // after 28 days
+        (paris, Period::Month, at(paris, 2028, 3, 1, 0)), // after 29
+        (paris, Period::Month, at(paris, 2026, 5, 1, 0)), // after 30
+        (paris, Period::Month, at(paris, 2027, 1, 1, 0)), // after 31, a year's end
+        (ny, Period::Day, at(ny, 2026, 3, 9, 0)),         // after a 23-hour day
+        (ny, Period::Day, at(ny, 2026, 11, 2, 0)),        // after a 25-hour day
+        (ny, Period::Hour, at(ny, 2026, 3, 8, 1) + 3_600 * S), // 01:00 EST -> 03:00 EDT
+        (utc, Period::Week, at(utc, 2026, 11, 30, 0)),    // Sunday -> Monday
+    ];
+    let limit = 3;
+    for (n, (tz, period, boundary)) in cases.into_iter().enumerate() {
+        // 5 requests a microsecond apart ending on the period's last
+        // microsecond, then 5 from its first: 3 and 3.
+        let mut admitted = [0, 0];
+        for i in 0..10i64 {
+            let now = if i < 5 {
+                boundary - 5 + i
+            } else {
+                boundary + (i - 5)
+            };
+            p.clock.set(now);
+            let span = calendar::span(period, tz, now);
+            let alg = Algorithm::Calendar {
+                limit,
+                period,
+                start: span.start,
+                end: span.end,
+            };
+            let c = [check(
+                Tier::Quota,
+                period.as_str(),
+                alg,
+                &format!("k:case{n}"),
+            )];
+            let d = p.decide(&c).await;
+            if d[0].allowed {
+                admitted[(i >= 5) as usize] += 1;
+            } else {
+                // Refused until the period ends: exactly then.
+                assert_eq!(d[0].retry_after_us as i64, span.end - now, "case {n}");
+            }
+        }
+        assert_eq!(admitted, [3, 3], "case {n}: {tz} {period:?} at {boundary}");
+    }
+    // The period's state reads back through /limits's arithmetic too.
+    let now = p.now();
+    let span = calendar::span(Period::Day, utc, now);
+    let alg = Algorithm::Calendar {
+        limit: 5,
+        period: Period::Day,
+        start: span.start,
+        end: span.end,
+    };
+    let c = [check(Tier::Quota, "day", alg, "k:inspect")];
+    p.decide(&c).await;
+    p.decide(&c).await;
+    let (redis, _) = p.redis.peek(&c).await.expect("peek");
+    assert_eq!(redis[0].remaining, 3);
+    assert_eq!(redis[0].reset_after_us as i64, span.end - now);
+}
+
+/// A quota's debt (admitted on the fallback) is charged by `charge.lua`
+/// as `outage::charge` computes it, and both backends decide the same
+/// afterwards; a debt of a period whose count has gone adds nothing.
+#[tokio::test]
+async fn charged_quota_debts_agree() {
+    use ratelimit_gateway::calendar::Period;
+    let p = Pair::new();
+    let mut rng = fastrand::Rng::with_seed(0x9a07a);
+    for round in 0..20 {
+        let start = p.now() - rng.i64(0..5 * S);
+        let alg = Algorithm::Calendar {
+            limit: rng.u64(5..30),
+            period: Period::Hour,
+            start,
+            end: start + 10 * S,
+        };
+        let c = [check(Tier::Quota, "hour", alg, &format!("k:q{round}"))];
+        for _ in 0..rng.usize(0..8) {
+            p.decide(&c).await;
+        }
+        let mut debt = None;
+        for _ in 0..rng.usize(1..10) {
+            outage::record(&alg, &mut debt, p.now(), 1);
+        }
+        let debts = vec![(c[0].clone(), debt.expect("recorded"))];
+        let local = p.local.charge_at(&debts, p.now());
+        let redis = p.redis.charge(&debts, "r1").await.expect("charge.lua");
+        assert_eq!((local, redis), (1, 1), "round {round}");
+        for _ in 0..(alg.quota() + 2) {
+            p.decide(&c).await;
+        }
+        p.clock.advance(S);
+    }
+    // Long after its period (past the minute its count is kept): nothing.
+    let now = p.now();
+    let alg = Algorithm::Calendar {
+        limit: 5,
+        period: Period::Minute,
+        start: now - 200 * S,
+        end: now - 120 * S,
+    };
+    let c = check(Tier::Quota, "minute", alg, "k:late");
+    let mut debt = None;
+    outage::record(&alg, &mut debt, now - 130 * S, 1);
+    let debts = vec![(c, debt.unwrap())];
+    assert_eq!(p.local.charge_at(&debts, now), 0);
+    assert_eq!(p.redis.charge(&debts, "r1").await.expect("charge.lua"), 0);
+}

@@ -26,6 +26,7 @@ pub(super) fn read(
             "retry_after_jitter_ms",
             "local_max_entries",
             "leases",
+            "quota_time_zone",
         ],
     );
     // With a [redis] section the operator means Redis; without one, local.
@@ -61,6 +62,20 @@ pub(super) fn read(
         Some(v) => r.table("limiter.leases", v).and_then(|l| leases(r, l)),
         None => Some(LeaseSettings::default()),
     };
+    let zone = opt(r, t, p, "quota_time_zone", chrono_tz::UTC, |r, path, v| {
+        let name = r.string(path, v)?;
+        match name.parse::<chrono_tz::Tz>() {
+            Ok(tz) => Some(tz),
+            Err(_) => {
+                r.error(
+                    path,
+                    Some(&v.span()),
+                    format!("\"{name}\" is not an IANA time zone; expected a name like \"UTC\", \"Europe/Paris\" or \"America/New_York\""),
+                );
+                None
+            }
+        }
+    });
     Some(LimiterSettings {
         backend: backend?,
         on_redis_failure: on_failure?,
@@ -69,6 +84,7 @@ pub(super) fn read(
         retry_after_jitter_ms: jitter?,
         local_max_entries: max_entries?,
         leases: leases?,
+        quota_time_zone: zone?,
     })
 }
 

@@ -288,7 +288,7 @@ pub(super) fn plans(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<BTree
             ok = false;
             continue;
         };
-        r.only_keys(&p, pt, &["capacity", "refill_per_sec"]);
+        r.only_keys(&p, pt, &["capacity", "refill_per_sec", "quotas"]);
         let span = v.span();
         let capacity = req(r, pt, &p, Some(&span), "capacity", |r, path, v| {
             r.int(path, v, 1, 1 << 40)
@@ -296,18 +296,61 @@ pub(super) fn plans(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<BTree
         let refill = req(r, pt, &p, Some(&span), "refill_per_sec", |r, path, v| {
             r.positive_number(path, v)
         });
-        match (capacity, refill) {
-            (Some(capacity), Some(refill_per_sec)) => {
+        let quotas = opt(r, pt, &p, "quotas", Vec::new(), quotas);
+        match (capacity, refill, quotas) {
+            (Some(capacity), Some(refill_per_sec), Some(quotas)) => {
                 out.insert(
                     plan_name,
                     Plan {
                         capacity,
                         refill_per_sec,
+                        quotas,
                     },
                 );
             }
             _ => ok = false,
         }
+    }
+    ok.then_some(out)
+}
+
+/// `quotas = [{ limit = N, period = "day" }, ...]`: one count per calendar
+/// period, each period at most once.
+fn quotas(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<Quota>> {
+    let items = r.array(path, v)?;
+    let mut out: Vec<Quota> = Vec::new();
+    let mut ok = true;
+    for (i, item) in items.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        let Some(qt) = r.table(&at, item) else {
+            ok = false;
+            continue;
+        };
+        r.only_keys(&at, qt, &["limit", "period"]);
+        let span = item.span();
+        let limit = req(r, qt, &at, Some(&span), "limit", |r, path, v| {
+            r.int(path, v, 1, 1 << 40)
+        });
+        let period = req(r, qt, &at, Some(&span), "period", |r, path, v| {
+            r.choice(path, v, &crate::calendar::Period::ALL)
+        });
+        let (Some(limit), Some(period)) = (limit, period) else {
+            ok = false;
+            continue;
+        };
+        if out.iter().any(|q| q.period == period) {
+            r.error(
+                &join(&at, "period"),
+                Some(&span),
+                format!(
+                    "a {} quota is already given: one quota per period",
+                    period.as_str()
+                ),
+            );
+            ok = false;
+            continue;
+        }
+        out.push(Quota { limit, period });
     }
     ok.then_some(out)
 }
@@ -319,7 +362,9 @@ pub(super) fn api_key(
     span: &Range<usize>,
     plans: &[String],
 ) -> Option<ApiKey> {
-    r.only_keys(p, t, &["id", "key", "sha256", "plan"]);
+    r.only_keys(p, t, &["id", "key", "sha256", "plan", "quotas"]);
+    // Read before the rest, reported with it: None inside means invalid.
+    let own_quotas = t.get("quotas").map(|v| quotas(r, &join(p, "quotas"), v));
     let id = req(r, t, p, Some(span), "id", name);
     let plan = req(r, t, p, Some(span), "plan", |r, path, v| {
         let plan = r.string(path, v)?;
@@ -377,9 +422,14 @@ pub(super) fn api_key(
             None
         }
     };
+    let quotas = match own_quotas {
+        Some(q) => Some(q?),
+        None => None,
+    };
     Some(ApiKey {
         id: id?,
         digest: digest?,
         plan: plan?,
+        quotas,
     })
 }

@@ -73,6 +73,18 @@ pub fn load(path: &Path) -> Result<Config, LoadError> {
     })
 }
 
+/// `; quotas: 1000/day, 30000/month` (empty without any).
+fn quotas(q: &[Quota]) -> String {
+    if q.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = q
+        .iter()
+        .map(|q| format!("{}/{}", q.limit, q.period.as_str()))
+        .collect();
+    format!("; quotas: {}", list.join(", "))
+}
+
 /// Validates config text; every problem is returned at once, ordered by line.
 pub fn parse(src: &str) -> Result<Config, Vec<ConfigError>> {
     file::parse(src, None)
@@ -146,12 +158,13 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={}",
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} quota_time_zone={}",
             l.instances,
             l.retry_after_jitter_ms,
             l.local_max_entries,
             l.leases.enabled,
-            l.leases.period_ms
+            l.leases.period_ms,
+            l.quota_time_zone.name()
         );
         match &self.redis {
             Some(r) => {
@@ -201,11 +214,18 @@ impl Config {
             let keys = self.api_keys.iter().filter(|k| &k.plan == name).count();
             let _ = writeln!(
                 s,
-                "  key plan {name}: token_bucket capacity={} refill_per_sec={} ({keys} key(s))",
-                p.capacity, p.refill_per_sec
+                "  key plan {name}: token_bucket capacity={} refill_per_sec={}{} ({keys} key(s))",
+                p.capacity,
+                p.refill_per_sec,
+                quotas(&p.quotas)
             );
         }
         let _ = writeln!(s, "api keys: {}", self.api_keys.len());
+        for k in &self.api_keys {
+            if let Some(q) = &k.quotas {
+                let _ = writeln!(s, "  key {}: its own{}", k.id, quotas(q));
+            }
+        }
         let _ = writeln!(s, "upstreams:");
         for u in &self.upstreams {
             let protocol = u.protocol.spelling();

@@ -171,6 +171,8 @@ pub struct LimiterSettings {
     pub retry_after_jitter_ms: u64,
     pub local_max_entries: usize,
     pub leases: LeaseSettings,
+    /// The calendar that bounds quota periods.
+    pub quota_time_zone: chrono_tz::Tz,
 }
 
 /// `[limiter.leases]`: tokens Redis debits ahead for a hot bucket, spent on
@@ -250,6 +252,16 @@ pub enum Algorithm {
         limit: u64,
         window_secs: u64,
     },
+    /// A quota's current calendar period, `[start, end)` in microseconds
+    /// since the epoch: at most `limit` in it. Never written in a file: the
+    /// planner makes one per request from a `Quota` (its period in the
+    /// configured time zone), so the limiter needs no calendar.
+    Calendar {
+        limit: u64,
+        period: crate::calendar::Period,
+        start: i64,
+        end: i64,
+    },
 }
 
 impl Algorithm {
@@ -266,7 +278,8 @@ impl Algorithm {
             } => Self::leaky_burst(1e6 / rate_per_sec, max_delay_ms as f64 * 1000.0),
             Algorithm::FixedWindow { limit, .. }
             | Algorithm::SlidingWindow { limit, .. }
-            | Algorithm::SlidingLog { limit, .. } => limit,
+            | Algorithm::SlidingLog { limit, .. }
+            | Algorithm::Calendar { limit, .. } => limit,
         }
     }
 
@@ -283,6 +296,7 @@ impl Algorithm {
             Algorithm::FixedWindow { .. } => "fixed_window",
             Algorithm::SlidingWindow { .. } => "sliding_window",
             Algorithm::SlidingLog { .. } => "sliding_log",
+            Algorithm::Calendar { .. } => "quota",
         }
     }
 }
@@ -312,6 +326,9 @@ impl fmt::Display for Algorithm {
             }
             Algorithm::SlidingLog { limit, window_secs } => {
                 write!(f, "sliding_log limit={limit} window_secs={window_secs}")
+            }
+            Algorithm::Calendar { limit, period, .. } => {
+                write!(f, "quota limit={limit} period={}", period.as_str())
             }
         }
     }
@@ -397,6 +414,16 @@ pub enum Missing {
 pub struct Plan {
     pub capacity: u64,
     pub refill_per_sec: f64,
+    /// Counts per calendar period, beside the burst bucket.
+    pub quotas: Vec<Quota>,
+}
+
+/// At most `limit` requests per calendar `period` (in
+/// `limiter.quota_time_zone`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub limit: u64,
+    pub period: crate::calendar::Period,
 }
 
 #[derive(Clone, PartialEq)]
@@ -405,6 +432,8 @@ pub struct ApiKey {
     /// SHA-256 of the secret; the secret itself is never kept.
     pub digest: [u8; 32],
     pub plan: String,
+    /// This key's own quotas, in place of its plan's.
+    pub quotas: Option<Vec<Quota>>,
 }
 
 impl fmt::Debug for ApiKey {

@@ -14,6 +14,7 @@ n, the number of debt values, then the values:
          kind 3 (fixed)       window, count
          kind 4 (sliding)     window, prev, cur
          kind 5 (log)         the admission times
+         kind 6 (quota)       end, count   end: the period's (p2)
 
 Returns the number of buckets written.
 
@@ -65,7 +66,7 @@ end
 local a, plan = 3, {}
 for k = 1, #KEYS do
   local kind, p1, p2, n = tonum(ARGV[a]), tonum(ARGV[a + 1]), tonum(ARGV[a + 2]), tonum(ARGV[a + 3])
-  if kind == nil or kind < 1 or kind > 5 or kind % 1 ~= 0 or p1 == nil or p2 == nil
+  if kind == nil or kind < 1 or kind > 6 or kind % 1 ~= 0 or p1 == nil or p2 == nil
       or n == nil or n < 0 or n % 1 ~= 0 or a + 3 + n > #ARGV then
     return bad('bucket ' .. k .. ' has no valid kind, p1, p2, n')
   end
@@ -74,7 +75,7 @@ for k = 1, #KEYS do
     v[i] = tonum(ARGV[a + 3 + i])
     if v[i] == nil then return bad('bucket ' .. k .. ' has a value that is no number') end
   end
-  if (kind <= 2 and n ~= 2) or (kind == 3 and n ~= 2) or (kind == 4 and n ~= 3) then
+  if (kind <= 2 and n ~= 2) or (kind == 3 and n ~= 2) or (kind == 4 and n ~= 3) or (kind == 6 and n ~= 2) then
     return bad('bucket ' .. k .. ' has ' .. n .. ' values for kind ' .. kind)
   end
   plan[k] = {kind, p1, p2, v}
@@ -114,6 +115,20 @@ for k = 1, #KEYS do
       if sw == n then base = sc end
       local ttl = max(0, (n + 1) * w - now)
       call('SET', key, format('%d %d', n, base + v[2]), 'PX', max(min_px, math.ceil(ttl / 1000)))
+      written = written + 1
+    end
+  elseif kind == 6 then
+    -- The period's own key: the debt adds to its count, while it is kept.
+    local stop = p2
+    if v[1] == stop and now < stop + 60000000 then
+      local raw = call('GET', key)
+      local base = 0
+      if raw then
+        local x, y = string.match(raw, '^(%-?%d+) (%d+)$')
+        if x and tonum(x) == stop then base = tonum(y) end
+      end
+      local ttl = max(0, stop - now) + 60000000
+      call('SET', key, format('%d %d', stop, base + v[2]), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end
   elseif kind == 4 then

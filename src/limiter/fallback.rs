@@ -894,5 +894,16 @@ pub fn share(alg: &Algorithm, n: u32) -> Algorithm {
             limit: (limit / n).max(1),
             window_secs,
         },
+        Algorithm::Calendar {
+            limit,
+            period,
+            start,
+            end,
+        } => Algorithm::Calendar {
+            limit: (limit / n).max(1),
+            period,
+            start,
+            end,
+        },
     }
 }

@@ -42,6 +42,11 @@ fn fingerprint(alg: &Algorithm) -> String {
         Algorithm::FixedWindow { limit, window_secs } => format!("fw-{limit}-{window_secs}"),
         Algorithm::SlidingWindow { limit, window_secs } => format!("sw-{limit}-{window_secs}"),
         Algorithm::SlidingLog { limit, window_secs } => format!("sl-{limit}-{window_secs}"),
+        // The period, not the limit: a plan changed mid-month keeps its
+        // count (a quota is money); each period is a bucket of its own.
+        Algorithm::Calendar { period, start, .. } => {
+            format!("q-{}-{}", period.as_str(), start.div_euclid(1_000_000))
+        }
     }
 }
 

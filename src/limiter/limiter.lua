@@ -25,6 +25,9 @@ then per bucket (in order) three values:
                  3 fixed_window   p1 = limit     p2 = window seconds
                  4 sliding_window p1 = limit     p2 = window seconds
                  5 sliding_log    p1 = limit     p2 = window seconds
+                 6 quota          p1 = limit     p2 = its period's end, in
+                                  microseconds since the epoch (the key is
+                                  the period's own: algorithms/calendar.rs)
          p1, p2  as above (rates may be fractional)
 then per shape: n, its number of tiers, and per tier two values: the index
          k of its bucket in KEYS, negated for a shadow tier (decided and
@@ -151,6 +154,18 @@ local function sliding_window(s, limit, w, now, cost)
   return false, 0, retry, 0
 end
 
+-- A quota's period: state {its end, count}; kept a minute past its end
+-- (calendar.rs's GRACE_US) for a replica whose clock is a little behind.
+local function quota(s, limit, stop, now, cost)
+  local count = 0
+  if s and s[1] == stop then count = s[2] end
+  local left = max(0, stop - now)
+  if count + cost <= limit then
+    return true, limit - count - cost, left, 0, {stop, count + cost}, left + 60000000
+  end
+  return false, 0, left, 0
+end
+
 -- The log is a sorted set read in place; its "state" is the count of live
 -- entries, which the commit needs to name the new members (one per token).
 local function sliding_log(key, limit, w, now, cost)
@@ -172,7 +187,7 @@ end
 local function decode(kind, raw)
   if not raw then return nil end
   if kind <= 2 then return tonum(raw) end
-  if kind == 3 then
+  if kind == 3 or kind == 6 then
     local a, b = match(raw, '^(%-?%d+) (%d+)$')
     if a then return {tonum(a), tonum(b)} end
   elseif kind == 4 then
@@ -189,7 +204,7 @@ local function encode(kind, s)
     if s == floor(s) then return format('%d', s) end
     return s
   end
-  if kind == 3 then return format('%d %d', s[1], s[2]) end
+  if kind == 3 or kind == 6 then return format('%d %d', s[1], s[2]) end
   return format('%d %d %d', s[1], s[2], s[3])
 end
 
@@ -241,7 +256,7 @@ local kinds, p1s, ts, taus, lims, ws = {}, {}, {}, {}, {}, {}
 for k = 1, nk do
   local b = 3 * k + 2 + nx
   local kind, p1, p2 = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2])
-  if not whole(kind, 1, 5) or p1 == nil or p2 == nil or not (p1 > 0 and p1 < huge)
+  if not whole(kind, 1, 6) or p1 == nil or p2 == nil or not (p1 > 0 and p1 < huge)
       or not (p2 >= 0 and p2 < huge) then
     return bad('bucket ' .. k .. ' has no valid kind, p1, p2')
   end
@@ -252,6 +267,8 @@ for k = 1, nk do
   elseif kind == 2 then
     local t, tau = 1e6 / p1, p2 * 1000.0
     ts[k], taus[k], lims[k] = t, tau, floor(tau / t) + 1
+  elseif kind == 6 then
+    ws[k] = p2
   else
     ws[k] = p2 * 1000000
   end
@@ -296,7 +313,7 @@ if lease_at <= na then
   for i = 1, nl do
     local b = lease_at + 4 * i - 1
     local k, want, ret, til = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
-    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
+    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] >= 5 or not whole(want, 0, 2 ^ 40)
         or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53) then
       return bad('lease ' .. i .. ' is not a token bucket or window with want, ret, until')
     end
@@ -377,6 +394,8 @@ for r = 1, m do
       ok, remaining, reset, delay, new, ttl = fixed_window(s, p1s[k], ws[k], now, c)
     elseif kind == 4 then
       ok, remaining, reset, delay, new, ttl = sliding_window(s, p1s[k], ws[k], now, c)
+    elseif kind == 6 then
+      ok, remaining, reset, delay, new, ttl = quota(s, p1s[k], ws[k], now, c)
     else
       ok, remaining, reset, delay, new, ttl = sliding_log(names[k], p1s[k], ws[k], now, c)
     end
@@ -393,6 +412,8 @@ for r = 1, m do
           ok1, rem1 = fixed_window(s, p1s[k], ws[k], now, 1)
         elseif kind == 4 then
           ok1, rem1 = sliding_window(s, p1s[k], ws[k], now, 1)
+        elseif kind == 6 then
+          ok1, rem1 = quota(s, p1s[k], ws[k], now, 1)
         else
           ok1, rem1 = sliding_log(names[k], p1s[k], ws[k], now, 1)
         end

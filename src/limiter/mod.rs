@@ -31,14 +31,19 @@ pub enum Tier {
     Ip,
     Key,
     Route,
+    /// An API key's calendar quota (its plan's, or its own).
+    Quota,
 }
 
 impl Tier {
+    pub const ALL: [Tier; 4] = [Tier::Ip, Tier::Key, Tier::Route, Tier::Quota];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Tier::Ip => "ip",
             Tier::Key => "key",
             Tier::Route => "route",
+            Tier::Quota => "quota",
         }
     }
 }
@@ -63,6 +68,24 @@ pub struct Check {
     /// The bucket is one of this many equal sub-buckets of a global limit
     /// (its `shards`), holding 1/shards of it; 1 for every other bucket.
     pub shards: u64,
+}
+
+impl Check {
+    /// The limit's name in `RateLimit-Policy` and a 429's
+    /// `violated-policies`: the tier's, a quota's with its period.
+    pub fn policy_name(&self) -> &'static str {
+        use crate::calendar::Period;
+        match (self.tier, self.algorithm) {
+            (Tier::Quota, Algorithm::Calendar { period, .. }) => match period {
+                Period::Minute => "quota-minute",
+                Period::Hour => "quota-hour",
+                Period::Day => "quota-day",
+                Period::Week => "quota-week",
+                Period::Month => "quota-month",
+            },
+            (tier, _) => tier.as_str(),
+        }
+    }
 }
 
 /// What the backend said about a whole request.

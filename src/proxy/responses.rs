@@ -13,7 +13,6 @@ use pingora::proxy::Session;
 use pingora::Result;
 
 use crate::admission::Refusal;
-use crate::limiter::Tier;
 
 pub struct Reply {
     pub status: u16,
@@ -126,9 +125,8 @@ pub fn preflight(headers: crate::cors::Headers) -> Reply {
 pub fn too_many_requests(
     headers: Vec<(&'static str, HeaderValue)>,
     retry_after_ms: u64,
-    violated: &[Tier],
+    violated: &[&str],
 ) -> Reply {
-    let violated: Vec<&str> = violated.iter().map(|t| t.as_str()).collect();
     let detail = format!("rate limit exceeded on tier(s): {}", violated.join(", "));
     Reply {
         status: 429,

@@ -2,7 +2,7 @@
 //! `window_secs` (windows start at multiples of the window since the epoch, so
 //! every replica agrees where one ends). A request costing n counts n.
 
-use super::{Decision, Evaluation, Micros, Update};
+use super::{Evaluation, Micros, Update};
 
 pub fn check(
     limit: u64,
@@ -19,21 +19,11 @@ pub fn check(
     };
     let until_end = ((n + 1) * w - now).max(0) as u64;
     if count + cost <= limit {
-        Evaluation {
-            decision: Decision {
-                allowed: true,
-                limit,
-                remaining: limit - count - cost,
-                retry_after_us: 0,
-                reset_after_us: until_end,
-                delay_us: 0,
-            },
-            update: Update::Window {
-                window: n,
-                count: count + cost,
-            },
-            ttl_us: until_end,
-        }
+        let update = Update::Window {
+            window: n,
+            count: count + cost,
+        };
+        Evaluation::admitted(limit, limit - count - cost, until_end, update, until_end)
     } else {
         Evaluation::rejected(limit, until_end, until_end)
     }

@@ -58,6 +58,12 @@ fn until_whole(alg: &Algorithm, state: Option<&State>, now: Micros) -> u64 {
             };
             (end - now).max(0) as u64
         }
+        // A quota's period is whole again when the next one starts.
+        (Algorithm::Calendar { end, .. }, Some(State::Window { window, count }))
+            if *window == end && *count > 0 =>
+        {
+            (end - now).max(0) as u64
+        }
         (Algorithm::SlidingLog { window_secs, .. }, Some(State::Log(log))) => log
             .back()
             .map_or(0, |newest| (newest + w(window_secs) - now).max(0) as u64),

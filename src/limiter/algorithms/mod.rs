@@ -9,6 +9,7 @@
 //! IEEE doubles, so both backends reach the same decisions (the conformance
 //! suite in `tests/limiter_conformance.rs` holds them to it).
 
+pub(crate) mod calendar;
 mod fixed_window;
 mod gcra;
 mod inspect;
@@ -96,6 +97,23 @@ pub struct Evaluation {
 }
 
 impl Evaluation {
+    /// An admission of a counting rule: `remaining` left, whole again after
+    /// `reset_us`, `update` to commit, kept `ttl_us`.
+    fn admitted(limit: u64, remaining: u64, reset_us: u64, update: Update, ttl_us: u64) -> Self {
+        Evaluation {
+            decision: Decision {
+                allowed: true,
+                limit,
+                remaining,
+                retry_after_us: 0,
+                reset_after_us: reset_us,
+                delay_us: 0,
+            },
+            update,
+            ttl_us,
+        }
+    }
+
     /// A rejection: nothing to commit, retry (and reset) after `retry_us`.
     fn rejected(limit: u64, retry_us: u64, ttl_us: u64) -> Self {
         Evaluation {
@@ -156,6 +174,15 @@ fn decide(alg: &Algorithm, state: Option<&State>, now: Micros, cost: u64) -> Eva
                 _ => None,
             };
             sliding_window::check(limit, window_secs, s, now, cost)
+        }
+        Algorithm::Calendar {
+            limit, start, end, ..
+        } => {
+            let s = match state {
+                Some(State::Window { window, count }) => Some((*window, *count)),
+                _ => None,
+            };
+            calendar::check(limit, start, end, s, now, cost)
         }
         Algorithm::SlidingLog { limit, window_secs } => {
             let empty = VecDeque::new();

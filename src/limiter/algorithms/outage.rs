@@ -74,6 +74,19 @@ pub fn seed(
             };
             gcra_seed(ahead, now)
         }
+        Algorithm::Calendar { end, .. } => {
+            let used = scaled_used(d, super::quota(local));
+            (used > 0).then(|| {
+                let ttl = (end - now).max(0) as u64 + super::calendar::GRACE_US;
+                (
+                    State::Window {
+                        window: end,
+                        count: used,
+                    },
+                    ttl,
+                )
+            })
+        }
         Algorithm::FixedWindow { window_secs, .. }
         | Algorithm::SlidingWindow { window_secs, .. }
         | Algorithm::SlidingLog { window_secs, .. } => {
@@ -190,6 +203,16 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros, cost: u6
             *debt = Some(Debt::Gcra {
                 count: count + cost,
                 tat: tat.max(now as f64) + cost as f64 * t,
+            });
+        }
+        Algorithm::Calendar { end, .. } => {
+            let count = match debt {
+                Some(Debt::Window { window, count }) if *window == end => *count,
+                _ => 0,
+            };
+            *debt = Some(Debt::Window {
+                window: end,
+                count: count + cost,
             });
         }
         Algorithm::FixedWindow { window_secs, .. } => {
@@ -338,6 +361,28 @@ pub fn charge(
             Some((
                 State::Window {
                     window: n,
+                    count: base + count,
+                },
+                ttl,
+            ))
+        }
+        // A period's count: the debt adds to the count of the same period
+        // (the key is the period's own; a later period owes nothing).
+        (Algorithm::Calendar { end, .. }, Debt::Window { window, count }) => {
+            if *window != end || now >= end + super::calendar::GRACE_US as i64 {
+                return None;
+            }
+            let base = match state {
+                Some(State::Window {
+                    window: sw,
+                    count: c,
+                }) if *sw == end => *c,
+                _ => 0,
+            };
+            let ttl = (end - now).max(0) as u64 + super::calendar::GRACE_US;
+            Some((
+                State::Window {
+                    window: end,
                     count: base + count,
                 },
                 ttl,
@@ -651,5 +696,51 @@ mod tests {
             })
         );
         assert_eq!(charge(&alg, Some(&state), &d, T0 + 1_000_000), None);
+    }
+
+    /// A quota admitted on the fallback owes its own period: charged back to
+    /// that period's count (while it is kept), never to the next one.
+    #[test]
+    fn quota_debts_count_in_their_own_period() {
+        let (start, end) = (T0, T0 + 86_400_000_000);
+        let alg = Algorithm::Calendar {
+            limit: 10,
+            period: crate::calendar::Period::Day,
+            start,
+            end,
+        };
+        let mut debt = None;
+        record(&alg, &mut debt, T0 + 100, 1);
+        record(&alg, &mut debt, T0 + 200, 2);
+        let d = debt.unwrap();
+        let state = State::Window {
+            window: end,
+            count: 4,
+        };
+        assert_eq!(
+            charge(&alg, Some(&state), &d, T0 + 300).map(|(s, _)| s),
+            Some(State::Window {
+                window: end,
+                count: 7
+            })
+        );
+        // Charged after the period's count has gone: nothing to add to.
+        assert_eq!(
+            charge(
+                &alg,
+                Some(&state),
+                &d,
+                end + 2 * super::super::calendar::GRACE_US as i64
+            ),
+            None
+        );
+        // The next period's bucket owes nothing of this one.
+        let next = Algorithm::Calendar {
+            limit: 10,
+            period: crate::calendar::Period::Day,
+            start: end,
+            end: end + 86_400_000_000,
+        };
+        assert_eq!(charge(&next, None, &d, end + 1), None);
     }
 }

@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use super::{Decision, Evaluation, Micros, Update};
+use super::{Evaluation, Micros, Update};
 
 pub fn check(
     limit: u64,
@@ -21,22 +21,13 @@ pub fn check(
     let count = (log.len() - first_live) as u64;
     if count + cost <= limit {
         let oldest = log.get(first_live).copied().unwrap_or(now);
-        Evaluation {
-            decision: Decision {
-                allowed: true,
-                limit,
-                remaining: limit - count - cost,
-                retry_after_us: 0,
-                reset_after_us: (oldest + w - now).max(0) as u64,
-                delay_us: 0,
-            },
-            update: Update::LogPush {
-                at: now,
-                window_us: w,
-                n: cost,
-            },
-            ttl_us: w as u64,
-        }
+        let update = Update::LogPush {
+            at: now,
+            window_us: w,
+            n: cost,
+        };
+        let reset = (oldest + w - now).max(0) as u64;
+        Evaluation::admitted(limit, limit - count - cost, reset, update, w as u64)
     } else {
         // Enough entries must expire to leave limit - cost: the
         // (count + cost - limit)th live one (1-based).

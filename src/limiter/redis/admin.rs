@@ -172,10 +172,12 @@ fn parse_state(alg: &Algorithm, raw: &str) -> Option<State> {
                 tat: tat.parse().ok()?,
             })
         }
-        (Algorithm::FixedWindow { .. }, [w, n]) => Some(State::Window {
-            window: w.parse().ok()?,
-            count: n.parse().ok()?,
-        }),
+        (Algorithm::FixedWindow { .. } | Algorithm::Calendar { .. }, [w, n]) => {
+            Some(State::Window {
+                window: w.parse().ok()?,
+                count: n.parse().ok()?,
+            })
+        }
         (Algorithm::SlidingWindow { .. }, [w, p, c]) => Some(State::Sliding {
             window: w.parse().ok()?,
             prev: p.parse().ok()?,

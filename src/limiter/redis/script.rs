@@ -227,6 +227,7 @@ pub(super) fn script_args(alg: &Algorithm) -> (u8, String, String) {
         Algorithm::SlidingLog { limit, window_secs } => {
             (5, limit.to_string(), window_secs.to_string())
         }
+        Algorithm::Calendar { limit, end, .. } => (6, limit.to_string(), end.to_string()),
     }
 }
 

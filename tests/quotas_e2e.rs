@@ -1,0 +1,205 @@
+//! Plans with calendar quotas (#25), through the real gateway on both
+//! backends: a plan's burst bucket and its daily quota decided together, all
+//! or nothing; a key's own quota in place of its plan's; the 429 naming the
+//! quota, with Retry-After to the end of the period in the configured zone;
+//! one RateLimit-Policy on 200s and 429s alike; three replicas sharing one
+//! daily quota on Redis.
+
+mod support;
+
+use ratelimit_gateway::calendar::{self, Period};
+use support::http::Response;
+use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
+
+const ZONE: &str = "Asia/Kolkata"; // UTC+5:30: midnight is not UTC's
+
+fn config(up: &UpstreamGuard, backend: &str) -> String {
+    format!(
+        r#"
+{SERVER}
+
+[limiter]
+retry_after_jitter_ms = 0
+quota_time_zone = "{ZONE}"
+{backend}
+
+# A burst of 100 (no refill to speak of) and 5 a day.
+[plans.free]
+capacity = 100
+refill_per_sec = 0.001
+quotas = [{{ limit = 5, period = "day" }}]
+
+# A burst of 2 under a daily quota of 3: the burst refuses first.
+[plans.tight]
+capacity = 2
+refill_per_sec = 0.001
+quotas = [{{ limit = 3, period = "day" }}]
+
+[plans.shared]
+capacity = 1000
+refill_per_sec = 0.001
+quotas = [{{ limit = 20, period = "day" }}]
+
+[[api_keys]]
+id = "alice"
+key = "alice-secret-key"
+plan = "free"
+
+# Her own quota: 2 a month, in place of the plan's 5 a day.
+[[api_keys]]
+id = "carol"
+key = "carol-secret-key"
+plan = "free"
+quotas = [{{ limit = 2, period = "month" }}]
+
+[[api_keys]]
+id = "dave"
+key = "dave-secret-key"
+plan = "tight"
+
+[[api_keys]]
+id = "eve"
+key = "eve-secret-key"
+plan = "shared"
+
+[[upstreams]]
+name = "up"
+servers = ["{addr}"]
+
+[[routes]]
+name = "api"
+path_prefix = "/"
+upstream = "up"
+"#,
+        addr = up.addr
+    )
+}
+
+fn send(gw: &GatewayGuard, key: &str) -> Response {
+    gw.client()
+        .request("GET", "/api", &[("x-api-key", key)], b"")
+        .expect("request")
+}
+
+fn limits(gw: &GatewayGuard, id: &str) -> serde_json::Value {
+    let r = gw.admin_get(&format!("/limits?key={id}"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+/// The bucket of `tier` in a /limits answer (with this replica's lease).
+fn left(v: &serde_json::Value, tier: &str) -> u64 {
+    let b = v["buckets"]
+        .as_array()
+        .and_then(|l| l.iter().find(|b| b["tier"] == tier))
+        .unwrap_or_else(|| panic!("no {tier} bucket in {v}"));
+    b["remaining"].as_u64().unwrap() + b["lease"]["tokens"].as_u64().unwrap_or(0)
+}
+
+fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
+    // 5 a day: 7 requests, 5 admitted, then 429s naming the daily quota.
+    let got: Vec<Response> = (0..7).map(|_| send(gw, "alice-secret-key")).collect();
+    let statuses: Vec<u16> = got.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429], "{backend}");
+    let refused = &got[5];
+    assert_eq!(
+        refused.json()["violated-policies"],
+        serde_json::json!(["quota-day"]),
+        "{}",
+        refused.text()
+    );
+    // Retry-After: the seconds left to midnight in Kolkata (jitter 0; the
+    // request took a moment, so one second either way).
+    let tz: chrono_tz::Tz = ZONE.parse().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64;
+    let to_midnight = (calendar::span(Period::Day, tz, now).end - now) as f64 / 1e6;
+    let retry: f64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!(
+        (retry - to_midnight).abs() <= 1.5,
+        "Retry-After {retry} s, midnight in {ZONE} in {to_midnight} s"
+    );
+    // One policy, listing both limits, on the 200s and the 429s.
+    let policy = |r: &Response| r.header("ratelimit-policy").unwrap_or("").to_string();
+    let expected = "\"key\";q=100;w=100000, \"quota-day\";q=5;w=86400";
+    for r in &got {
+        assert_eq!(policy(r), expected, "{backend}: {:?}", r.headers);
+    }
+    // All or nothing: the refusals spent no burst token.
+    let v = limits(gw, "alice");
+    assert_eq!((left(&v, "key"), left(&v, "quota-day")), (95, 0), "{v}");
+    let quota = v["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["tier"] == "quota-day")
+        .unwrap();
+    assert_eq!(quota["period"], "day");
+
+    // Her own quota: 2 a month, and no daily one.
+    let got: Vec<Response> = (0..3).map(|_| send(gw, "carol-secret-key")).collect();
+    let statuses: Vec<u16> = got.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200, 200, 429], "{backend}");
+    assert_eq!(
+        got[2].json()["violated-policies"],
+        serde_json::json!(["quota-month"])
+    );
+    assert!(policy(&got[0]).contains("\"quota-month\";q=2;w=2592000"));
+    assert!(!policy(&got[0]).contains("quota-day"));
+
+    // And the reverse: the burst of 2 refuses the third; the daily quota
+    // of 3 was charged only for the two admitted.
+    let statuses: Vec<u16> = (0..3).map(|_| send(gw, "dave-secret-key").status).collect();
+    assert_eq!(statuses, [200, 200, 429], "{backend}");
+    let v = limits(gw, "dave");
+    assert_eq!((left(&v, "key"), left(&v, "quota-day")), (0, 1), "{v}");
+
+    assert_eq!(
+        up.count("/api"),
+        9,
+        "{backend}: the upstream saw the admitted only"
+    );
+    println!(
+        "FIGURES quotas-{backend}: daily quota 5: 5 of 7 admitted (bound 5), Retry-After {retry} s to midnight in {ZONE}; \
+         own monthly quota 2: 2 of 3 (bound 2); burst 2 under quota 3: 2 of 3, quota left 1"
+    );
+}
+
+#[test]
+fn quotas_on_the_local_backend() {
+    let up = UpstreamGuard::start();
+    let gw = GatewayGuard::start(&config(&up, "backend = \"local\""));
+    run(&gw, &up, "local");
+}
+
+#[test]
+fn quotas_on_redis_shared_by_three_replicas() {
+    let up = UpstreamGuard::start();
+    let redis = RedisGuard::start();
+    let backend = format!(
+        "backend = \"redis\"\ninstances = 3\n\n[redis]\nurls = [\"{}\"]\ntimeout_ms = 200",
+        redis.url()
+    );
+    let cfg = config(&up, &backend);
+    let gws: Vec<GatewayGuard> = (0..3).map(|_| GatewayGuard::start(&cfg)).collect();
+    run(&gws[0], &up, "redis");
+    // One key's daily quota of 20 sprayed over three replicas: 20.
+    let mut admitted = 0;
+    for i in 0..30 {
+        if send(&gws[i % 3], "eve-secret-key").status == 200 {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 20, "one quota for the three");
+    // The counts live in Redis under the key's id, never its secret.
+    let keys = redis.keys();
+    assert!(
+        keys.iter()
+            .any(|k| k.contains(":quota:day:q-day-") && k.ends_with(":k:eve")),
+        "{keys:?}"
+    );
+    assert!(!keys.iter().any(|k| k.contains("secret")), "{keys:?}");
+    println!("FIGURES quotas-replicas: daily quota 20 over three replicas: {admitted} of 30 admitted (bound 20)");
+}
