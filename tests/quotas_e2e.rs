@@ -8,8 +8,10 @@
 mod support;
 
 use ratelimit_gateway::calendar::{self, Period};
+use std::time::Duration;
 use support::http::Response;
-use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
+
+use support::{free_port, wait_for, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 const ZONE: &str = "Asia/Kolkata"; // UTC+5:30: midnight is not UTC's
 
@@ -39,6 +41,16 @@ quotas = [{{ limit = 3, period = "day" }}]
 capacity = 1000
 refill_per_sec = 0.001
 quotas = [{{ limit = 20, period = "day" }}]
+
+[plans.ten]
+capacity = 1000
+refill_per_sec = 0.001
+quotas = [{{ limit = 10, period = "day" }}]
+
+[[api_keys]]
+id = "frank"
+key = "frank-secret-key"
+plan = "ten"
 
 [[api_keys]]
 id = "alice"
@@ -201,5 +213,66 @@ fn quotas_on_redis_shared_by_three_replicas() {
         "{keys:?}"
     );
     assert!(!keys.iter().any(|k| k.contains("secret")), "{keys:?}");
+    // This Redis keeps nothing on disk: every replica says so, ready all
+    // the same.
+    for gw in &gws {
+        let r = gw.admin_get("/readyz").json();
+        assert_eq!(r["ready"], true, "{r}");
+        assert!(
+            r["warnings"][0]
+                .as_str()
+                .unwrap_or("")
+                .contains("persists nothing"),
+            "{r}"
+        );
+        assert!(gw.log().contains("appendonly yes"), "the warning is logged");
+    }
     println!("FIGURES quotas-replicas: daily quota 20 over three replicas: {admitted} of 30 admitted (bound 20)");
+}
+
+/// A quota is money: with AOF, 7 of 10 spent survive a Redis killed and
+/// restarted, and 3 are left; no persistence warning.
+#[test]
+fn a_quota_survives_a_redis_restart_with_aof() {
+    let up = UpstreamGuard::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().to_string_lossy().to_string();
+    let aof = [
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        "--dir",
+        &data,
+    ];
+    let port = free_port();
+    let redis = RedisGuard::start_on(port, &aof);
+    let backend = format!(
+        "backend = \"redis\"\n\n[redis]\nurls = [\"{}\"]\ntimeout_ms = 200\nprobe_interval_ms = 100",
+        redis.url()
+    );
+    let gw = GatewayGuard::start(&config(&up, &backend));
+    let spent: Vec<u16> = (0..7)
+        .map(|_| send(&gw, "frank-secret-key").status)
+        .collect();
+    assert_eq!(spent, [200; 7]);
+    let r = gw.admin_get("/readyz").json();
+    assert!(r.get("warnings").is_none(), "AOF is persistence: {r}");
+
+    drop(redis); // SIGKILL: what AOF wrote is all there is
+    let redis = RedisGuard::start_on(port, &aof);
+    wait_for(
+        "failback to the restarted Redis",
+        Duration::from_secs(15),
+        || (gw.admin_get("/readyz").json()["backend"] == "redis").then_some(()),
+    );
+    let after: Vec<u16> = (0..5)
+        .map(|_| send(&gw, "frank-secret-key").status)
+        .collect();
+    assert_eq!(after, [200, 200, 200, 429, 429], "3 of the 10 left");
+    assert_eq!(
+        redis.cmd(&["CONFIG", "GET", "appendonly"]).lines().nth(1),
+        Some("yes")
+    );
+    println!("FIGURES quotas-aof: 7 of 10 spent, Redis killed and restarted on its AOF: {} more admitted (bound 3)", after.iter().filter(|s| **s == 200).count());
 }

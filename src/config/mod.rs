@@ -108,6 +108,15 @@ pub fn load_checked(path: &Path, check: FileCheck<'_>) -> Result<Config, LoadErr
 }
 
 impl Config {
+    /// Whether any plan or key counts calendar quotas.
+    pub fn has_quotas(&self) -> bool {
+        self.plans.values().any(|p| !p.quotas.is_empty())
+            || self
+                .api_keys
+                .iter()
+                .any(|k| k.quotas.as_ref().is_some_and(|q| !q.is_empty()))
+    }
+
     /// What `gateway check` prints: the effective values, never a secret.
     pub fn summary(&self) -> String {
         let mut s = String::new();

@@ -115,6 +115,8 @@ pub struct Health {
     pub replicas: u32,
     /// Why Redis is not in use, when it is not (never a secret).
     pub redis_error: Option<String>,
+    /// What an operator should know while serving (ready all the same).
+    pub warnings: Vec<String>,
     /// The error's class: `auth`, `permission`, `database`, `config` and
     /// `tls` mean Redis refuses this gateway's settings (or is not trusted).
     pub redis_error_reason: Option<&'static str>,
@@ -123,6 +125,13 @@ pub struct Health {
 }
 
 pub struct Fallback {
+    /// The config has quotas (`set_quotas`): their counts are money, so a
+    /// Redis that would lose them on a restart is said to be one.
+    quotas: AtomicBool,
+    /// Redis's persistence is to be read again (start-up, failback, a
+    /// reload that adds quotas), by the next heartbeat.
+    persistence_due: AtomicBool,
+    persistence_warning: Mutex<Option<String>>,
     redis: Option<RedisBackend>,
     local: LocalBackend,
     on_failure: OnRedisFailure,
@@ -196,6 +205,9 @@ impl Fallback {
             last_refusal_log: Mutex::new(None),
             fallback_since: Mutex::new(has_redis.then(Instant::now)),
             fallback_logged: Mutex::new(None),
+            quotas: AtomicBool::new(false),
+            persistence_due: AtomicBool::new(true),
+            persistence_warning: Mutex::new(None),
         });
         metrics::set_backend(FallbackState::Local);
         metrics::replicas(f.replicas());
@@ -224,11 +236,51 @@ impl Fallback {
             backend: state.as_str(),
             replicas: self.replicas(),
             redis_error: err.as_ref().map(|e| self.redact(&e.to_string())),
+            warnings: self.persistence_warning.lock().iter().cloned().collect(),
             redis_error_reason: err.as_ref().map(LimiterError::reason),
             fallback_for: match state {
                 FallbackState::Redis => None,
                 FallbackState::Local => self.fallback_since.lock().map(|t| t.elapsed()),
             },
+        }
+    }
+
+    /// Whether the config has quotas (at start and on every reload): Redis's
+    /// persistence is then read again.
+    pub fn set_quotas(&self, on: bool) {
+        if self.quotas.swap(on, Ordering::AcqRel) != on || on {
+            self.persistence_due.store(true, Ordering::Release);
+        }
+        if !on {
+            *self.persistence_warning.lock() = None;
+        }
+    }
+
+    /// With quotas configured, warns when Redis keeps nothing on disk (no
+    /// AOF, no RDB snapshots): a restart would start every quota's period
+    /// from zero. Logged once per finding, shown on `/readyz`.
+    async fn check_persistence(&self, redis: &RedisBackend) {
+        if !self.quotas.load(Ordering::Acquire)
+            || !self.persistence_due.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
+        let warning = match redis.persistence().await {
+            Ok(Some(_)) => None,
+            Ok(None) => Some(
+                "quotas are configured and Redis persists nothing (no AOF, no RDB snapshots): a Redis restart starts every quota's period from zero; run it with appendonly yes".to_string(),
+            ),
+            Err(e) => Some(format!(
+                "quotas are configured and Redis's persistence cannot be read ({}): make sure it keeps an AOF",
+                self.redact(&e.to_string())
+            )),
+        };
+        let mut current = self.persistence_warning.lock();
+        if *current != warning {
+            if let Some(w) = &warning {
+                tracing::warn!("limiter: {w}");
+            }
+            *current = warning;
         }
     }
 
@@ -585,6 +637,7 @@ impl Fallback {
                         metrics::set_backend(FallbackState::Redis);
                         tracing::info!("limiter: redis reached at start-up");
                         self.heartbeat().await;
+                        self.check_persistence(redis).await;
                         break;
                     }
                     Ok(Err(e)) => self.note_failure(e),
@@ -628,6 +681,7 @@ impl Fallback {
             Err(e) => return self.trip(e),
         }
         self.apply_resets(redis).await;
+        self.check_persistence(redis).await;
     }
 
     /// Forgets what this replica remembers of buckets another replica (or
@@ -753,6 +807,8 @@ impl Fallback {
                         on_fallback_ms = on_fallback.map_or(0, |d| d.as_millis() as u64),
                         "limiter: redis healthy again, failing back"
                     );
+                    // Perhaps another Redis, or the same one restarted.
+                    self.persistence_due.store(true, Ordering::Release);
                     metrics::fallback_transition(FallbackState::Redis);
                 }
                 // Admissions decided locally while the first charge ran.

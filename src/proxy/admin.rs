@@ -43,6 +43,9 @@ impl ServeHttp for Admin {
                 if let Some(r) = h.redis_error_reason {
                     body["redis_error_reason"] = r.into();
                 }
+                if !h.warnings.is_empty() {
+                    body["warnings"] = h.warnings.clone().into();
+                }
                 if let Some(d) = h.fallback_for {
                     // Rounded to the tenth: read by people and alerts alike.
                     body["fallback_secs"] = ((d.as_secs_f64() * 10.0).round() / 10.0).into();

@@ -85,6 +85,7 @@ impl Reloader {
                         "config reload: this key changed but takes effect only after a restart"
                     );
                 }
+                self.limiter.set_quotas(new.has_quotas());
                 self.live
                     .store(Arc::new(Live::new(Arc::new(Policy::new(new)), pools)));
                 metrics::config_reload(true);

@@ -156,6 +156,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     server.bootstrap();
 
     let limiter = build_limiter(&config)?;
+    limiter.set_quotas(config.has_quotas());
     let pools = Pools::build(&config.upstreams)?;
     let live = Arc::new(ArcSwap::from_pointee(Live::new(
         Arc::new(Policy::new(config.clone())),

@@ -128,6 +128,30 @@ impl RedisBackend {
             .await
     }
 
+    /// What Redis keeps on disk: `Some("aof")` or `Some("rdb")` (snapshots
+    /// configured), `None` for nothing.
+    pub async fn persistence(&self) -> Result<Option<&'static str>, LimiterError> {
+        let work = async {
+            let mut conn = self.admin_connection().await?;
+            let info: String = query(&mut conn, redis::cmd("INFO").arg("persistence"))
+                .await
+                .map_err(redis_err)?;
+            if info.lines().any(|l| l.trim() == "aof_enabled:1") {
+                return Ok(Some("aof"));
+            }
+            let save: Vec<String> = query(&mut conn, redis::cmd("CONFIG").arg("GET").arg("save"))
+                .await
+                .map_err(redis_err)?;
+            Ok(save
+                .get(1)
+                .is_some_and(|v| !v.trim().is_empty())
+                .then_some("rdb"))
+        };
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
+    }
+
     /// The probe's connection, made first if this process has no probe
     /// (`gateway limits` talks to Redis straight).
     async fn admin_connection(&self) -> Result<Conn, LimiterError> {
