@@ -40,6 +40,8 @@ pub struct Policy {
     ip_rule: Option<Rule>,
     plan_rules: BTreeMap<String, Rule>,
     route_rules: Vec<Option<RouteRule>>,
+    /// Each route's `limit_by_plan`: a plan's own rule, by plan name.
+    plan_route_rules: Vec<BTreeMap<String, RouteRule>>,
     /// Each route's CORS rules (its own policy, else `[cors]`'s), and
     /// `[cors]`'s for a request that matched no route.
     route_cors: Vec<Option<CorsRules>>,
@@ -235,6 +237,22 @@ impl Policy {
             .iter()
             .map(|r| r.limit.as_ref().map(|l| RouteRule::new(p, &r.name, l)))
             .collect();
+        // A plan's rule is named `route.plan`: its buckets are its own.
+        let plan_route_rules = config
+            .routes
+            .iter()
+            .map(|r| {
+                r.limit_by_plan
+                    .iter()
+                    .map(|(plan, l)| {
+                        (
+                            plan.clone(),
+                            RouteRule::new(p, &format!("{}.{plan}", r.name), l),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
         let style = config.limiter.headers;
         let route_cors = config
             .routes
@@ -253,6 +271,7 @@ impl Policy {
             ip_rule,
             plan_rules,
             route_rules,
+            plan_route_rules,
             key_prefix: p.to_string(),
             spans: parking_lot::Mutex::new([None; 5]),
             config,
@@ -319,10 +338,18 @@ impl Policy {
         }
     }
 
+    /// The route limit a key of plan `key_plan` (none: no key) is held to:
+    /// its plan's own (`limit_by_plan`), else the route's `limit`.
+    fn route_rule(&self, route: usize, key_plan: Option<&str>) -> Option<&RouteRule> {
+        key_plan
+            .and_then(|p| self.plan_route_rules[route].get(p))
+            .or(self.route_rules[route].as_ref())
+    }
+
     /// After a request's decision: a split global limit's turn goes back
     /// if the request spent nothing on it (`RouteRule::settle`).
     pub fn settle(&self, plan: &Plan, outcome: &Outcome) {
-        if let Some(rr) = &self.route_rules[plan.route] {
+        if let Some(rr) = self.route_rule(plan.route, plan.route_plan.as_deref()) {
             if !rr.shards.is_empty() {
                 rr.settle(&plan.checks, outcome);
             }
@@ -405,6 +432,9 @@ pub struct Plan {
     /// A CORS preflight, answered by the gateway (never the upstream) with
     /// these headers once its checks (none, unless charged) admit it.
     pub preflight: Option<cors::Headers>,
+    /// The key's plan, when the route limits it by its own rule
+    /// (`limit_by_plan`).
+    pub route_plan: Option<String>,
 }
 
 /// Where a refused request is counted (metrics, access log) and who sent
@@ -494,7 +524,12 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     // refuses a request without it whoever sends it.
     // A preflight lacks the headers it announces: charged, it falls back to
     // the client's bucket rather than being refused for one it cannot send.
-    let route_identity = match &policy.route_rules[route] {
+    let key_plan = key.map(|k| k.plan.as_str());
+    let route_plan = key_plan
+        .filter(|p| policy.plan_route_rules[route].contains_key(*p))
+        .map(str::to_string);
+    let route_rule = policy.route_rule(route, key_plan);
+    let route_identity = match route_rule {
         Some(rr) if charged => Some(route_identity(
             rr,
             client_identity,
@@ -514,7 +549,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             }
             policy.quota_checks(k, identity, SystemClock.now_us(), &mut checks);
         }
-        if let (Some(rr), Some(identity)) = (&policy.route_rules[route], &route_identity) {
+        if let (Some(rr), Some(identity)) = (route_rule, &route_identity) {
             checks.push(rr.check(identity));
         }
     }
@@ -526,6 +561,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         key_id: key.map(|k| k.id.clone()),
         checks: checks.into(),
         preflight,
+        route_plan,
     })
 }
 
@@ -734,8 +770,16 @@ pub fn buckets(
             }));
         }
     }
+    let key_plan = match subject {
+        Subject::Key(id) => cfg
+            .api_keys
+            .iter()
+            .find(|k| &k.id == id)
+            .map(|k| k.plan.as_str()),
+        _ => None,
+    };
     for i in routes {
-        let Some(rr) = &policy.route_rules[i] else {
+        let Some(rr) = policy.route_rule(i, key_plan) else {
             continue;
         };
         let own = client.as_ref().map(|(identity, _)| identity.as_str());

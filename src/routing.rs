@@ -116,6 +116,7 @@ mod tests {
             upstream: "u".into(),
             require_api_key: false,
             limit: None,
+            limit_by_plan: Default::default(),
             strip_prefix: false,
             timeout_ms: None,
             retries: 0,

@@ -658,4 +658,16 @@ fn quotas_and_their_time_zone_are_checked() {
     assert!(out.contains("quota_time_zone=Europe/Paris"), "{out}");
     assert!(out.contains("quotas: 1000/day, 20000/month"), "{out}");
     assert!(out.contains("key a: its own; quotas: 9/month"), "{out}");
+
+    // limit_by_plan names defined plans only.
+    let (ok, _, err) = check(&format!(
+        "{}\nlimit_by_plan = {{ gold = {{ algorithm = \"token_bucket\", capacity = 5, refill_per_sec = 1 }} }}\n\n[plans.free]\ncapacity = 10\nrefill_per_sec = 1\n",
+        MINIMAL.trim_end()
+    ));
+    assert!(!ok);
+    assert!(
+        err.contains("routes[0].limit_by_plan.gold (line")
+            && err.contains("plan \"gold\" is not defined"),
+        "{err}"
+    );
 }

@@ -78,6 +78,14 @@ plan = "shared"
 name = "up"
 servers = ["{addr}"]
 
+# One a day per client, but plan "ten" has its own: three.
+[[routes]]
+name = "search"
+path_prefix = "/search"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = 1, refill_per_sec = 0.00001 }}
+limit_by_plan = {{ ten = {{ algorithm = "token_bucket", capacity = 3, refill_per_sec = 0.00001 }} }}
+
 [[routes]]
 name = "api"
 path_prefix = "/"
@@ -184,6 +192,24 @@ fn quotas_on_the_local_backend() {
     let up = UpstreamGuard::start();
     let gw = GatewayGuard::start(&config(&up, "backend = \"local\""));
     run(&gw, &up, "local");
+
+    // Route limits by plan: on one route, a key of plan "ten" gets its
+    // plan's 3, a key of another plan the route's 1.
+    let search = |key: &str, n: usize| -> Vec<u16> {
+        (0..n)
+            .map(|_| {
+                gw.client()
+                    .request("GET", "/search", &[("x-api-key", key)], b"")
+                    .map_or(0, |r| r.status)
+            })
+            .collect()
+    };
+    assert_eq!(search("frank-secret-key", 4), [200, 200, 200, 429]);
+    assert_eq!(search("eve-secret-key", 2), [200, 429]);
+    let v = gw.admin_get("/limits?key=frank&route=search").json();
+    assert_eq!(v["buckets"][0]["limit"], 3, "{v}");
+    assert_eq!(up.count("/search"), 4);
+    println!("FIGURES quotas-by-plan: plan ten's own route limit 3: 3 of 4 (bound 3); the route's limit 1 for another plan: 1 of 2 (bound 1)");
 }
 
 #[test]

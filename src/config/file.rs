@@ -91,7 +91,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         None => Some(None),
     };
     let routes = array_of_tables(&mut r, root, "routes", true, |r, p, t, s| {
-        super::routes::route(r, p, t, s, &upstream_names)
+        super::routes::route(r, p, t, s, &upstream_names, &plan_names)
     });
 
     if let Some(limiter) = &limiter {

@@ -316,6 +316,14 @@ impl Config {
                 "  {} {} {host}{} -> {}{extras}: {}",
                 r.name, methods, r.path_prefix, r.upstream, limit
             );
+            for (plan, l) in &r.limit_by_plan {
+                let _ = writeln!(
+                    s,
+                    "    plan {plan}: {} scope={}",
+                    l.algorithm,
+                    l.scope.spelling()
+                );
+            }
         }
         s
     }

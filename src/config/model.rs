@@ -482,6 +482,8 @@ pub struct Route {
     pub upstream: String,
     pub require_api_key: bool,
     pub limit: Option<Limit>,
+    /// A plan's own limit on this route, in place of `limit` for its keys.
+    pub limit_by_plan: std::collections::BTreeMap<String, Limit>,
     /// The upstream sees the path without `path_prefix`.
     pub strip_prefix: bool,
     /// The upstream read timeout for this route (`None`: the upstream's).

@@ -22,6 +22,7 @@ pub(super) fn route(
     t: &DeTable<'_>,
     span: &Range<usize>,
     upstreams: &[String],
+    plans: &[String],
 ) -> Option<Route> {
     r.only_keys(
         p,
@@ -33,6 +34,7 @@ pub(super) fn route(
             "upstream",
             "require_api_key",
             "limit",
+            "limit_by_plan",
             "host",
             "strip_prefix",
             "timeout_ms",
@@ -119,6 +121,45 @@ pub(super) fn route(
         }
         None => None,
     };
+    // A plan's own route limit, in place of `limit` for its keys.
+    let by_plan = match t.get("limit_by_plan") {
+        Some(v) => {
+            let path = join(p, "limit_by_plan");
+            let bt = r.table(&path, v)?;
+            let mut out = std::collections::BTreeMap::new();
+            let mut ok = true;
+            for (plan, lv) in bt.iter() {
+                let plan = plan.get_ref().to_string();
+                let at = join(&path, &plan);
+                if !plans.contains(&plan) {
+                    r.error(
+                        &at,
+                        Some(&lv.span()),
+                        format!(
+                            "plan \"{plan}\" is not defined; defined plans: [{}]",
+                            plans.join(", ")
+                        ),
+                    );
+                    ok = false;
+                    continue;
+                }
+                match r
+                    .table(&at, lv)
+                    .and_then(|lt| limit(r, &at, lt, &lv.span(), true))
+                {
+                    Some(l) => {
+                        out.insert(plan, l);
+                    }
+                    None => ok = false,
+                }
+            }
+            if !ok {
+                return None;
+            }
+            out
+        }
+        None => std::collections::BTreeMap::new(),
+    };
     let host = opt(r, t, p, "host", None, |r, path, v| {
         let s = r.string(path, v)?;
         match host_pattern(&s) {
@@ -162,6 +203,7 @@ pub(super) fn route(
         upstream: upstream?,
         require_api_key: require_key?,
         limit: lim,
+        limit_by_plan: by_plan,
         strip_prefix: strip?,
         timeout_ms: timeout?,
         retries: retries?,
