@@ -488,17 +488,18 @@ impl Fallback {
 
     /// A request that a remembered denial already decides: the denying tier
     /// alone was asked; the others are reported as not asked. A bucket this
-    /// replica holds a lease on is not refused from memory: a grant that
-    /// arrived after the denial (a call already on its way when another
-    /// call was refused) holds tokens Redis debited, and they are spent,
-    /// not stranded until the denial ends.
+    /// replica holds leased tokens of is not refused from memory: a grant
+    /// that arrived after the denial (a call already on its way when
+    /// another call was refused) holds tokens Redis debited; they are spent,
+    /// or once expired given back by the request's own call and spent
+    /// there, not stranded until the denial ends.
     fn remembered_denial(
         &self,
         checks: &Arc<[Check]>,
         now: Instant,
         leases: Option<&Leases>,
     ) -> Option<Outcome> {
-        let leased = |c: &Check| leases.is_some_and(|l| l.holds(&c.key, c.cost, now));
+        let leased = |c: &Check| leases.is_some_and(|l| l.holds(&c.key));
         let (tier, wait, held) = self.denied.find(checks, now, leased)?;
         let wait_us = wait.as_micros() as u64;
         Some(Outcome::Remembered {
@@ -690,8 +691,9 @@ impl Fallback {
         let after = self.resets_seen.lock().clone();
         match redis.resets_since(&self.resets_key, after.as_deref()).await {
             Ok((keys, last)) => {
-                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-                self.forget(&refs);
+                for (key, at) in &keys {
+                    self.forget(&[key.as_str()], Some(*at));
+                }
                 *self.resets_seen.lock() = last;
             }
             // Read again next second; a missed reset only keeps a denial
@@ -703,14 +705,16 @@ impl Fallback {
     }
 
     /// This replica's memory of the buckets, dropped; how many local
-    /// buckets held state.
-    fn forget(&self, keys: &[&str]) -> usize {
+    /// buckets held state. `reset_us`: when another replica reset them
+    /// (Redis's clock); a lease granted since is of the new bucket and is
+    /// kept (this replica hears of a reset up to a heartbeat late).
+    fn forget(&self, keys: &[&str], reset_us: Option<Micros>) -> usize {
         for k in keys {
             self.denied.forget(k);
             self.ledger.forget(k);
         }
         if let Some(leases) = self.redis.as_ref().and_then(RedisBackend::leases) {
-            leases.cancel(keys);
+            leases.cancel(keys, reset_us);
         }
         self.local.remove(keys)
     }
@@ -767,7 +771,7 @@ impl Fallback {
             }
             _ => None,
         };
-        let local = self.forget(&keys);
+        let local = self.forget(&keys, None);
         Ok(Reset {
             backend: self.state(),
             redis_buckets: redis,

@@ -120,6 +120,8 @@ struct Entry {
     period_start: Instant,
     /// Requests seen (saturating): one is not a hot bucket.
     requests: u32,
+    /// Redis's time in the call that granted the latest tokens.
+    granted_us: Micros,
     /// A call carrying an ask for this bucket left then (cleared by its grant).
     asking: Option<Instant>,
     /// Queued for the next call (`renewals`).
@@ -144,6 +146,7 @@ impl Entry {
             demand_prev: 0,
             period_start: now,
             requests: 0,
+            granted_us: 0,
             asking: None,
             renew_queued: false,
             redis_remaining: 0,
@@ -483,6 +486,7 @@ impl Leases {
                 e.generation += 1;
             }
             e.expires = expires;
+            e.granted_us = now_us;
             drop(shard);
             self.leased.lock().0.insert(c.key.clone(), c.clone());
             metrics::lease_tokens(LeaseEvent::Granted, g.tokens);
@@ -526,12 +530,14 @@ impl Leases {
         }
     }
 
-    /// Whether this replica's lease on `key` could pay `cost` now.
-    pub fn holds(&self, key: &str, cost: u64, now: Instant) -> bool {
+    /// Whether this replica holds tokens of `key`'s bucket, spendable or
+    /// expired (then the next call gives them back, and a request in it
+    /// can be admitted from them).
+    pub fn holds(&self, key: &str) -> bool {
         self.shard(key)
             .lock()
             .get(key)
-            .is_some_and(|e| e.tokens >= cost && now < e.expires)
+            .is_some_and(|e| e.tokens > 0)
     }
 
     /// This replica's unspent lease on a bucket and its time left.
@@ -544,9 +550,12 @@ impl Leases {
 
     /// Drops the leases on these buckets (a reset): their tokens, taken
     /// from the bucket before it was made whole, are not spent.
-    pub fn cancel(&self, keys: &[&str]) {
+    pub fn cancel(&self, keys: &[&str], granted_before: Option<Micros>) {
         for &k in keys {
             if let Some(e) = self.shard(k).lock().get_mut(k) {
+                if granted_before.is_some_and(|t| e.granted_us >= t) {
+                    continue; // granted by the bucket as it is since
+                }
                 e.tokens = 0;
                 e.generation += 1;
             }

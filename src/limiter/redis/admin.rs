@@ -81,7 +81,7 @@ impl RedisBackend {
         &self,
         stream: &str,
         after: Option<&str>,
-    ) -> Result<(Vec<String>, Option<String>), LimiterError> {
+    ) -> Result<(Vec<(String, Micros)>, Option<String>), LimiterError> {
         let mut conn = self.inner.probe_connection()?;
         let work = async {
             let Some(after) = after else {
@@ -117,9 +117,18 @@ impl RedisBackend {
                 .last()
                 .map(|(id, _)| id.clone())
                 .unwrap_or(after.to_string());
+            // Each key with its reset's time: the entry's id is Redis's
+            // clock in ms when it was added.
             let keys = entries
                 .into_iter()
-                .flat_map(|(_, fields)| fields.into_iter().map(|(_, k)| k))
+                .flat_map(|(id, fields)| {
+                    let ms: i64 = id
+                        .split('-')
+                        .next()
+                        .and_then(|m| m.parse().ok())
+                        .unwrap_or(i64::MAX / 1000);
+                    fields.into_iter().map(move |(_, k)| (k, ms * 1000))
+                })
                 .collect();
             Ok((keys, Some(last)))
         };
