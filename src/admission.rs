@@ -722,15 +722,21 @@ pub fn buckets(
     value: Option<&str>,
 ) -> Result<Vec<Bucket>, BucketsError> {
     let cfg = &policy.config;
-    let client = match subject {
-        Subject::Key(id) => {
-            let key = cfg
-                .api_keys
+    // The key named, looked up once: its plan's rules and its quotas.
+    let key = match subject {
+        Subject::Key(id) => Some(
+            cfg.api_keys
                 .iter()
                 .find(|k| &k.id == id)
-                .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?;
-            Some((format!("k:{id}"), policy.plan_rules.get(&key.plan)))
-        }
+                .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?,
+        ),
+        _ => None,
+    };
+    let client = match subject {
+        Subject::Key(id) => Some((
+            format!("k:{id}"),
+            key.and_then(|k| policy.plan_rules.get(&k.plan)),
+        )),
         Subject::Ip(ip) => {
             let addr = ClientAddr::new(*ip, cfg.clients.ipv6_prefix_len);
             Some((format!("ip:{addr}"), policy.ip_rule.as_ref()))
@@ -759,25 +765,16 @@ pub fn buckets(
         });
     }
     // A key's quotas, on the periods under way.
-    if let (Subject::Key(id), Some((identity, _)), None) = (subject, &client, route) {
-        if let Some(key) = cfg.api_keys.iter().find(|k| &k.id == id) {
-            let mut checks = Vec::new();
-            policy.quota_checks(key, identity, SystemClock.now_us(), &mut checks);
-            out.extend(checks.into_iter().map(|check| Bucket {
-                check,
-                route: None,
-                shard: None,
-            }));
-        }
+    if let (Some(key), Some((identity, _)), None) = (key, &client, route) {
+        let mut checks = Vec::new();
+        policy.quota_checks(key, identity, SystemClock.now_us(), &mut checks);
+        out.extend(checks.into_iter().map(|check| Bucket {
+            check,
+            route: None,
+            shard: None,
+        }));
     }
-    let key_plan = match subject {
-        Subject::Key(id) => cfg
-            .api_keys
-            .iter()
-            .find(|k| &k.id == id)
-            .map(|k| k.plan.as_str()),
-        _ => None,
-    };
+    let key_plan = key.map(|k| k.plan.as_str());
     for i in routes {
         let Some(rr) = policy.route_rule(i, key_plan) else {
             continue;
