@@ -162,6 +162,7 @@ fn key_lookup(c: &mut Criterion) {
             digest: Sha256::digest(format!("secret-key-{i:06}").as_bytes()).into(),
             plan: "free".into(),
             quotas: None,
+            burst: None,
         })
         .collect();
     let table = KeyTable::new(&keys);

@@ -25,7 +25,7 @@ use crate::cors::{self, CorsError, CorsRules};
 use crate::identity::{self, ClientAddr, KeyError, KeyTable};
 use crate::limiter::algorithms::quota;
 use crate::limiter::keys::{bucket_key, bucket_name, rule_prefix};
-use crate::limiter::{Check, Decision, Micros, Outcome, Tier};
+use crate::limiter::{Check, Decision, LimitKind, Micros, Outcome, Tier};
 use crate::metrics::DecisionLabel;
 use crate::path::{normalize_path, PathError};
 use crate::routing::{RouteMatch, RouteTable};
@@ -39,6 +39,8 @@ pub struct Policy {
     /// (by name) and each route's limit (indexed like the config's routes).
     ip_rule: Option<Rule>,
     plan_rules: BTreeMap<String, Rule>,
+    /// The keys with a burst bucket of their own, by id.
+    key_rules: BTreeMap<String, Rule>,
     route_rules: Vec<Option<RouteRule>>,
     /// Each route's `limit_by_plan`: a plan's own rule, by plan name.
     plan_route_rules: Vec<BTreeMap<String, RouteRule>>,
@@ -232,6 +234,20 @@ impl Policy {
                 )
             })
             .collect();
+        // A key's own rule is named `@id`: `@` is in no plan's name.
+        let key_rules = config
+            .api_keys
+            .iter()
+            .filter_map(|k| {
+                let b = k.burst?;
+                let algorithm = Algorithm::TokenBucket {
+                    capacity: b.capacity,
+                    refill_per_sec: b.refill_per_sec,
+                };
+                let rule = Rule::new(p, Tier::Key, &format!("@{}", k.id), algorithm, false);
+                Some((k.id.clone(), rule))
+            })
+            .collect();
         let route_rules = config
             .routes
             .iter()
@@ -270,11 +286,20 @@ impl Policy {
             keys: KeyTable::new(&config.api_keys),
             ip_rule,
             plan_rules,
+            key_rules,
             route_rules,
             plan_route_rules,
             key_prefix: p.to_string(),
             spans: parking_lot::Mutex::new([None; 5]),
             config,
+        }
+    }
+
+    /// The burst bucket `key` is held to: its own, else its plan's.
+    fn key_rule(&self, key: &ApiKey) -> Option<&Rule> {
+        match key.burst {
+            Some(_) => self.key_rules.get(&key.id),
+            None => self.plan_rules.get(&key.plan),
         }
     }
 
@@ -544,7 +569,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             checks.push(rule.check(&ip_identity));
         }
         if let (Some(k), Some(identity)) = (key, &key_identity) {
-            if let Some(rule) = policy.plan_rules.get(&k.plan) {
+            if let Some(rule) = policy.key_rule(k) {
                 checks.push(rule.check(identity));
             }
             policy.quota_checks(k, identity, SystemClock.now_us(), &mut checks);
@@ -700,12 +725,16 @@ pub enum BucketsError {
     Unknown(String),
     /// The question lacks what would name a bucket (a client, a value).
     Missing(String),
+    /// The question asks for what cannot be (a route's quota).
+    Invalid(String),
 }
 
 impl std::fmt::Display for BucketsError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            BucketsError::Unknown(m) | BucketsError::Missing(m) => f.write_str(m),
+            BucketsError::Unknown(m) | BucketsError::Missing(m) | BucketsError::Invalid(m) => {
+                f.write_str(m)
+            }
         }
     }
 }
@@ -720,7 +749,11 @@ pub fn buckets(
     subject: &Subject,
     route: Option<&str>,
     value: Option<&str>,
+    quota: Option<&str>,
 ) -> Result<Vec<Bucket>, BucketsError> {
+    if let Some(period) = quota {
+        return quota_bucket(policy, subject, route, period).map(|b| vec![b]);
+    }
     let cfg = &policy.config;
     // The key named, looked up once: its plan's rules and its quotas.
     let key = match subject {
@@ -733,10 +766,7 @@ pub fn buckets(
         _ => None,
     };
     let client = match subject {
-        Subject::Key(id) => Some((
-            format!("k:{id}"),
-            key.and_then(|k| policy.plan_rules.get(&k.plan)),
-        )),
+        Subject::Key(id) => Some((format!("k:{id}"), key.and_then(|k| policy.key_rule(k)))),
         Subject::Ip(ip) => {
             let addr = ClientAddr::new(*ip, cfg.clients.ipv6_prefix_len);
             Some((format!("ip:{addr}"), policy.ip_rule.as_ref()))
@@ -818,6 +848,64 @@ pub fn buckets(
     Ok(out)
 }
 
+/// One quota of a key (`quota=PERIOD`): the count of the period under way.
+fn quota_bucket(
+    policy: &Policy,
+    subject: &Subject,
+    route: Option<&str>,
+    period: &str,
+) -> Result<Bucket, BucketsError> {
+    let Subject::Key(id) = subject else {
+        return Err(BucketsError::Missing(
+            "a quota is an API key's: name it, key=ID (from the shell, --key ID)".into(),
+        ));
+    };
+    if route.is_some() {
+        return Err(BucketsError::Invalid(
+            "a quota is the key's on every route: give quota or route, not both".into(),
+        ));
+    }
+    let key = policy
+        .config
+        .api_keys
+        .iter()
+        .find(|k| &k.id == id)
+        .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?;
+    let mut checks = Vec::new();
+    policy.quota_checks(key, &format!("k:{id}"), SystemClock.now_us(), &mut checks);
+    let periods: Vec<&str> = checks
+        .iter()
+        .filter_map(|c| match c.algorithm {
+            Algorithm::Calendar { period, .. } => Some(period.as_str()),
+            _ => None,
+        })
+        .collect();
+    let Some(i) = periods.iter().position(|p| *p == period) else {
+        return Err(BucketsError::Unknown(format!(
+            "API key \"{id}\" has no {period} quota; its quotas: [{}]",
+            periods.join(", ")
+        )));
+    };
+    Ok(Bucket {
+        check: checks.swap_remove(i),
+        route: None,
+        shard: None,
+    })
+}
+
+/// A quota's `used`, beside the `limit`, `remaining` and `lease` of a
+/// `/limits` entry: what requests have spent this period. Tokens this
+/// replica holds on lease are not spent yet; other replicas' leases are
+/// not known here and count as used.
+pub fn add_used(b: &mut serde_json::Value) {
+    if b.get("period").is_none() {
+        return;
+    }
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let unspent = n(&b["remaining"]) + n(&b["lease"]["tokens"]);
+    b["used"] = n(&b["limit"]).saturating_sub(unspent).into();
+}
+
 fn tag(a: &Attribute) -> &'static str {
     match a {
         Attribute::Header(_) => "h",
@@ -846,7 +934,7 @@ pub enum Conclusion {
 
 /// Per-tier results for metrics and the access log: every tier of a
 /// decided request once.
-pub fn tier_labels(outcome: &Outcome) -> Vec<(Tier, DecisionLabel)> {
+pub fn tier_labels(outcome: &Outcome) -> Vec<(LimitKind, DecisionLabel)> {
     match outcome {
         Outcome::Decided {
             verdict, checks, ..
@@ -859,7 +947,7 @@ pub fn tier_labels(outcome: &Outcome) -> Vec<(Tier, DecisionLabel)> {
                     (false, true) => DecisionLabel::ShadowRejected,
                     (false, false) => DecisionLabel::Rejected,
                 };
-                (c.tier, label)
+                (c.kind(), label)
             })
             .collect(),
         Outcome::Remembered { checks, tier, .. } => checks
@@ -871,7 +959,7 @@ pub fn tier_labels(outcome: &Outcome) -> Vec<(Tier, DecisionLabel)> {
                 } else {
                     DecisionLabel::NotAsked
                 };
-                (c.tier, label)
+                (c.kind(), label)
             })
             .collect(),
         Outcome::FailOpen | Outcome::FailClosed => Vec::new(),

@@ -304,6 +304,7 @@ mod tests {
             digest: Sha256::digest(b"secret").into(),
             plan: "free".into(),
             quotas: None,
+            burst: None,
         }];
         let t = KeyTable::new(&keys);
         assert_eq!(t.lookup(b"secret").map(|k| k.id.as_str()), Some("demo"));

@@ -84,6 +84,9 @@ struct LimitsArgs {
     /// For a route keyed on a header or query parameter: the value's bucket.
     #[arg(long)]
     value: Option<String>,
+    /// Only this quota of the key: minute, hour, day, week or month.
+    #[arg(long, requires = "key", conflicts_with = "route")]
+    quota: Option<String>,
     /// Print the JSON `/limits` answers instead of a table.
     #[arg(long)]
     json: bool,
@@ -158,6 +161,7 @@ fn main() -> ExitCode {
                 subject,
                 route: args.route,
                 value: args.value,
+                quota: args.quota,
                 reset,
             };
             match operator::run(cfg, &ask) {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::limiter::{FallbackState, Tier};
+use crate::limiter::{FallbackState, LimitKind};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -38,7 +38,7 @@ pub fn install() {
         );
         describe_counter!(
             "gateway_ratelimit_decisions_total",
-            "Rate-limit decisions by tier, route and decision (allowed, rejected, shadow_rejected, not_asked: another tier's remembered denial answered first); each request counted once per tier"
+            "Rate-limit decisions by limit (tier: ip, key (the key's burst bucket), route, or a key's quota by period: quota-minute, quota-hour, quota-day, quota-week, quota-month), route and decision (allowed, rejected, shadow_rejected, not_asked: another limit's remembered denial answered first); each request counted once per limit"
         );
         describe_gauge!(
             "gateway_requests_in_flight",
@@ -370,7 +370,7 @@ pub fn config_reload(ok: bool) {
 pub struct RouteMetrics {
     route: String,
     requests: [OnceLock<Counter>; STATUS_LABELS],
-    decisions: [[OnceLock<Counter>; 4]; 4],
+    decisions: [[OnceLock<Counter>; 4]; LimitKind::COUNT],
     upstream: OnceLock<Histogram>,
 }
 
@@ -389,7 +389,7 @@ impl RouteMetrics {
         for status in statuses.chain([100, 299, 399, 499, 599, 0]) {
             m.requests_counter(status).increment(0);
         }
-        for tier in Tier::ALL {
+        for tier in LimitKind::FIRST {
             for d in [
                 DecisionLabel::Allowed,
                 DecisionLabel::Rejected,
@@ -409,8 +409,8 @@ impl RouteMetrics {
         )
     }
 
-    fn decisions_counter(&self, tier: Tier, decision: DecisionLabel) -> &Counter {
-        self.decisions[tier as usize][decision as usize].get_or_init(|| {
+    fn decisions_counter(&self, tier: LimitKind, decision: DecisionLabel) -> &Counter {
+        self.decisions[tier.index()][decision as usize].get_or_init(|| {
             counter!(
                 "gateway_ratelimit_decisions_total",
                 "tier" => tier.as_str(),
@@ -424,7 +424,7 @@ impl RouteMetrics {
         self.requests_counter(status).increment(1);
     }
 
-    pub fn decision(&self, tier: Tier, decision: DecisionLabel) {
+    pub fn decision(&self, tier: LimitKind, decision: DecisionLabel) {
         self.decisions_counter(tier, decision).increment(1);
     }
 

@@ -19,6 +19,8 @@ pub struct Ask {
     pub subject: Subject,
     pub route: Option<String>,
     pub value: Option<String>,
+    /// One quota of the key, by period.
+    pub quota: Option<String>,
     pub reset: bool,
 }
 
@@ -32,6 +34,7 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                 &ask.subject,
                 ask.route.as_deref(),
                 ask.value.as_deref(),
+                ask.quota.as_deref(),
             )
             .map_err(|e| e.to_string())?;
             let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
@@ -81,6 +84,9 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                         .collect();
                     let mut answer = json!({ "buckets": list });
                     add_leases(&config, ask, &mut answer);
+                    if let Some(list) = answer["buckets"].as_array_mut() {
+                        list.iter_mut().for_each(admission::add_used);
+                    }
                     Ok(answer)
                 }
             })
@@ -148,7 +154,11 @@ fn query(ask: &Ask) -> String {
         Subject::Ip(ip) => format!("?ip={}", enc(&ip.to_string())),
         Subject::Nobody => "?".to_string(),
     };
-    for (name, v) in [("route", &ask.route), ("value", &ask.value)] {
+    for (name, v) in [
+        ("route", &ask.route),
+        ("value", &ask.value),
+        ("quota", &ask.quota),
+    ] {
         if let Some(v) = v {
             if !q.ends_with('?') {
                 q.push('&');
@@ -210,9 +220,20 @@ pub fn table(answer: &Value) -> String {
     let mut out = String::new();
     if let Some(list) = answer["buckets"].as_array() {
         out.push_str(&format!(
-            "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {:<8} {}\n",
+            "{:<11} {:<20} {:<15} {:>10} {:>10} {:>10}  {:<8} {}\n",
             "tier", "route", "algorithm", "limit", "remaining", "reset_ms", "backend", "lease"
         ));
+        // A quota: what was used of it, and when its period ends (UTC).
+        let quota = |b: &Value| {
+            let ends = b["period_ends"].as_i64()?;
+            let ends = chrono::DateTime::from_timestamp(ends, 0)?;
+            Some(format!(
+                "  used {}, {} ends {}",
+                b["used"],
+                b["period"].as_str().unwrap_or("period"),
+                ends.format("%Y-%m-%dT%H:%M:%SZ")
+            ))
+        };
         // This replica's unspent lease: tokens, and ms until it expires.
         let lease = |b: &Value| match b.get("lease") {
             None => "?".to_string(),
@@ -229,7 +250,7 @@ pub fn table(answer: &Value) -> String {
         };
         for b in list {
             out.push_str(&format!(
-                "{:<6} {:<20} {:<15} {:>10} {:>10} {:>10}  {:<8} {}\n",
+                "{:<11} {:<20} {:<15} {:>10} {:>10} {:>10}  {:<8} {}{}\n",
                 b["tier"].as_str().unwrap_or("?"),
                 route(b),
                 b["algorithm"].as_str().unwrap_or("?"),
@@ -239,6 +260,7 @@ pub fn table(answer: &Value) -> String {
                 b["reset_ms"].to_string(),
                 b["backend"].as_str().unwrap_or("?"),
                 lease(b),
+                quota(b).unwrap_or_default(),
             ));
         }
         if list.is_empty() {

@@ -670,4 +670,27 @@ fn quotas_and_their_time_zone_are_checked() {
             && err.contains("plan \"gold\" is not defined"),
         "{err}"
     );
+
+    // A key's own burst: capacity and refill_per_sec together.
+    let key = |burst: &str| {
+        format!(
+            "{MINIMAL}\n[plans.free]\ncapacity = 10\nrefill_per_sec = 1\n\n\
+             [[api_keys]]\nid = \"a\"\nkey = \"a-secret-key-1\"\nplan = \"free\"\n{burst}\n"
+        )
+    };
+    let (ok, _, err) = check(&key("capacity = 50"));
+    assert!(!ok);
+    assert!(
+        err.contains("api_keys[0].refill_per_sec") && err.contains("(line"),
+        "{err}"
+    );
+    let (ok, _, err) = check(&key("capacity = 0\nrefill_per_sec = 5"));
+    assert!(!ok);
+    assert!(err.contains("api_keys[0].capacity (line"), "{err}");
+    let (ok, out, err) = check(&key("capacity = 50\nrefill_per_sec = 5"));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("key a: its own token_bucket capacity=50 refill_per_sec=5"),
+        "{out}"
+    );
 }

@@ -74,6 +74,19 @@ id = "eve"
 key = "eve-secret-key"
 plan = "shared"
 
+[[api_keys]]
+id = "hank"
+key = "hank-secret-key"
+plan = "free"
+
+# Her own burst: 2, in place of the plan's 100 (and the plan's quota).
+[[api_keys]]
+id = "gina"
+key = "gina-secret-key"
+plan = "free"
+capacity = 2
+refill_per_sec = 0.001
+
 [[upstreams]]
 name = "up"
 servers = ["{addr}"]
@@ -105,6 +118,38 @@ fn limits(gw: &GatewayGuard, id: &str) -> serde_json::Value {
     let r = gw.admin_get(&format!("/limits?key={id}"));
     assert_eq!(r.status, 200, "{}", r.text());
     r.json()
+}
+
+/// A `/limits` reset (the admin listener is loopback: no token needed).
+fn reset(gw: &GatewayGuard, query: &str) -> Response {
+    support::http::Client::connect(gw.admin)
+        .and_then(|mut c| c.request("DELETE", &format!("/limits?{query}"), &[], b""))
+        .expect("admin request")
+}
+
+/// `gateway limits ARGS` against the gateway's config: its stdout, or what
+/// it said on failing.
+fn cli(gw: &GatewayGuard, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gateway"))
+        .arg("limits")
+        .args(args)
+        .arg("--config")
+        .arg(&gw.config_path)
+        .output()
+        .expect("run gateway limits");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+    match out.status.success() {
+        true => Ok(text(&out.stdout)),
+        false => Err(text(&out.stderr)),
+    }
+}
+
+/// The decisions one kind of limit made on route "api".
+fn decided(gw: &GatewayGuard, limit: &str, decision: &str) -> f64 {
+    let name = format!(
+        "gateway_ratelimit_decisions_total{{tier=\"{limit}\",route=\"api\",decision=\"{decision}\"}}"
+    );
+    support::series(&gw.metrics(), &name).map_or(0.0, |v| v.parse().unwrap())
 }
 
 /// The bucket of `tier` in a /limits answer (with this replica's lease).
@@ -157,6 +202,34 @@ fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
         .find(|b| b["tier"] == "quota-day")
         .unwrap();
     assert_eq!(quota["period"], "day");
+    assert_eq!(quota["used"], 5, "{quota}");
+    // Refusals are counted by the limit that refused: the daily quota.
+    assert_eq!(decided(gw, "quota-day", "rejected"), 2.0, "{backend}");
+    assert_eq!(decided(gw, "quota-day", "allowed"), 5.0, "{backend}");
+    assert_eq!(decided(gw, "key", "rejected"), 0.0, "{backend}");
+    // The shell lists the quota too: used, and when its day ends.
+    let shown = cli(gw, &["show", "--key", "alice"]).expect("limits show");
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("quota-day"))
+        .unwrap_or_else(|| panic!("no quota-day line in\n{shown}"));
+    assert!(line.contains("used 5, day ends 20"), "{line}");
+
+    // A reset naming the daily quota gives it back, and only it: the burst
+    // bucket keeps its 95.
+    let r = reset(gw, "key=alice&quota=day");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["reset"].as_array().map(Vec::len), Some(1));
+    let v = limits(gw, "alice");
+    assert_eq!((left(&v, "key"), left(&v, "quota-day")), (95, 5), "{v}");
+    assert_eq!(send(gw, "alice-secret-key").status, 200);
+    let r = reset(gw, "key=alice&quota=month");
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert!(r.text().contains("has no month quota"), "{}", r.text());
+    let r = reset(gw, "key=alice&quota=day&route=api");
+    assert_eq!(r.status, 400, "{}", r.text());
+    let no_quota = cli(gw, &["reset", "--key", "alice", "--quota", "week"]).unwrap_err();
+    assert!(no_quota.contains("has no week quota"), "{no_quota}");
 
     // Her own quota: 2 a month, and no daily one.
     let got: Vec<Response> = (0..3).map(|_| send(gw, "carol-secret-key")).collect();
@@ -176,22 +249,21 @@ fn run(gw: &GatewayGuard, up: &UpstreamGuard, backend: &str) {
     let v = limits(gw, "dave");
     assert_eq!((left(&v, "key"), left(&v, "quota-day")), (0, 1), "{v}");
 
+    // Her own burst of 2, in place of the plan's 100.
+    let got: Vec<Response> = (0..3).map(|_| send(gw, "gina-secret-key")).collect();
+    let statuses: Vec<u16> = got.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [200, 200, 429], "{backend}");
     assert_eq!(
-        up.count("/api"),
-        9,
-        "{backend}: the upstream saw the admitted only"
+        got[2].json()["violated-policies"],
+        serde_json::json!(["key"])
     );
-    println!(
-        "FIGURES quotas-{backend}: daily quota 5: 5 of 7 admitted (bound 5), Retry-After {retry} s to midnight in {ZONE}; \
-         own monthly quota 2: 2 of 3 (bound 2); burst 2 under quota 3: 2 of 3, quota left 1"
+    assert!(
+        policy(&got[0]).starts_with("\"key\";q=2;"),
+        "{:?}",
+        got[0].headers
     );
-}
-
-#[test]
-fn quotas_on_the_local_backend() {
-    let up = UpstreamGuard::start();
-    let gw = GatewayGuard::start(&config(&up, "backend = \"local\""));
-    run(&gw, &up, "local");
+    let v = limits(gw, "gina");
+    assert_eq!((left(&v, "key"), left(&v, "quota-day")), (0, 3), "{v}");
 
     // Route limits by plan: on one route, a key of plan "ten" gets its
     // plan's 3, a key of another plan the route's 1.
@@ -205,11 +277,29 @@ fn quotas_on_the_local_backend() {
             .collect()
     };
     assert_eq!(search("frank-secret-key", 4), [200, 200, 200, 429]);
-    assert_eq!(search("eve-secret-key", 2), [200, 429]);
+    assert_eq!(search("hank-secret-key", 2), [200, 429]);
     let v = gw.admin_get("/limits?key=frank&route=search").json();
     assert_eq!(v["buckets"][0]["limit"], 3, "{v}");
     assert_eq!(up.count("/search"), 4);
-    println!("FIGURES quotas-by-plan: plan ten's own route limit 3: 3 of 4 (bound 3); the route's limit 1 for another plan: 1 of 2 (bound 1)");
+    println!("FIGURES quotas-by-plan-{backend}: plan ten's own route limit 3: 3 of 4 (bound 3); the route's limit 1 for another plan: 1 of 2 (bound 1)");
+
+    assert_eq!(
+        up.count("/api"),
+        12,
+        "{backend}: the upstream saw the admitted only"
+    );
+    println!(
+        "FIGURES quotas-{backend}: daily quota 5: 5 of 7 admitted (bound 5), Retry-After {retry} s to midnight in {ZONE}; \
+         after a reset of that quota alone 1 more; own monthly quota 2: 2 of 3 (bound 2); burst 2 under quota 3: 2 of 3, \
+         quota left 1; own burst 2: 2 of 3 (bound 2)"
+    );
+}
+
+#[test]
+fn quotas_on_the_local_backend() {
+    let up = UpstreamGuard::start();
+    let gw = GatewayGuard::start(&config(&up, "backend = \"local\""));
+    run(&gw, &up, "local");
 }
 
 #[test]

@@ -362,9 +362,22 @@ pub(super) fn api_key(
     span: &Range<usize>,
     plans: &[String],
 ) -> Option<ApiKey> {
-    r.only_keys(p, t, &["id", "key", "sha256", "plan", "quotas"]);
+    r.only_keys(
+        p,
+        t,
+        &[
+            "id",
+            "key",
+            "sha256",
+            "plan",
+            "quotas",
+            "capacity",
+            "refill_per_sec",
+        ],
+    );
     // Read before the rest, reported with it: None inside means invalid.
     let own_quotas = t.get("quotas").map(|v| quotas(r, &join(p, "quotas"), v));
+    let own_burst = burst(r, p, t, span);
     let id = req(r, t, p, Some(span), "id", name);
     let plan = req(r, t, p, Some(span), "plan", |r, path, v| {
         let plan = r.string(path, v)?;
@@ -431,5 +444,29 @@ pub(super) fn api_key(
         digest: digest?,
         plan: plan?,
         quotas,
+        burst: own_burst?,
     })
+}
+
+/// A key's own burst bucket: `capacity` and `refill_per_sec` together, or
+/// neither (its plan's). `None` when what is given is invalid.
+fn burst(
+    r: &mut Reader<'_>,
+    p: &str,
+    t: &DeTable<'_>,
+    span: &Range<usize>,
+) -> Option<Option<Burst>> {
+    if t.get("capacity").is_none() && t.get("refill_per_sec").is_none() {
+        return Some(None);
+    }
+    let capacity = req(r, t, p, Some(span), "capacity", |r, path, v| {
+        r.int(path, v, 1, 1 << 40)
+    });
+    let refill = req(r, t, p, Some(span), "refill_per_sec", |r, path, v| {
+        r.positive_number(path, v)
+    });
+    Some(Some(Burst {
+        capacity: capacity?,
+        refill_per_sec: refill?,
+    }))
 }

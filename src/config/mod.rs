@@ -231,8 +231,24 @@ impl Config {
         }
         let _ = writeln!(s, "api keys: {}", self.api_keys.len());
         for k in &self.api_keys {
-            if let Some(q) = &k.quotas {
-                let _ = writeln!(s, "  key {}: its own{}", k.id, quotas(q));
+            let burst = k.burst.map(|b| {
+                format!(
+                    " token_bucket capacity={} refill_per_sec={}",
+                    b.capacity, b.refill_per_sec
+                )
+            });
+            let own = k.quotas.as_deref().map(|q| match q {
+                [] => "; quotas: none".to_string(),
+                q => quotas(q),
+            });
+            if burst.is_some() || own.is_some() {
+                let _ = writeln!(
+                    s,
+                    "  key {}: its own{}{}",
+                    k.id,
+                    burst.unwrap_or_default(),
+                    own.unwrap_or_default()
+                );
             }
         }
         let _ = writeln!(s, "upstreams:");

@@ -434,6 +434,16 @@ pub struct ApiKey {
     pub plan: String,
     /// This key's own quotas, in place of its plan's.
     pub quotas: Option<Vec<Quota>>,
+    /// This key's own burst bucket, in place of its plan's.
+    pub burst: Option<Burst>,
+}
+
+/// A token bucket of a key's own (`capacity`, `refill_per_sec` on an
+/// `[[api_keys]]` entry).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Burst {
+    pub capacity: u64,
+    pub refill_per_sec: f64,
 }
 
 impl fmt::Debug for ApiKey {

@@ -74,17 +74,53 @@ impl Check {
     /// The limit's name in `RateLimit-Policy` and a 429's
     /// `violated-policies`: the tier's, a quota's with its period.
     pub fn policy_name(&self) -> &'static str {
+        self.kind().as_str()
+    }
+
+    /// Which kind of limit this is, for metrics and the access log.
+    pub fn kind(&self) -> LimitKind {
         use crate::calendar::Period;
-        match (self.tier, self.algorithm) {
+        LimitKind(match (self.tier, self.algorithm) {
             (Tier::Quota, Algorithm::Calendar { period, .. }) => match period {
-                Period::Minute => "quota-minute",
-                Period::Hour => "quota-hour",
-                Period::Day => "quota-day",
-                Period::Week => "quota-week",
-                Period::Month => "quota-month",
+                Period::Minute => 4,
+                Period::Hour => 5,
+                Period::Day => 6,
+                Period::Week => 7,
+                Period::Month => 8,
             },
-            (tier, _) => tier.as_str(),
-        }
+            (tier, _) => tier as u8,
+        })
+    }
+}
+
+/// A limit's kind: its tier, a quota's with its period. A closed set, safe
+/// as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitKind(u8);
+
+impl LimitKind {
+    const NAMES: [&'static str; 9] = [
+        "ip",
+        "key",
+        "route",
+        "quota",
+        "quota-minute",
+        "quota-hour",
+        "quota-day",
+        "quota-week",
+        "quota-month",
+    ];
+    pub const COUNT: usize = Self::NAMES.len();
+
+    /// The kinds every route reports from the start (a quota's, once seen).
+    pub const FIRST: [LimitKind; 3] = [LimitKind(0), LimitKind(1), LimitKind(2)];
+
+    pub fn as_str(self) -> &'static str {
+        Self::NAMES[self.0 as usize]
+    }
+
+    pub fn index(self) -> usize {
+        self.0 as usize
     }
 }
 
@@ -168,4 +204,33 @@ impl LimiterError {
 #[async_trait]
 pub trait Backend: Send + Sync {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calendar::Period;
+
+    #[test]
+    fn a_limit_kind_is_its_tier_or_its_quota_period() {
+        for tier in Tier::ALL {
+            assert_eq!(LimitKind(tier as u8).as_str(), tier.as_str());
+        }
+        for (name, period) in Period::ALL {
+            let c = Check {
+                tier: Tier::Quota,
+                key: String::new(),
+                algorithm: Algorithm::Calendar {
+                    limit: 1,
+                    period,
+                    start: 0,
+                    end: 1,
+                },
+                shadow: false,
+                cost: 1,
+                shards: 1,
+            };
+            assert_eq!(c.policy_name(), format!("quota-{name}"));
+        }
+    }
 }

@@ -3,8 +3,9 @@
 //!
 //! `GET /limits?key=ID` or `?ip=ADDRESS`, optionally `&route=NAME` (only
 //! that route's bucket) and `&value=V` (a route keyed on a header or query
-//! parameter: the bucket of that value). `DELETE` with the same query resets
-//! exactly the buckets `GET` shows.
+//! parameter: the bucket of that value), or `&quota=PERIOD` (only that quota
+//! of the key). `DELETE` with the same query resets exactly the buckets
+//! `GET` shows. A quota's entry says what was `used` of it this period.
 //!
 //! Reading changes nothing and is open, like `/metrics`. A reset changes
 //! state: with `[admin] token` set it needs `Authorization: Bearer TOKEN`
@@ -44,6 +45,8 @@ struct Ask {
     subject: Subject,
     route: Option<String>,
     value: Option<String>,
+    /// One quota of the key, by period.
+    quota: Option<String>,
 }
 
 fn error(status: u16, message: impl Into<String>) -> Answer {
@@ -79,9 +82,11 @@ pub async fn serve(
         &ask.subject,
         ask.route.as_deref(),
         ask.value.as_deref(),
+        ask.quota.as_deref(),
     ) {
         Ok(b) => b,
         Err(admission::BucketsError::Unknown(e)) => return error(404, e),
+        Err(admission::BucketsError::Invalid(e)) => return error(400, e),
         Err(admission::BucketsError::Missing(e)) => {
             return error(400, format!("missing query parameter: {e}"))
         }
@@ -131,6 +136,7 @@ pub async fn serve(
                         }),
                         None => Value::Null,
                     };
+                    admission::add_used(&mut b);
                     b
                 })
                 .collect();
@@ -188,7 +194,7 @@ fn bearer(value: &[u8]) -> Option<&[u8]> {
 }
 
 fn parse(query: &str) -> Result<Ask, String> {
-    let (mut key, mut ip, mut route, mut value) = (None, None, None, None);
+    let (mut key, mut ip, mut route, mut value, mut quota) = (None, None, None, None, None);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let v = attributes::decode(v).map_err(|e| format!("query parameter {k} {e}"))?;
@@ -197,9 +203,10 @@ fn parse(query: &str) -> Result<Ask, String> {
             "ip" => &mut ip,
             "route" => &mut route,
             "value" => &mut value,
+            "quota" => &mut quota,
             other => {
                 return Err(format!(
-                    "unknown query parameter \"{other}\"; expected key, ip, route, value"
+                    "unknown query parameter \"{other}\"; expected key, ip, route, value, quota"
                 ))
             }
         };
@@ -220,6 +227,7 @@ fn parse(query: &str) -> Result<Ask, String> {
         subject,
         route,
         value,
+        quota,
     })
 }
 
@@ -285,7 +293,8 @@ mod tests {
             Ok(Ask {
                 subject: Subject::Key("alice".into()),
                 route: Some("rides".into()),
-                value: None
+                value: None,
+                quota: None,
             })
         );
         assert_eq!(

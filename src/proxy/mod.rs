@@ -32,7 +32,7 @@ use pingora::upstreams::peer::Peer;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 
 use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
-use crate::limiter::{Fallback, Tier};
+use crate::limiter::{Fallback, LimitKind};
 use crate::metrics::{DecisionLabel, RouteMetrics};
 use responses::Reply;
 use upstreams::Pools;
@@ -78,7 +78,7 @@ pub struct Ctx {
     plan: Option<Plan>,
     /// Rate-limit headers to add to the upstream's response.
     ratelimit_headers: Vec<(&'static str, http::HeaderValue)>,
-    tiers: Vec<(Tier, DecisionLabel)>,
+    tiers: Vec<(LimitKind, DecisionLabel)>,
     backend: &'static str,
     upstream_sent: Option<Instant>,
     /// The status of a reply the gateway wrote itself: what metrics and the
