@@ -198,34 +198,32 @@ fn lease_tokens(g: &GatewayGuard, event: &str) -> f64 {
     g.metric(&format!("gateway_lease_tokens_total{{event=\"{event}\"}}"))
 }
 
-/// Three replicas on `redis` (a URL, or `[redis]` lines) sprayed with a
-/// bucket of 50 and no refill until a lease period past the first 429 on
-/// every one: exactly 50, part of them decided on leases.
-fn exhaustion_on(redis: &str, what: &str) {
+/// Three replicas on `redis` (a URL, or `[redis]` lines) sprayed with one
+/// key of `plan` until a lease period past the first 429 on every one:
+/// exactly `bound`, part of them decided on leases.
+fn exhaustion_on(redis: &str, plan: &str, bound: u64, what: &str) {
     let up = UpstreamGuard::start();
-    let gws = replicas(
-        [redis, redis, redis],
-        &up,
-        "capacity = 50\nrefill_per_sec = 0.0001",
-        "deny",
-    );
+    let gws = replicas([redis, redis, redis], &up, plan, "deny");
     let per = spray_to_exhaustion(&gws);
     let admitted: u64 = per.iter().sum();
     let leased = lease_decisions(&gws);
-    println!("FIGURES exhaustion{what}: admitted {admitted} of 50 (per replica {per:?}), decided on a lease per replica {leased:?}");
-    assert_eq!(admitted, 50, "exactly the bucket, per replica {per:?}");
-    assert_eq!(up.count("/r"), 50, "the upstream saw exactly 50");
+    println!("FIGURES exhaustion{what}: admitted {admitted} of {bound} (per replica {per:?}), decided on a lease per replica {leased:?}");
+    assert_eq!(admitted, bound, "exactly the bound, per replica {per:?}");
+    assert_eq!(up.count("/r"), bound, "the upstream saw exactly {bound}");
     assert!(
-        leased.iter().sum::<f64>() >= 10.0,
+        leased.iter().sum::<f64>() >= bound as f64 / 5.0,
         "leases decided part of it: {leased:?}"
     );
 }
+
+/// A bucket of 50, no refill.
+const FIFTY: &str = "capacity = 50\nrefill_per_sec = 0.0001";
 
 /// Acceptance 2, on one Redis.
 #[test]
 fn exhaustion_admits_exactly_the_bucket() {
     let redis = RedisGuard::start();
-    exhaustion_on(&redis.url(), "");
+    exhaustion_on(&redis.url(), FIFTY, 50, "");
 }
 
 /// The same on a Redis Cluster of three masters: each master's call
@@ -233,7 +231,20 @@ fn exhaustion_admits_exactly_the_bucket() {
 #[test]
 fn exhaustion_admits_exactly_the_bucket_on_a_cluster() {
     let cluster = ClusterGuard::start();
-    exhaustion_on(&cluster.redis_section(), " on a cluster");
+    exhaustion_on(&cluster.redis_section(), FIFTY, 50, " on a cluster");
+}
+
+/// A key's quota is leased like its burst bucket (#25): a monthly quota of
+/// 200 under a burst that never binds admits exactly 200, part of them with
+/// no call (both limits on leases).
+#[test]
+fn a_quota_is_leased_and_exhausts_exactly() {
+    let redis = RedisGuard::start();
+    let plan =
+        "capacity = 100000\nrefill_per_sec = 10000\nquotas = [{ limit = 200, period = \"month\" }]";
+    exhaustion_on(&redis.url(), plan, 200, " of a monthly quota");
+    let keys = redis.keys();
+    assert!(keys.iter().any(|k| k.contains(":quota:month:")), "{keys:?}");
 }
 
 /// Acceptance 1: a hot key sprayed over three replicas above its limit for

@@ -8,6 +8,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ratelimit_gateway::calendar::{self, Period};
 use ratelimit_gateway::clock::ManualClock;
 use ratelimit_gateway::config::Algorithm;
 use ratelimit_gateway::limiter::algorithms::lease::{self, Grant};
@@ -681,15 +682,35 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     let mut model = std::collections::HashMap::new();
     let mut rng = fastrand::Rng::with_seed(0x1ea5e);
     let (mut granted, mut back, mut refused_back, mut nothing, mut rejected) = (0u64, 0, 0, 0, 0);
-    for round in 0..45 {
-        let which = [0, 2, 3][round % 3];
+    // A quota's own: granted, taken back, refused back (another minute's).
+    let mut quota = [0u64; 3];
+    for round in 0..60 {
+        // A token bucket, the two windows, and a quota (a minute's count:
+        // its rounds run long enough to cross into the next minute).
+        let which = [0, 2, 3, 6][round % 4];
         let alg = random_algorithm(&mut rng, which, 200, 3);
-        let route = check(Tier::Route, &format!("lr{round}"), alg, "global");
+        let quota_limit = rng.u64(1..200);
         let plan = check(Tier::Key, "plan", tb(40, 30.0), &format!("k{round}"));
         let mut last = Grant::default();
         for _ in 0..40 {
-            clock.advance(rng.i64(0..150_000));
+            clock.advance(match which {
+                6 => rng.i64(0..3_000_000),
+                _ => rng.i64(0..150_000),
+            });
             let now = ratelimit_gateway::clock::Clock::now_us(&*clock);
+            let route = if which == 6 {
+                let span = calendar::span(Period::Minute, chrono_tz::UTC, now);
+                let alg = Algorithm::Calendar {
+                    limit: quota_limit,
+                    period: Period::Minute,
+                    start: span.start,
+                    end: span.end,
+                };
+                check(Tier::Quota, "minute", alg, &format!("k:lr{round}"))
+            } else {
+                check(Tier::Route, &format!("lr{round}"), alg, "global")
+            };
+            let alg = route.algorithm;
             let mut requests: Vec<Vec<Check>> = Vec::new();
             for _ in 0..rng.usize(0..4) {
                 let mut r = vec![plan.clone(), route.clone()];
@@ -732,6 +753,11 @@ async fn lease_grants_and_returns_agree_with_the_model() {
             granted += grants.iter().map(|g| g.tokens).sum::<u64>();
             back += grants[0].taken_back;
             refused_back += (ret > 0 && grants[0].taken_back == 0) as usize;
+            if which == 6 {
+                quota[0] += grants[0].tokens;
+                quota[1] += grants[0].taken_back;
+                quota[2] += (ret > 0 && grants[0].taken_back == 0) as u64;
+            }
             last = grants[0];
             nothing += grants.iter().filter(|g| g.tokens == 0).count();
             rejected += expected.iter().flatten().filter(|d| !d.allowed).count();
@@ -742,6 +768,13 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     assert!(
         granted > 1000 && back > 100 && refused_back > 20 && nothing > 100 && rejected > 100,
         "granted {granted}, taken back {back}, returns refused {refused_back}, nothing {nothing}, rejected {rejected}"
+    );
+    assert!(
+        quota[0] > 100 && quota[1] > 20 && quota[2] > 5,
+        "quotas: granted {}, taken back {}, returns refused {}",
+        quota[0],
+        quota[1],
+        quota[2]
     );
 }
 
@@ -795,7 +828,6 @@ fn malformed_leases_change_nothing() {
 #[tokio::test]
 async fn calendar_quotas_agree_across_boundaries() {
     use chrono::TimeZone;
-    use ratelimit_gateway::calendar::{self, Period};
     let p = Pair::new();
     let at = |tz: chrono_tz::Tz, y, mo, d, h| {
         tz.with_ymd_and_hms(y, mo, d, h, 0, 0)

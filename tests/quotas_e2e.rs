@@ -11,7 +11,9 @@ use ratelimit_gateway::calendar::{self, Period};
 use std::time::Duration;
 use support::http::Response;
 
-use support::{free_port, wait_for, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
+use support::{
+    free_port, wait_for, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard, SERVER,
+};
 
 const ZONE: &str = "Asia/Kolkata"; // UTC+5:30: midnight is not UTC's
 
@@ -391,4 +393,44 @@ fn a_quota_survives_a_redis_restart_with_aof() {
         Some("yes")
     );
     println!("FIGURES quotas-aof: 7 of 10 spent, Redis killed and restarted on its AOF: {} more admitted (bound 3)", after.iter().filter(|s| **s == 200).count());
+}
+
+/// Through an outage: a replica cut off from Redis in silence (its link
+/// stopped with SIGSTOP) decides the daily quota of 10 from its share of
+/// what Redis last said (all of it: one replica), and what it admitted is
+/// charged back at failback: 4 before, 6 during, none after.
+#[test]
+fn a_quota_holds_through_a_redis_outage() {
+    let up = UpstreamGuard::start();
+    let redis = RedisGuard::start();
+    let link = ForwarderGuard::start(&redis.url().replace("redis://", ""));
+    let backend = format!(
+        "backend = \"redis\"\non_redis_failure = \"local\"\n\n[limiter.leases]\nenabled = true\n\n\
+         [redis]\nurls = [\"{}\"]\ntimeout_ms = 200\nprobe_interval_ms = 100",
+        link.url()
+    );
+    let gw = GatewayGuard::start(&config(&up, &backend));
+    let admitted = |n: usize| {
+        (0..n)
+            .filter(|_| send(&gw, "frank-secret-key").status == 200)
+            .count()
+    };
+    let before = admitted(4);
+    link.stop();
+    let during = admitted(10);
+    assert_ne!(
+        gw.admin_get("/readyz").json()["backend"],
+        "redis",
+        "decided on the fallback"
+    );
+    link.resume();
+    gw.wait_backend("redis", Duration::from_secs(15));
+    let after = admitted(5);
+    assert_eq!((before, during, after), (4, 6, 0), "10 in all");
+    let v = limits(&gw, "frank");
+    assert_eq!(left(&v, "quota-day"), 0, "{v}");
+    println!(
+        "FIGURES quotas-outage: daily quota 10: {before} before, {during} while cut off from Redis, {after} after failback: {} (bound 10)",
+        before + during + after
+    );
 }

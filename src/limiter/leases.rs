@@ -465,6 +465,7 @@ impl Leases {
                     let w = window_secs as i64 * 1_000_000;
                     period_us.min((g.until + 1) * w - now_us).max(0)
                 }
+                Algorithm::Calendar { end, .. } => period_us.min(end - now_us).max(0),
                 _ => period_us,
             };
             // Counted from when the call left: Redis's clock read later, so

@@ -37,7 +37,7 @@ then per request: the index of its shape (requests of one client on one
          route share a shape, so a request costs one argument)
 then, optionally, leases (leases.rs): l, the number of them, r, the replicas
          sharing the limit, and g0, the smallest lease worth granting; per
-         lease four values: k (a token bucket, fixed or sliding window),
+         lease four values: k (a token bucket, fixed or sliding window, quota),
          want (tokens asked for), ret (unspent tokens of an expired lease,
          given back) and until (what its grant answered: see below)
 
@@ -60,7 +60,7 @@ a time. A return must leave the bucket exactly as if the unspent tokens had
 never been taken; capping it at a full bucket is not enough (a bucket that
 refilled while the lease was out, then was partly spent, would get the lease
 back on top). So a grant answers `until`: for a window, the window its
-tokens count in, taken back only in that window and only from a count that
+tokens count in (a quota: its period's end), taken back only in that window and only from a count that
 holds them; for a token bucket, the TAT the bucket would have had without
 the grant (its floor): until then no request can have found that bucket
 full, so the tokens come back exactly, and the return is refused after it.
@@ -313,9 +313,9 @@ if lease_at <= na then
   for i = 1, nl do
     local b = lease_at + 4 * i - 1
     local k, want, ret, til = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
-    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] >= 5 or not whole(want, 0, 2 ^ 40)
+    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
         or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53) then
-      return bad('lease ' .. i .. ' is not a token bucket or window with want, ret, until')
+      return bad('lease ' .. i .. ' is not a token bucket, window or quota with want, ret, until')
     end
     lk[i], lwant[i], lret[i], luntil[i] = k, want, ret, til
   end
@@ -368,6 +368,10 @@ for i = 1, nl do
       elseif kind == 4 and s[3] >= ret then
         state[k] = {s[1], s[2], s[3] - ret}
         touch(k, ceil_us(s[1] * w + 2 * w - now))
+        lback[i] = ret
+      elseif kind == 6 and s[2] >= ret then
+        state[k] = {s[1], s[2] - ret}
+        touch(k, max(0, s[1] - now) + 60000000)
         lback[i] = ret
       end
     end
@@ -460,6 +464,9 @@ for i = 1, nl do
     if s and s > now then tat = s end
     avail = floor((now + taus[k] - tat) / ts[k]) + 1
     if avail > lims[k] then avail = lims[k] end
+  elseif kind == 6 then
+    avail = p1s[k]
+    if s and s[1] == ws[k] then avail = p1s[k] - s[2] end
   else
     local w = ws[k]
     local n = window_index(now, w, s and s[1])
@@ -482,6 +489,8 @@ for i = 1, nl do
       ok, _, _, _, new, ttl = gcra(s, ts[k], taus[k], lims[k], false, now, g)
     elseif kind == 3 then
       ok, _, _, _, new, ttl = fixed_window(s, p1s[k], ws[k], now, g)
+    elseif kind == 6 then
+      ok, _, _, _, new, ttl = quota(s, p1s[k], ws[k], now, g)
     else
       ok, _, _, _, new, ttl = sliding_window(s, p1s[k], ws[k], now, g)
     end

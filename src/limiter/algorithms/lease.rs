@@ -14,7 +14,7 @@
 //! at a full bucket is not enough (a bucket that refilled while the lease
 //! was out, then was partly spent, would get the lease back on top of that).
 //! So each grant carries `until`: for a window, the window its tokens count
-//! in (taken back only there, and only from a count that holds them); for a
+//! in (a quota: its period's end; taken back only there, and only from a count that holds them); for a
 //! token bucket, the floor of the TAT the bucket would have had without the
 //! grant. Until that instant no request can have found that bucket full, so
 //! the tokens come back exactly (the TAT moves back by them, never before
@@ -25,16 +25,18 @@ use crate::config::Algorithm;
 
 use super::{check, commit, Micros, State};
 
-/// Whether an algorithm's buckets can be leased: the token bucket and the
-/// two counting windows. A leaky bucket shapes each request to its own
-/// slot, and a sliding log records each request's time: neither can be
-/// spent ahead by count.
+/// Whether an algorithm's buckets can be leased: the token bucket, the
+/// two counting windows and a quota's period (a count, like a fixed
+/// window's). A leaky bucket shapes each request to its own slot, and a
+/// sliding log records each request's time: neither can be spent ahead by
+/// count.
 pub fn leasable(alg: &Algorithm) -> bool {
     matches!(
         alg,
         Algorithm::TokenBucket { .. }
             | Algorithm::FixedWindow { .. }
             | Algorithm::SlidingWindow { .. }
+            | Algorithm::Calendar { .. }
     )
 }
 
@@ -70,6 +72,15 @@ pub fn give_back(
             let w = *window_secs as i64 * 1_000_000;
             *count -= ret;
             return (ret, Some(((*window + 1) * w - now).max(0) as u64));
+        }
+        (Algorithm::Calendar { end, .. }, State::Window { window, count })
+            if *window == until && *count >= ret =>
+        {
+            *count -= ret;
+            return (
+                ret,
+                Some((*end - now).max(0) as u64 + super::calendar::GRACE_US),
+            );
         }
         (Algorithm::SlidingWindow { window_secs, .. }, State::Sliding { window, cur, .. })
             if *window == until && *cur >= ret =>
@@ -115,6 +126,10 @@ pub fn available(alg: &Algorithm, state: Option<&State>, now: Micros) -> u64 {
                 _ => limit as f64,
             }
         }
+        (Algorithm::Calendar { limit, end, .. }, s) => match s {
+            Some(State::Window { window, count }) if *window == end => limit as f64 - *count as f64,
+            _ => limit as f64,
+        },
         (Algorithm::SlidingWindow { limit, window_secs }, s) => {
             let w = window_secs as i64 * 1_000_000;
             let n = window_of(now, w, s);
@@ -272,6 +287,39 @@ mod tests {
             assert_eq!(give_back(&alg, &mut s, NOW, 20, g.until).0, 20);
             assert_eq!(available(&alg, s.as_ref(), NOW), 90, "{alg:?}");
         }
+    }
+
+    #[test]
+    fn a_quota_takes_back_only_its_own_periods_tokens() {
+        let (start, end) = (NOW - 10, NOW + 3_600_000_000);
+        let q = Algorithm::Calendar {
+            limit: 100,
+            period: crate::calendar::Period::Hour,
+            start,
+            end,
+        };
+        let mut s = None;
+        let (g, _) = grant(&q, &mut s, NOW, 30, 2, 4);
+        assert_eq!(
+            (g.tokens, g.until),
+            (30, end),
+            "a period is named by its end"
+        );
+        assert_eq!(available(&q, s.as_ref(), NOW), 70);
+        // Half of what is left for two replicas: 35, asked 50.
+        assert_eq!(grant(&q, &mut s, NOW, 50, 2, 4).0.tokens, 35);
+        assert_eq!(give_back(&q, &mut s, NOW + 5, 20, end).0, 20);
+        assert_eq!(available(&q, s.as_ref(), NOW), 55);
+        // Another period's lease, or more than the count holds: refused.
+        assert_eq!(give_back(&q, &mut s, NOW + 5, 5, end - 1).0, 0);
+        assert_eq!(give_back(&q, &mut s, NOW + 5, 46, end).0, 0);
+        let next = Algorithm::Calendar {
+            limit: 100,
+            period: crate::calendar::Period::Hour,
+            start: end,
+            end: end + 3_600_000_000,
+        };
+        assert_eq!(available(&next, s.as_ref(), end), 100);
     }
 
     #[test]
