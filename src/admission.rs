@@ -460,6 +460,9 @@ pub struct Plan {
     /// The key's plan, when the route limits it by its own rule
     /// (`limit_by_plan`).
     pub route_plan: Option<String>,
+    /// Its place in an upstream's queue: its plan's `priority`; a request
+    /// without a key comes after every plan.
+    pub priority: i64,
 }
 
 /// Where a refused request is counted (metrics, access log) and who sent
@@ -587,6 +590,9 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         checks: checks.into(),
         preflight,
         route_plan,
+        priority: key
+            .and_then(|k| cfg.plans.get(&k.plan))
+            .map_or(i64::MIN, |p| p.priority),
     })
 }
 

@@ -11,6 +11,7 @@ pub mod clock;
 pub mod config;
 pub mod cors;
 pub mod identity;
+pub mod inflight;
 pub mod limiter;
 pub mod logging;
 pub mod metrics;

@@ -138,6 +138,26 @@ pub fn install() {
             counter!("gateway_lease_tokens_total", "event" => event).absolute(0);
         }
         gauge!("gateway_requests_in_flight").set(0.0);
+        describe_gauge!(
+            "gateway_in_flight",
+            "Requests holding a slot under an in-flight cap, by kind (upstream, route) and name, as of the scrape"
+        );
+        describe_gauge!(
+            "gateway_in_flight_limit",
+            "An in-flight cap now: max_in_flight, this replica's share of pool_max_in_flight, or the adaptive limit"
+        );
+        describe_gauge!(
+            "gateway_in_flight_queued",
+            "Requests waiting for a slot under an in-flight cap"
+        );
+        describe_gauge!(
+            "gateway_adaptive_rtt_seconds",
+            "An adaptive upstream's round trips: estimate=min (the unloaded one it learnt), sample (the last interval's median)"
+        );
+        describe_counter!(
+            "gateway_in_flight_refusals_total",
+            "Requests the rate tiers admitted and an in-flight cap refused, by kind, name and reason: queue_full, queue_timeout, displaced (a higher-priority plan took its place in the queue) answered 503; per_client (max_in_flight_per_client) answered 429"
+        );
         describe_counter!(
             "gateway_tls_certificate_reloads_total",
             "TLS certificate files re-read after a change, by result (ok, error: the certificates in use were kept)"
@@ -214,6 +234,34 @@ pub fn redis_probe(ok: bool) {
 }
 
 /// How long this replica has been on its fallback (zero: not on it).
+/// A request an in-flight cap refused (`proxy::take_slots`).
+pub fn in_flight_refused(kind: &'static str, name: &str, reason: &'static str) {
+    counter!(
+        "gateway_in_flight_refusals_total",
+        "kind" => kind,
+        "name" => name.to_string(),
+        "reason" => reason
+    )
+    .increment(1);
+}
+
+/// The in-flight caps as of a scrape.
+pub fn in_flight(gates: &crate::inflight::Gates) {
+    for (kind, name, gate) in gates.all() {
+        let (held, queued, limit) = gate.load();
+        let labels = [("kind", kind.to_string()), ("name", name.to_string())];
+        gauge!("gateway_in_flight", &labels).set(held as f64);
+        gauge!("gateway_in_flight_queued", &labels).set(queued as f64);
+        gauge!("gateway_in_flight_limit", &labels).set(limit as f64);
+        if let Some(e) = gate.estimate() {
+            for (estimate, us) in [("min", e.min_rtt_us), ("sample", e.sample_rtt_us)] {
+                gauge!("gateway_adaptive_rtt_seconds", "upstream" => name.to_string(), "estimate" => estimate)
+                    .set(us as f64 / 1e6);
+            }
+        }
+    }
+}
+
 pub fn fallback_for(d: Duration) {
     gauge!("gateway_fallback_seconds").set(d.as_secs_f64());
 }

@@ -122,6 +122,8 @@ mod tests {
             retries: 0,
             max_request_body_bytes: None,
             cors: None,
+            in_flight: None,
+            max_in_flight_per_client: None,
         }
     }
 

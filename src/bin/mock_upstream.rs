@@ -11,6 +11,13 @@
 //! (microseconds since start, the first `MAX_TIMES` requests), so a test can
 //! check a rate over every interval from the upstream's own clock.
 //! A request header `x-mock-delay-ms: N` adds N ms before answering.
+//!
+//! With `--workers N` it is a server of N workers: a request waits for a free
+//! worker (its own queue, unbounded, like a thread pool's), then is served
+//! for the service time. `/stats` reports how many requests it holds now and
+//! at most (`in_flight`, `max_in_flight`) and how many wait for a worker
+//! (`waiting`, `max_waiting`). `POST /control?service_ms=N` changes the
+//! service time while it runs (a service that slows down).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -52,6 +59,9 @@ struct Args {
     /// Worker threads.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Requests served at once; more wait for a worker (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
 }
 
 /// Distinct paths tracked before the rest are counted as "(other)".
@@ -76,6 +86,45 @@ struct Upstream {
     stats: Stats,
     /// Microseconds since start at which the next slot is free.
     next_free_us: Mutex<f64>,
+    /// The service time now (`--service-ms`, changed by `/control`).
+    service_ms: AtomicU64,
+    workers: Option<tokio::sync::Semaphore>,
+    held: Gauge,
+    waiting: Gauge,
+}
+
+/// A count of requests now, and the most there were.
+#[derive(Default)]
+struct Gauge {
+    now: AtomicU64,
+    max: AtomicU64,
+}
+
+impl Gauge {
+    fn enter(&self) {
+        let n = self.now.fetch_add(1, Ordering::Relaxed) + 1;
+        self.max.fetch_max(n, Ordering::Relaxed);
+    }
+
+    fn leave(&self) {
+        self.now.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Leaves its gauge however the request ends (a client gone included).
+struct Held<'a>(&'a Gauge);
+
+impl<'a> Held<'a> {
+    fn new(g: &'a Gauge) -> Self {
+        g.enter();
+        Held(g)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.leave();
+    }
 }
 
 impl Upstream {
@@ -133,6 +182,12 @@ impl Upstream {
             "failed": self.stats.failed.load(Ordering::Relaxed),
             "paths": paths,
             "capacity_rps": self.args.capacity_rps,
+            "workers": self.args.workers,
+            "service_ms": self.service_ms.load(Ordering::Relaxed),
+            "in_flight": self.held.now.load(Ordering::Relaxed),
+            "max_in_flight": self.held.max.load(Ordering::Relaxed),
+            "waiting": self.waiting.now.load(Ordering::Relaxed),
+            "max_waiting": self.waiting.max.load(Ordering::Relaxed),
             "uptime_secs": self.stats.started.elapsed().as_secs_f64(),
         })
         .to_string()
@@ -144,6 +199,12 @@ impl Upstream {
         self.stats.failed.store(0, Ordering::Relaxed);
         self.stats.paths.lock().clear();
         self.stats.times.lock().clear();
+        self.held
+            .max
+            .store(self.held.now.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.waiting
+            .max
+            .store(self.waiting.now.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// Arrival times of `path`, in order.
@@ -189,9 +250,20 @@ async fn handle(
             up.reset();
             return Ok(respond(200, r#"{"reset":true}"#.into()));
         }
+        ("POST", "/control") => {
+            let query = req.uri().query().unwrap_or("");
+            return Ok(match query.strip_prefix("service_ms=").map(str::parse) {
+                Some(Ok(ms)) => {
+                    up.service_ms.store(ms, Ordering::Relaxed);
+                    respond(200, format!(r#"{{"service_ms":{ms}}}"#))
+                }
+                _ => respond(400, r#"{"error":"expected ?service_ms=N"}"#.into()),
+            });
+        }
         _ => {}
     }
     up.count(&path);
+    let _held = Held::new(&up.held);
     let header = |name: &str| {
         req.headers()
             .get(name)
@@ -212,7 +284,14 @@ async fn handle(
     // Read the whole body, as a real service would.
     let _ = req.into_body().collect().await;
 
-    let service = Duration::from_millis(up.args.service_ms + extra_ms);
+    let service = Duration::from_millis(up.service_ms.load(Ordering::Relaxed) + extra_ms);
+    let _worker = match &up.workers {
+        Some(w) => {
+            let _waiting = Held::new(&up.waiting);
+            w.acquire().await.ok()
+        }
+        None => None,
+    };
     match up.reserve() {
         Some(wait) => {
             if !(wait + service).is_zero() {
@@ -256,7 +335,6 @@ async fn serve(args: Args) {
         args.listen, args.capacity_rps, args.max_queue_ms
     );
     let up = Arc::new(Upstream {
-        args,
         stats: Stats {
             started: Instant::now(),
             total: AtomicU64::new(0),
@@ -267,6 +345,11 @@ async fn serve(args: Args) {
             time_paths: Mutex::new(Vec::new()),
         },
         next_free_us: Mutex::new(0.0),
+        service_ms: AtomicU64::new(args.service_ms),
+        workers: (args.workers > 0).then(|| tokio::sync::Semaphore::new(args.workers)),
+        held: Gauge::default(),
+        waiting: Gauge::default(),
+        args,
     });
     loop {
         let Ok((stream, _)) = listener.accept().await else {

@@ -288,7 +288,14 @@ pub(super) fn plans(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<BTree
             ok = false;
             continue;
         };
-        r.only_keys(&p, pt, &["capacity", "refill_per_sec", "quotas"]);
+        r.only_keys(
+            &p,
+            pt,
+            &["capacity", "refill_per_sec", "quotas", "priority"],
+        );
+        let priority = opt(r, pt, &p, "priority", 0, |r, path, v| {
+            r.int(path, v, 0, 1_000_000).map(|n| n as i64)
+        });
         let span = v.span();
         let capacity = req(r, pt, &p, Some(&span), "capacity", |r, path, v| {
             r.int(path, v, 1, 1 << 40)
@@ -297,11 +304,12 @@ pub(super) fn plans(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<BTree
             r.positive_number(path, v)
         });
         let quotas = opt(r, pt, &p, "quotas", Vec::new(), quotas);
-        match (capacity, refill, quotas) {
-            (Some(capacity), Some(refill_per_sec), Some(quotas)) => {
+        match (capacity, refill, quotas, priority) {
+            (Some(capacity), Some(refill_per_sec), Some(quotas), Some(priority)) => {
                 out.insert(
                     plan_name,
                     Plan {
+                        priority,
                         capacity,
                         refill_per_sec,
                         quotas,

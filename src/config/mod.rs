@@ -7,6 +7,7 @@ mod admin;
 mod clients;
 mod cors;
 mod file;
+mod inflight;
 mod limiter;
 mod limits;
 pub mod model;

@@ -412,6 +412,9 @@ pub enum Missing {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
+    /// Who is served first from a full queue, and refused last (higher
+    /// first; requests without a key come after every plan).
+    pub priority: i64,
     pub capacity: u64,
     pub refill_per_sec: f64,
     /// Counts per calendar period, beside the burst bucket.
@@ -455,9 +458,31 @@ impl fmt::Debug for ApiKey {
     }
 }
 
+/// A cap on requests in flight, with its queue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InFlight {
+    pub cap: Cap,
+    /// Requests that may wait for a slot (0: none wait).
+    pub queue: u32,
+    pub queue_timeout_ms: u64,
+    /// `[min, max]` of a limit found from the upstream's latency; the cap
+    /// is where it starts.
+    pub adaptive: Option<(u32, u32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Cap {
+    /// This replica's (`max_in_flight`).
+    Replica(u32),
+    /// The pool's, shared by the live replicas (`pool_max_in_flight`).
+    Pool(u32),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Upstream {
     pub name: String,
+    /// This replica's requests to the pool at once.
+    pub in_flight: Option<InFlight>,
     pub servers: Vec<String>,
     pub health_check_path: Option<String>,
     pub connect_timeout_ms: u64,
@@ -492,6 +517,10 @@ pub struct Route {
     pub upstream: String,
     pub require_api_key: bool,
     pub limit: Option<Limit>,
+    /// This replica's requests on the route at once.
+    pub in_flight: Option<InFlight>,
+    /// One client's requests on the route at once (beyond: 429).
+    pub max_in_flight_per_client: Option<u32>,
     /// A plan's own limit on this route, in place of `limit` for its keys.
     pub limit_by_plan: std::collections::BTreeMap<String, Limit>,
     /// The upstream sees the path without `path_prefix`.

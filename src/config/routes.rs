@@ -41,8 +41,17 @@ pub(super) fn route(
             "retries",
             "max_request_body_bytes",
             "cors",
+            "max_in_flight",
+            "queue",
+            "queue_timeout_ms",
+            "pool_max_in_flight",
+            "max_in_flight_per_client",
         ],
     );
+    let in_flight = super::inflight::read(r, p, t, false);
+    let per_client = opt(r, t, p, "max_in_flight_per_client", None, |r, path, v| {
+        r.int(path, v, 1, 1 << 20).map(|n| Some(n as u32))
+    });
     let rname = req(r, t, p, Some(span), "name", name);
     let prefix = req(r, t, p, Some(span), "path_prefix", |r, path, v| {
         let s = r.string(path, v)?;
@@ -209,6 +218,8 @@ pub(super) fn route(
         retries: retries?,
         max_request_body_bytes: max_body?,
         cors,
+        in_flight: in_flight?,
+        max_in_flight_per_client: per_client?,
     })
 }
 

@@ -29,8 +29,14 @@ pub(super) fn read(
             "sni",
             "ca_file",
             "verify",
+            "max_in_flight",
+            "queue",
+            "queue_timeout_ms",
+            "pool_max_in_flight",
+            "adaptive",
         ],
     );
+    let in_flight = super::inflight::read(r, p, t, true);
     let uname = req(r, t, p, Some(span), "name", name);
     let servers = req(r, t, p, Some(span), "servers", |r, path, v| {
         non_empty(r, path, v, "server", host_port)
@@ -96,6 +102,7 @@ pub(super) fn read(
         );
     }
     Some(Upstream {
+        in_flight: in_flight?,
         name: uname?,
         servers: servers?,
         health_check_path: hc?,

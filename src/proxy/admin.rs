@@ -81,6 +81,7 @@ impl ServeHttp for Admin {
                 // As of this scrape, not of the last probe.
                 let on_fallback = self.limiter.health().fallback_for;
                 metrics::fallback_for(on_fallback.unwrap_or_default());
+                metrics::in_flight(&self.live.load().gates);
                 metrics::render().into_bytes()
             }),
             _ => (404, "text/plain", b"not found\n".to_vec()),

@@ -5,11 +5,15 @@
 //! 1. `request_filter`: one config snapshot; header size; `admission::classify`
 //!    (deny list, path, route, API key); the limiter decides every tier at once;
 //!    `admission::conclude` says admit (maybe after a shaping delay), 429 or 503;
-//!    a CORS preflight is answered here, never upstream.
+//!    a CORS preflight is answered here, never upstream; an admitted request
+//!    then takes its in-flight slots (`take_slots`: per client 429, the
+//!    route's and the upstream's caps, queued by plan priority, else 503).
 //! 2. `upstream_peer`: round-robin over the route's healthy servers.
 //! 3. `upstream_request_filter`: the normalised path, X-Forwarded-For, X-Request-Id.
-//! 4. `response_filter`: the rate-limit and CORS headers on the upstream's response.
-//! 5. `logging`: metrics and the access log line.
+//! 4. `response_filter`: the rate-limit and CORS headers on the upstream's
+//!    response; its round trip for an adaptive in-flight limit.
+//! 5. `logging`: metrics and the access log line. The context is dropped
+//!    after it, and with it the request's in-flight slots.
 
 pub mod admin;
 mod deadline;
@@ -32,16 +36,18 @@ use pingora::upstreams::peer::Peer;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 
 use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
+use crate::inflight::{ClientSlot, Gates, Permit};
 use crate::limiter::{Fallback, LimitKind};
 use crate::metrics::{DecisionLabel, RouteMetrics};
 use responses::Reply;
 use upstreams::Pools;
 
-/// What a reload replaces as one: the admission policy, the upstream pools
-/// and each route's metric handles.
+/// What a reload replaces as one: the admission policy, the upstream pools,
+/// the in-flight caps and each route's metric handles.
 pub struct Live {
     pub policy: Arc<Policy>,
     pub pools: Arc<Pools>,
+    pub gates: Arc<Gates>,
     /// Indexed like the config's routes.
     route_metrics: Vec<RouteMetrics>,
     /// Requests that matched no route.
@@ -49,8 +55,9 @@ pub struct Live {
 }
 
 impl Live {
-    pub fn new(policy: Arc<Policy>, pools: Arc<Pools>) -> Self {
+    pub fn new(policy: Arc<Policy>, pools: Arc<Pools>, gates: Arc<Gates>) -> Self {
         Live {
+            gates,
             route_metrics: policy
                 .config
                 .routes
@@ -96,6 +103,12 @@ pub struct Ctx {
     retries_used: u32,
     /// Request body bytes seen (against the route's `max_request_body_bytes`).
     body_bytes: u64,
+    /// Its place under the route's `max_in_flight_per_client`, and its
+    /// slots under the route's and the upstream's in-flight caps: given
+    /// back when the context is dropped, however the request ended.
+    client_slot: Option<ClientSlot>,
+    route_slot: Option<Permit>,
+    upstream_slot: Option<Permit>,
     /// Dropped with the context, after `logging` counted the request.
     _in_flight: crate::metrics::InFlight,
 }
@@ -112,6 +125,73 @@ impl Gateway {
         ctx.replied = Some(reply.status);
         responses::send(session, reply, &ctx.request_id).await?;
         Ok(true)
+    }
+
+    /// A request the rate tiers admitted goes upstream once it holds its
+    /// in-flight slots (`Ok(false)`), or is answered their refusal.
+    async fn admit(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        match self.take_slots(ctx).await {
+            Some(refused) => self.reply(session, ctx, refused).await,
+            None => Ok(false),
+        }
+    }
+
+    /// Once the rate tiers admitted: the route's cap per client, then a slot
+    /// under the route's and the upstream's in-flight caps (waiting in
+    /// their queues if need be, by the plan's priority). `Some`: the refusal.
+    async fn take_slots(&self, ctx: &mut Ctx) -> Option<Reply> {
+        let live = ctx.live.clone()?;
+        let plan = ctx.plan.as_ref()?;
+        let (i, priority) = (plan.route, plan.priority);
+        let route = &live.policy.config.routes[i];
+        let gates = &live.gates;
+        if let Some(per_client) = gates.per_client(i) {
+            let client = match &plan.key_id {
+                Some(id) => format!("k:{id}"),
+                None => format!("ip:{}", plan.client),
+            };
+            match per_client.enter(&client) {
+                Some(slot) => ctx.client_slot = Some(slot),
+                None => {
+                    crate::metrics::in_flight_refused("route", &route.name, "per_client");
+                    let max = route.max_in_flight_per_client.unwrap_or(0);
+                    return Some(responses::too_many_in_flight(&route.name, max));
+                }
+            }
+        }
+        gates.set_replicas(self.limiter.replicas());
+        let caps = [
+            (
+                "route",
+                route.name.as_str(),
+                gates.route(i),
+                route.in_flight,
+            ),
+            (
+                "upstream",
+                route.upstream.as_str(),
+                gates.upstream(&route.upstream),
+                live.policy
+                    .config
+                    .upstreams
+                    .iter()
+                    .find(|u| u.name == route.upstream)
+                    .and_then(|u| u.in_flight),
+            ),
+        ];
+        for (kind, name, gate, settings) in caps {
+            let Some(gate) = gate else { continue };
+            match gate.acquire(priority).await {
+                Ok(slot) if kind == "route" => ctx.route_slot = Some(slot),
+                Ok(slot) => ctx.upstream_slot = Some(slot),
+                Err(shed) => {
+                    crate::metrics::in_flight_refused(kind, name, shed.as_str());
+                    let wait_ms = settings.map_or(1000, |s| s.queue_timeout_ms);
+                    return Some(responses::over_capacity(kind, name, shed, wait_ms));
+                }
+            }
+        }
+        None
     }
 
     /// The CORS policy answering for this request: its route's (or
@@ -199,6 +279,9 @@ impl ProxyHttp for Gateway {
             connect_retried: false,
             retries_used: 0,
             body_bytes: 0,
+            client_slot: None,
+            route_slot: None,
+            upstream_slot: None,
             _in_flight: crate::metrics::InFlight::start(),
         }
     }
@@ -287,7 +370,7 @@ impl ProxyHttp for Gateway {
             ctx.plan = Some(plan);
             return match preflight {
                 Some(h) => self.send(session, ctx, responses::preflight(h)).await,
-                None => Ok(false),
+                None => self.admit(session, ctx).await,
             };
         }
         let outcome = self.limiter.decide(&plan.checks).await;
@@ -309,7 +392,7 @@ impl ProxyHttp for Gateway {
                 if delay > Duration::ZERO {
                     tokio::time::sleep(delay).await;
                 }
-                Ok(false)
+                self.admit(session, ctx).await
             }
             Conclusion::Reject {
                 headers,
@@ -494,7 +577,11 @@ impl ProxyHttp for Gateway {
             upstream_request.insert_header("x-forwarded-for", xff)?;
         }
         upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
-        ctx.upstream_sent = Some(Instant::now());
+        let now = Instant::now();
+        ctx.upstream_sent = Some(now);
+        if let Some(slot) = &mut ctx.upstream_slot {
+            slot.sent(now);
+        }
         Ok(())
     }
 
@@ -506,6 +593,9 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         if let (Some(sent), Some(m)) = (ctx.upstream_sent, Self::route_metrics(ctx)) {
             m.upstream(sent.elapsed());
+        }
+        if let Some(slot) = &mut ctx.upstream_slot {
+            slot.answered();
         }
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
@@ -597,7 +687,17 @@ impl ProxyHttp for Gateway {
     }
 
     /// Metrics and one access-log line per request.
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        // An upstream that timed out answered, as far as its adaptive limit
+        // is concerned: that long.
+        if let (Some(e), Some(slot)) = (e, &mut ctx.upstream_slot) {
+            if matches!(
+                e.etype(),
+                ErrorType::ReadTimedout | ErrorType::WriteTimedout
+            ) {
+                slot.answered();
+            }
+        }
         let status = ctx
             .replied
             .unwrap_or_else(|| session.response_written().map_or(0, |r| r.status.as_u16()));

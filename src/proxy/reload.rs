@@ -24,6 +24,7 @@ use super::upstreams::Pools;
 use super::Live;
 use crate::admission::Policy;
 use crate::config::{self, Config};
+use crate::inflight::Gates;
 use crate::limiter::Fallback;
 use crate::metrics;
 
@@ -86,8 +87,12 @@ impl Reloader {
                     );
                 }
                 self.limiter.set_quotas(new.has_quotas());
-                self.live
-                    .store(Arc::new(Live::new(Arc::new(Policy::new(new)), pools)));
+                let gates = Gates::build(&new, Some(&current.gates), self.limiter.replicas());
+                self.live.store(Arc::new(Live::new(
+                    Arc::new(Policy::new(new)),
+                    pools,
+                    Arc::new(gates),
+                )));
                 metrics::config_reload(true);
                 tracing::info!(trigger = why, path = %self.path.display(), "config reloaded");
             }

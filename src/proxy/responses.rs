@@ -163,6 +163,56 @@ pub fn reduced_capacity() -> Reply {
     }
 }
 
+/// A request the rate tiers admitted but an in-flight cap did not: 503,
+/// never sent upstream. Retry-After: the queue's timeout (at least 1 s).
+pub fn over_capacity(kind: &str, name: &str, shed: crate::inflight::Shed, wait_ms: u64) -> Reply {
+    use crate::inflight::Shed;
+    let why = match shed {
+        Shed::QueueFull => "its queue is full",
+        Shed::Timeout => "no slot came free within the queue timeout",
+        Shed::Displaced => "a request of a higher-priority plan took its place in the queue",
+    };
+    let detail = format!("{kind} \"{name}\" has its requests in flight at its limit and {why}");
+    let secs = wait_ms.div_ceil(1000).max(1);
+    Reply {
+        status: 503,
+        content_type: "application/problem+json",
+        body: serde_json::json!({
+            "type": "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
+            "title": "Service Unavailable",
+            "status": 503,
+            "detail": detail,
+            "reason": shed.as_str(),
+        })
+        .to_string(),
+        headers: vec![("retry-after", HeaderValue::from(secs))],
+        message: detail,
+        retry_after_ms: Some(secs * 1000),
+    }
+}
+
+/// One client's requests in flight on a route at its cap: 429.
+pub fn too_many_in_flight(route: &str, max: u32) -> Reply {
+    let detail = format!(
+        "this client has {max} request(s) in flight on route \"{route}\", its most (max_in_flight_per_client)"
+    );
+    Reply {
+        status: 429,
+        content_type: "application/problem+json",
+        body: serde_json::json!({
+            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
+            "title": "Too Many Requests",
+            "status": 429,
+            "detail": detail,
+            "violated-policies": ["in-flight-per-client"],
+        })
+        .to_string(),
+        headers: vec![("retry-after", HeaderValue::from_static("1"))],
+        message: detail,
+        retry_after_ms: Some(1000),
+    }
+}
+
 pub fn headers_too_large(limit: usize) -> Reply {
     json(
         431,

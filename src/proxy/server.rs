@@ -158,9 +158,11 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     let limiter = build_limiter(&config)?;
     limiter.set_quotas(config.has_quotas());
     let pools = Pools::build(&config.upstreams)?;
+    let gates = crate::inflight::Gates::build(&config, None, limiter.replicas());
     let live = Arc::new(ArcSwap::from_pointee(Live::new(
         Arc::new(Policy::new(config.clone())),
         Arc::new(pools),
+        Arc::new(gates),
     )));
     let gateway = Gateway {
         live: live.clone(),

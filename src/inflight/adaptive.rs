@@ -1,0 +1,290 @@
+//! The concurrency an upstream can take, found from its latency: a gradient
+//! controller, as a pure function of round-trip samples and their times.
+//!
+//! The idea is Envoy's adaptive concurrency filter (its gradient
+//! controller) and Netflix's concurrency-limits (Gradient2): by Little's law
+//! a server's concurrency past its capacity only queues, and queueing shows
+//! as round trips longer than the server's unloaded one. Each interval the
+//! limit is multiplied by
+//!
+//! ```text
+//! gradient = clamp(min_rtt × (1 + BUFFER) / sample_rtt, 0.5, 1 + BUFFER)
+//! limit    = clamp(limit × gradient + 1, min, max)
+//! ```
+//!
+//! where `sample_rtt` is the interval's median round trip and `min_rtt` the
+//! least of the interval medians remembered. While round trips stay within
+//! `BUFFER` of the unloaded one the limit grows (by up to `BUFFER` and one a
+//! step); a queue forming at the server shrinks it in proportion. It settles
+//! where the server's queue adds about `BUFFER` plus one request in `limit`
+//! to its round trip: a few requests over its workers.
+//!
+//! It starts at `min`, where the unloaded round trip shows, and doubles the
+//! limit each interval until the first queue shows, as TCP's slow start
+//! does (a limit started high never sees the unloaded round trip).
+//!
+//! Two choices differ from Envoy's. The unloaded round trip is learnt from
+//! the medians themselves, not by forcing concurrency down to `min` every
+//! few seconds (which refuses traffic on a healthy server to learn what it
+//! already shows). A median is forgotten after `MIN_RTT_WINDOW_US`, but only
+//! once a later one was measured with no more requests in flight: a
+//! standing queue (every later median taken busier) cannot pass itself off
+//! as the unloaded round trip, while a server that became slower for good
+//! first drives the limit down (its round trips look like a queue), is then
+//! measured less busy, and its new round trip is learnt a window later. And,
+//! from Gradient2, the
+//! limit does not grow while the upstream is given less than half of it
+//! (the traffic, not the server, is what limits then): an idle night does
+//! not leave a limit of `max` for the morning's surge.
+
+use std::collections::VecDeque;
+
+use crate::limiter::Micros;
+
+/// The queueing delay tolerated, as a share of the unloaded round trip.
+pub const BUFFER: f64 = 0.05;
+/// An interval ends after this long once it holds `MIN_SAMPLES`, or after
+/// `MAX_INTERVAL_US` with any.
+pub const INTERVAL_US: Micros = 100_000;
+pub const MIN_SAMPLES: usize = 8;
+pub const MAX_INTERVAL_US: Micros = 1_000_000;
+/// How long an interval's median counts toward the unloaded round trip
+/// (at least: see the module's doc).
+pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
+/// Medians remembered at most (only those measured less busy than every
+/// later one stay past the window: few).
+const MAX_MEDIANS: usize = 4096;
+
+#[derive(Debug, Clone)]
+pub struct Gradient {
+    limit: f64,
+    min: u32,
+    max: u32,
+    /// This interval's round trips (µs) and the most requests in flight
+    /// while they ran.
+    samples: Vec<u64>,
+    busiest: u32,
+    started: Micros,
+    /// Interval medians remembered: (when, median µs, the most in flight).
+    medians: VecDeque<(Micros, u64, u32)>,
+    /// Doubling each interval until the first queue shows.
+    slow_start: bool,
+    last: Estimate,
+}
+
+/// What the controller last concluded.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Estimate {
+    pub limit: u32,
+    /// The unloaded round trip and the last interval's, in µs.
+    pub min_rtt_us: u64,
+    pub sample_rtt_us: u64,
+}
+
+impl Gradient {
+    /// Starts at `min`, where the unloaded round trip shows, and doubles
+    /// each interval until a queue shows (TCP's slow start), within
+    /// `[min, max]`.
+    pub fn new(min: u32, max: u32, now: Micros) -> Self {
+        let limit = min.min(max);
+        Gradient {
+            limit: limit as f64,
+            min,
+            max,
+            samples: Vec::with_capacity(64),
+            busiest: 0,
+            started: now,
+            medians: VecDeque::new(),
+            slow_start: true,
+            last: Estimate {
+                limit,
+                ..Estimate::default()
+            },
+        }
+    }
+
+    pub fn limit(&self) -> u32 {
+        self.last.limit
+    }
+
+    pub fn estimate(&self) -> Estimate {
+        self.last
+    }
+
+    /// One request's round trip, with the requests in flight when it was
+    /// sent (itself included). Returns the new estimate when this sample
+    /// closed an interval.
+    pub fn sample(&mut self, now: Micros, rtt_us: u64, in_flight: u32) -> Option<Estimate> {
+        self.samples.push(rtt_us.max(1));
+        self.busiest = self.busiest.max(in_flight);
+        // Two round trips at least: the samples that close an interval were
+        // sent under the limit it set, not the one before.
+        let span = INTERVAL_US.max(2 * self.last.sample_rtt_us as Micros);
+        let age = now - self.started;
+        let due = (age >= span && self.samples.len() >= MIN_SAMPLES) || age >= MAX_INTERVAL_US;
+        if !due {
+            return None;
+        }
+        Some(self.update(now))
+    }
+
+    fn update(&mut self, now: Micros) -> Estimate {
+        self.samples.sort_unstable();
+        let sample = self.samples[self.samples.len() / 2];
+        self.medians.push_back((now, sample, self.busiest));
+        // Old medians go once one measured no busier came after them.
+        while let Some(&(t, _, busy)) = self.medians.front() {
+            let stale =
+                now - t > MIN_RTT_WINDOW_US && self.medians.iter().skip(1).any(|m| m.2 <= busy);
+            if !stale && self.medians.len() <= MAX_MEDIANS {
+                break;
+            }
+            self.medians.pop_front();
+        }
+        let min_rtt = self.medians.iter().map(|m| m.1).min().unwrap_or(sample);
+        let gradient = (min_rtt as f64 * (1.0 + BUFFER) / sample as f64).clamp(0.5, 1.0 + BUFFER);
+        self.slow_start &= gradient >= 1.0;
+        let mut next = if self.slow_start {
+            self.limit * 2.0
+        } else {
+            self.limit * gradient + 1.0
+        };
+        // App-limited: the traffic used under half of it; nothing learnt
+        // about more.
+        if (self.busiest as f64) < self.limit / 2.0 {
+            next = next.min(self.limit);
+        }
+        self.limit = next.clamp(self.min as f64, self.max as f64);
+        self.samples.clear();
+        self.busiest = 0;
+        self.started = now;
+        self.last = Estimate {
+            limit: self.limit as u32,
+            min_rtt_us: min_rtt,
+            sample_rtt_us: sample,
+        };
+        self.last
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server of `workers` workers, each request `service_us` long: the
+    /// round trip of a request sent with `c` in flight (FIFO, fluid).
+    fn rtt(workers: u32, service_us: u64, c: u32) -> u64 {
+        service_us * (c.max(workers) as u64) / workers as u64
+    }
+
+    /// Drives the controller for `secs` with demand that always fills its
+    /// limit (a sample every 12.5 ms); returns (when, limit) of each change
+    /// of interval.
+    fn run(
+        g: &mut Gradient,
+        t: &mut Micros,
+        secs: i64,
+        workers: u32,
+        service_us: u64,
+    ) -> Vec<(Micros, u32)> {
+        let (mut out, end) = (Vec::new(), *t + secs * 1_000_000);
+        while *t < end {
+            *t += 12_500;
+            let c = g.limit();
+            if let Some(e) = g.sample(*t, rtt(workers, service_us, c), c) {
+                out.push((*t, e.limit));
+            }
+        }
+        out
+    }
+
+    /// The limits chosen from `from` on.
+    fn after(limits: &[(Micros, u32)], from: Micros) -> Vec<u32> {
+        limits
+            .iter()
+            .filter(|(t, _)| *t >= from)
+            .map(|(_, l)| *l)
+            .collect()
+    }
+
+    #[test]
+    fn finds_a_servers_workers_in_a_few_intervals() {
+        for start in [4, 8] {
+            let mut t = 0;
+            let mut g = Gradient::new(start, 256, t);
+            let limits = run(&mut g, &mut t, 30, 20, 200_000);
+            let settled = after(&limits, 5_000_000);
+            assert!(
+                settled.iter().all(|l| (20..=23).contains(l)),
+                "from {start}: {limits:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_server_slowed_for_good_keeps_its_workers_once_the_window_passes() {
+        let mut t = 0;
+        let mut g = Gradient::new(4, 256, t);
+        run(&mut g, &mut t, 10, 20, 100_000);
+        // Twice the service time: the limit first falls (the round trips
+        // look like a queue), then the old minimum leaves the window.
+        let slowed = t;
+        let limits = run(&mut g, &mut t, 30, 20, 200_000);
+        assert!(
+            after(&limits, slowed)[..3].iter().any(|l| *l < 15),
+            "{limits:?}"
+        );
+        let settled = after(&limits, slowed + MIN_RTT_WINDOW_US + 10_000_000);
+        assert!(settled.iter().all(|l| (20..=23).contains(l)), "{limits:?}");
+    }
+
+    #[test]
+    fn a_standing_queue_does_not_become_the_unloaded_round_trip() {
+        let mut t = 0;
+        let mut g = Gradient::new(4, 256, t);
+        // Ten minutes at the settled limit: it never creeps up.
+        let limits = run(&mut g, &mut t, 600, 20, 200_000);
+        let settled = after(&limits, 10_000_000);
+        assert!(settled.iter().all(|l| (20..=23).contains(l)), "{limits:?}");
+        assert_eq!(g.estimate().min_rtt_us, 200_000);
+    }
+
+    #[test]
+    fn stays_within_min_and_max() {
+        let mut t = 0;
+        let mut g = Gradient::new(10, 12, t);
+        assert_eq!(g.limit(), 10);
+        let limits = run(&mut g, &mut t, 10, 2, 100_000);
+        assert!(
+            limits.iter().all(|(_, l)| (10..=12).contains(l)),
+            "{limits:?}"
+        );
+    }
+
+    #[test]
+    fn does_not_grow_on_traffic_that_uses_under_half() {
+        let mut t = 0;
+        let mut g = Gradient::new(40, 256, t);
+        for _ in 0..100 {
+            t += 20_000;
+            g.sample(t, 10_000, 5);
+        }
+        assert_eq!(g.limit(), 40);
+    }
+
+    #[test]
+    fn an_interval_needs_samples_or_a_second() {
+        let mut g = Gradient::new(10, 100, 0);
+        assert_eq!(
+            g.sample(200_000, 5_000, 10),
+            None,
+            "one sample is not enough"
+        );
+        for i in 0..(MIN_SAMPLES - 2) {
+            assert_eq!(g.sample(200_001 + i as i64, 5_000, 10), None);
+        }
+        assert!(g.sample(200_100, 5_000, 10).is_some());
+        let mut g = Gradient::new(10, 100, 0);
+        assert!(g.sample(MAX_INTERVAL_US, 5_000, 10).is_some());
+    }
+}

@@ -1,0 +1,378 @@
+//! A cap on requests in flight, with a bounded queue served by priority.
+//!
+//! A request takes a slot if one is free and nobody waits; otherwise it
+//! waits in the queue, highest priority first, then oldest. When the queue
+//! is full, a newcomer of higher priority than the lowest waiting takes that
+//! one's place (the lowest, then newest, is refused); otherwise the
+//! newcomer is refused. A waiter is refused after the queue timeout. A slot
+//! is a `Permit`, given back when it is dropped, however the request ends:
+//! a client that leaves while waiting takes no slot, and one that leaves
+//! holding a slot gives it back.
+
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use super::adaptive::{Estimate, Gradient};
+
+/// Why a request was not given a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shed {
+    /// The queue was full of requests of no lower priority.
+    QueueFull,
+    /// It waited the whole queue timeout.
+    Timeout,
+    /// A request of higher priority took its place in the queue.
+    Displaced,
+}
+
+impl Shed {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Shed::QueueFull => "queue_full",
+            Shed::Timeout => "queue_timeout",
+            Shed::Displaced => "displaced",
+        }
+    }
+}
+
+/// How a gate admits: its cap (or, adaptive, where its limit starts and
+/// its bounds), its queue and how long a request may wait there.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    pub limit: u32,
+    pub queue: usize,
+    pub queue_timeout: Duration,
+    /// `[min, max]` of an adaptive limit (which starts at `min`).
+    pub adaptive: Option<(u32, u32)>,
+}
+
+/// Waiters by (priority, highest first; arrival, oldest first).
+type Key = (Reverse<i64>, u64);
+
+struct Inner {
+    settings: Settings,
+    /// The limit now: `settings.limit`, or the adaptive controller's.
+    limit: u32,
+    in_flight: u32,
+    waiting: BTreeMap<Key, oneshot::Sender<Result<(), Shed>>>,
+    next: u64,
+    gradient: Option<Gradient>,
+}
+
+pub struct Gate {
+    inner: Mutex<Inner>,
+    started: Instant,
+}
+
+impl Gate {
+    pub fn new(settings: Settings) -> Arc<Self> {
+        let gate = Arc::new(Gate {
+            inner: Mutex::new(Inner {
+                settings,
+                limit: settings.limit,
+                in_flight: 0,
+                waiting: BTreeMap::new(),
+                next: 0,
+                gradient: None,
+            }),
+            started: Instant::now(),
+        });
+        gate.configure(settings);
+        gate
+    }
+
+    fn now_us(&self) -> i64 {
+        self.started.elapsed().as_micros() as i64
+    }
+
+    /// New settings (a reload): requests in flight and waiting keep their
+    /// places; an adaptive limit keeps what it learnt.
+    pub fn configure(&self, settings: Settings) {
+        let now = self.now_us();
+        let mut g = self.inner.lock();
+        g.gradient = match (settings.adaptive, g.gradient.take()) {
+            (Some(bounds), Some(old)) if g.settings.adaptive == Some(bounds) => Some(old),
+            (Some((min, max)), _) => Some(Gradient::new(min, max, now)),
+            (None, _) => None,
+        };
+        g.settings = settings;
+        g.limit = g.gradient.as_ref().map_or(settings.limit, Gradient::limit);
+        // A smaller queue: the lowest waiting go.
+        while g.waiting.len() > settings.queue {
+            if let Some((_, tx)) = g.waiting.pop_last() {
+                let _ = tx.send(Err(Shed::QueueFull));
+            }
+        }
+        Self::hand_out(&mut g);
+    }
+
+    /// A static limit set from outside (a pool-wide figure over the live
+    /// replicas); ignored while adaptive.
+    pub fn set_limit(&self, limit: u32) {
+        let mut g = self.inner.lock();
+        if g.gradient.is_none() && g.limit != limit {
+            g.limit = limit.max(1);
+            Self::hand_out(&mut g);
+        }
+    }
+
+    /// (in flight, waiting, limit).
+    pub fn load(&self) -> (u32, usize, u32) {
+        let g = self.inner.lock();
+        (g.in_flight, g.waiting.len(), g.limit)
+    }
+
+    pub fn estimate(&self) -> Option<Estimate> {
+        self.inner.lock().gradient.as_ref().map(Gradient::estimate)
+    }
+
+    /// A slot for a request of `priority`, waiting in the queue if need be.
+    pub async fn acquire(self: &Arc<Self>, priority: i64) -> Result<Permit, Shed> {
+        let (key, rx, timeout) = {
+            let mut g = self.inner.lock();
+            if g.in_flight < g.limit && g.waiting.is_empty() {
+                g.in_flight += 1;
+                return Ok(self.permit(g.in_flight));
+            }
+            if g.waiting.len() >= g.settings.queue {
+                // Full: this one goes in only in place of a lower priority.
+                match g.waiting.last_key_value() {
+                    Some(((Reverse(lowest), _), _)) if *lowest < priority => {
+                        if let Some((_, tx)) = g.waiting.pop_last() {
+                            let _ = tx.send(Err(Shed::Displaced));
+                        }
+                    }
+                    _ => return Err(Shed::QueueFull),
+                }
+            }
+            let key = (Reverse(priority), g.next);
+            g.next += 1;
+            let (tx, rx) = oneshot::channel();
+            g.waiting.insert(key, tx);
+            (key, rx, g.settings.queue_timeout)
+        };
+        let mut wait = Waiting {
+            gate: self.clone(),
+            key,
+            rx: Some(rx),
+        };
+        let answer = tokio::time::timeout(timeout, wait.rx.as_mut().expect("set")).await;
+        let answer = match answer {
+            Ok(Ok(a)) => a,
+            Ok(Err(_)) => Err(Shed::QueueFull),
+            Err(_) => {
+                // Timed out, unless it was answered in the meantime.
+                let mut g = self.inner.lock();
+                match g.waiting.remove(&key) {
+                    Some(_) => Err(Shed::Timeout),
+                    None => {
+                        drop(g);
+                        wait.rx
+                            .as_mut()
+                            .and_then(|rx| rx.try_recv().ok())
+                            .unwrap_or(Err(Shed::Timeout))
+                    }
+                }
+            }
+        };
+        wait.rx = None; // answered: nothing for its drop to undo
+        answer.map(|()| {
+            let in_flight = self.inner.lock().in_flight;
+            self.permit(in_flight)
+        })
+    }
+
+    fn permit(self: &Arc<Self>, in_flight: u32) -> Permit {
+        Permit {
+            gate: self.clone(),
+            in_flight,
+            sent: None,
+            rtt: None,
+        }
+    }
+
+    /// Gives the free slots to the waiters, highest priority first.
+    fn hand_out(g: &mut Inner) {
+        while g.in_flight < g.limit {
+            let Some((_, tx)) = g.waiting.pop_first() else {
+                return;
+            };
+            g.in_flight += 1;
+            if tx.send(Ok(())).is_err() {
+                g.in_flight -= 1; // its waiter is gone
+            }
+        }
+    }
+
+    fn release(&self, sample: Option<(Duration, u32)>) {
+        let now = self.now_us();
+        let mut g = self.inner.lock();
+        g.in_flight = g.in_flight.saturating_sub(1);
+        if let (Some((rtt, in_flight)), Some(gr)) = (sample, g.gradient.as_mut()) {
+            if let Some(e) = gr.sample(now, rtt.as_micros() as u64, in_flight) {
+                g.limit = e.limit;
+            }
+        }
+        Self::hand_out(&mut g);
+    }
+}
+
+/// A request waiting for a slot; if it is dropped before its answer was
+/// read (the client left), it leaves the queue, and a slot it was given in
+/// the meantime goes back.
+struct Waiting {
+    gate: Arc<Gate>,
+    key: Key,
+    rx: Option<oneshot::Receiver<Result<(), Shed>>>,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        let mut g = self.gate.inner.lock();
+        if g.waiting.remove(&self.key).is_none() && matches!(rx.try_recv(), Ok(Ok(()))) {
+            g.in_flight = g.in_flight.saturating_sub(1);
+            Gate::hand_out(&mut g);
+        }
+    }
+}
+
+/// A slot in flight; given back when dropped. `sent` then `answered` give
+/// the adaptive limit the upstream's round trip.
+pub struct Permit {
+    gate: Arc<Gate>,
+    /// Requests in flight when it was given (itself included).
+    in_flight: u32,
+    sent: Option<Instant>,
+    rtt: Option<Duration>,
+}
+
+impl Permit {
+    /// The request went to the upstream now (a retry's round trip is
+    /// measured from the first attempt).
+    pub fn sent(&mut self, at: Instant) {
+        self.sent.get_or_insert(at);
+    }
+
+    /// The upstream's answer began (or it timed out): that round trip
+    /// counts toward the adaptive limit once the slot is given back. A slot
+    /// given back without one (refused, failed to connect, the client gone)
+    /// teaches nothing.
+    pub fn answered(&mut self) {
+        if let (Some(sent), None) = (self.sent, self.rtt) {
+            self.rtt = Some(sent.elapsed());
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.gate.release(self.rtt.map(|rtt| (rtt, self.in_flight)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gate(limit: u32, queue: usize, timeout_ms: u64) -> Arc<Gate> {
+        Gate::new(Settings {
+            limit,
+            queue,
+            queue_timeout: Duration::from_millis(timeout_ms),
+            adaptive: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn caps_then_queues_then_refuses() {
+        let g = gate(2, 1, 10_000);
+        let a = g.acquire(0).await.unwrap();
+        let _b = g.acquire(0).await.unwrap();
+        let waiter = tokio::spawn({
+            let g = g.clone();
+            async move { g.acquire(0).await.map(|_| ()) }
+        });
+        tokio::task::yield_now().await;
+        while g.load().1 == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(g.acquire(0).await.err(), Some(Shed::QueueFull));
+        drop(a);
+        assert_eq!(waiter.await.unwrap(), Ok(()));
+        assert_eq!(g.load(), (1, 0, 2), "the waiter's permit went with it");
+    }
+
+    #[tokio::test]
+    async fn a_waiter_times_out_and_takes_nothing() {
+        let g = gate(1, 4, 20);
+        let _a = g.acquire(0).await.unwrap();
+        assert_eq!(g.acquire(0).await.err(), Some(Shed::Timeout));
+        assert_eq!(g.load(), (1, 0, 1));
+    }
+
+    #[tokio::test]
+    async fn higher_priority_is_served_first_and_displaces_the_lowest() {
+        let g = gate(1, 2, 10_000);
+        let held = g.acquire(0).await.unwrap();
+        let spawn = |p: i64| {
+            let g = g.clone();
+            tokio::spawn(async move { g.acquire(p).await.map(|_| p) })
+        };
+        let free1 = spawn(0);
+        while g.load().1 < 1 {
+            tokio::task::yield_now().await;
+        }
+        let free2 = spawn(0);
+        while g.load().1 < 2 {
+            tokio::task::yield_now().await;
+        }
+        // Full of priority 0: a priority 10 takes the newest one's place,
+        // another priority 0 is refused.
+        let pro = spawn(10);
+        assert_eq!(free2.await.unwrap(), Err(Shed::Displaced));
+        assert_eq!(g.acquire(0).await.err(), Some(Shed::QueueFull));
+        drop(held);
+        assert_eq!(pro.await.unwrap(), Ok(10), "served first");
+        assert_eq!(free1.await.unwrap(), Ok(0));
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_while_waiting_leaves_no_slot_behind() {
+        let g = gate(1, 4, 10_000);
+        let held = g.acquire(0).await.unwrap();
+        let gone = tokio::spawn({
+            let g = g.clone();
+            async move { g.acquire(0).await.map(|_| ()) }
+        });
+        while g.load().1 == 0 {
+            tokio::task::yield_now().await;
+        }
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(g.load(), (1, 0, 1));
+        drop(held);
+        assert_eq!(g.load(), (0, 0, 1));
+        let _again = g.acquire(0).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_smaller_limit_or_queue_applies_to_what_comes_next() {
+        let g = gate(3, 2, 10_000);
+        let a = g.acquire(0).await.unwrap();
+        let b = g.acquire(0).await.unwrap();
+        g.set_limit(1);
+        assert_eq!(g.load(), (2, 0, 1));
+        drop(a);
+        drop(b);
+        let _c = g.acquire(0).await.unwrap();
+        assert_eq!(g.load(), (1, 0, 1));
+    }
+}
