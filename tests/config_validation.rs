@@ -694,3 +694,60 @@ fn quotas_and_their_time_zone_are_checked() {
         "{out}"
     );
 }
+
+/// In-flight caps (#26): each wrong key named with its line; a valid file
+/// prints every cap, the plans' priorities and the per-client cap.
+#[test]
+fn in_flight_caps_are_checked() {
+    let with = |upstream: &str, route: &str| {
+        format!(
+            "[server]\nlisten = [\"127.0.0.1:8080\"]\n\n[plans.free]\ncapacity = 10\nrefill_per_sec = 1\npriority = 3\n\n\
+             [[upstreams]]\nname = \"a\"\nservers = [\"127.0.0.1:9001\"]\n{upstream}\n\n\
+             [[routes]]\nname = \"all\"\npath_prefix = \"/\"\nupstream = \"a\"\n{route}\n"
+        )
+    };
+    for (upstream, route, what) in [
+        ("queue = 5", "", "upstreams[0].queue (line"),
+        ("queue_timeout_ms = 5", "", "has no effect without max_in_flight"),
+        (
+            "max_in_flight = 4\npool_max_in_flight = 40",
+            "",
+            "upstreams[0].pool_max_in_flight (line",
+        ),
+        (
+            "adaptive = { enabled = true, min = 50, max = 10 }",
+            "",
+            "min = 50 is above max = 10",
+        ),
+        ("max_in_flight = 0", "", "upstreams[0].max_in_flight (line"),
+        ("", "adaptive = { min = 1, max = 2 }", "routes[0].adaptive"),
+        ("", "max_in_flight_per_client = 0", "routes[0].max_in_flight_per_client (line"),
+    ] {
+        let (ok, _, err) = check(&with(upstream, route));
+        assert!(!ok, "{upstream} {route}");
+        assert!(err.contains(what), "{what}: {err}");
+    }
+    let (ok, _, err) = check(&with("", "").replace("priority = 3", "priority = -1"));
+    assert!(!ok);
+    assert!(err.contains("plans.free.priority (line"), "{err}");
+    let (ok, out, err) = check(&with(
+        "max_in_flight = 64\nqueue = 10\nqueue_timeout_ms = 250\nadaptive = { enabled = true, min = 4, max = 32 }",
+        "pool_max_in_flight = 90\nqueue = 3\nmax_in_flight_per_client = 2",
+    ));
+    assert!(ok, "{err}");
+    for what in [
+        "in flight: max 64 (this replica), queue 10 for 250 ms, adaptive 4..=32",
+        "in flight: max 90 shared by the live replicas, queue 3 for 1000 ms",
+        "2 in flight per client",
+        "priority 3",
+    ] {
+        assert!(out.contains(what), "{what}: {out}");
+    }
+    // Adaptive switched off: the cap alone.
+    let (ok, out, _) = check(&with(
+        "max_in_flight = 8\nadaptive = { enabled = false, min = 1, max = 2 }",
+        "",
+    ));
+    assert!(ok);
+    assert!(out.contains("in flight: max 8 (this replica), queue 0 for 1000 ms\n"), "{out}");
+}

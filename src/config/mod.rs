@@ -224,10 +224,11 @@ impl Config {
             let keys = self.api_keys.iter().filter(|k| &k.plan == name).count();
             let _ = writeln!(
                 s,
-                "  key plan {name}: token_bucket capacity={} refill_per_sec={}{} ({keys} key(s))",
+                "  key plan {name}: token_bucket capacity={} refill_per_sec={}{} ({keys} key(s); priority {})",
                 p.capacity,
                 p.refill_per_sec,
-                quotas(&p.quotas)
+                quotas(&p.quotas),
+                p.priority
             );
         }
         let _ = writeln!(s, "api keys: {}", self.api_keys.len());
@@ -276,6 +277,9 @@ impl Config {
                 u.connect_timeout_ms,
                 u.read_timeout_ms
             );
+            if let Some(f) = &u.in_flight {
+                let _ = writeln!(s, "    in flight: {f}");
+            }
         }
         if let Some(c) = &self.cors {
             let _ = writeln!(s, "cors (routes without their own): {}", c);
@@ -323,6 +327,12 @@ impl Config {
             }
             if let Some(c) = &r.cors {
                 extras.push(format!("cors: {c}"));
+            }
+            if let Some(f) = &r.in_flight {
+                extras.push(format!("in flight: {f}"));
+            }
+            if let Some(n) = r.max_in_flight_per_client {
+                extras.push(format!("{n} in flight per client"));
             }
             let extras = match extras.is_empty() {
                 true => String::new(),

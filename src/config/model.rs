@@ -470,6 +470,22 @@ pub struct InFlight {
     pub adaptive: Option<(u32, u32)>,
 }
 
+impl fmt::Display for InFlight {
+    /// As `check` prints it: `max 256 (this replica), queue 512 for 1000 ms,
+    /// adaptive 8..=256`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.cap {
+            Cap::Replica(n) => write!(f, "max {n} (this replica)")?,
+            Cap::Pool(n) => write!(f, "max {n} shared by the live replicas")?,
+        }
+        write!(f, ", queue {} for {} ms", self.queue, self.queue_timeout_ms)?;
+        if let Some((lo, hi)) = self.adaptive {
+            write!(f, ", adaptive {lo}..={hi}")?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Cap {
     /// This replica's (`max_in_flight`).
