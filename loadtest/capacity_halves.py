@@ -537,8 +537,9 @@ def plots(run_dir, meta, series):
             a.grid(alpha=0.3)
         axes[0][c].text(s["t_half"], 1.0, " capacity halves", transform=axes[0][c].get_xaxis_transform(), va="top", fontsize=8)
     for row in axes:
-        row[1].legend(loc="upper left", fontsize=8)
-        row[0].legend(loc="upper left", fontsize=8)
+        for a in row:
+            if a.get_legend_handles_labels()[0]:
+                a.legend(loc="upper left", fontsize=8)
     fig.suptitle(
         f"Capacity halves at {meta['halve_at_secs']:g} s ({meta['workers']} workers, {meta['service_ms']} -> "
         f"{meta['service_ms_after']} ms): rate limit {meta['rate']:g}/s alone vs with adaptive concurrency"

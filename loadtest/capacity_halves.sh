@@ -26,7 +26,7 @@
 #
 #   (default)  100 users, spawned at 50/s, 60 s per run: about 2.5 minutes
 #   --quick    the same users, 40 s per run: under 2 minutes
-#   --smoke    20 users for 12 s per run; checks that summary.json,
+#   --smoke    40 users for 12 s per run; checks that summary.json,
 #              report.md and the PNGs are made and well-formed (about 40 s)
 # Explicit options win over the presets. --run-time takes seconds or Locust's
 # 90s / 3m / 1m30s forms.
@@ -83,7 +83,7 @@ done
 case $mode in
   default) : "${users:=100}" "${spawn:=50}" "${run_time:=60}" ;;
   quick) : "${users:=100}" "${spawn:=50}" "${run_time:=40}" ;;
-  smoke) : "${users:=20}" "${spawn:=20}" "${run_time:=12}" ;;
+  smoke) : "${users:=40}" "${spawn:=40}" "${run_time:=12}" ;;
 esac
 progress_secs=3
 [[ $mode == smoke ]] && progress_secs=2
@@ -359,7 +359,8 @@ run_one() {
   if [[ -s $dir/started ]]; then
     started=$(cat "$dir/started")
     target=$(awk -v s="$started" -v h="$halve_at" 'BEGIN {printf "%.3f", s + h}')
-    wait_s=$(awk -v t="$target" -v n="$(date +%s.%N)" 'BEGIN {d = t - n; printf "%.3f", d > 0 ? d : 0}')
+    wait_s=$(awk -v t="$target" -v n="$(date +%s.%N)" 'BEGIN {d = t - n; if (d < 0) d = 0; printf "%.3f", d}')
+    [[ $wait_s =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$me: bad wait '$wait_s' before the halving" >&2; exit 1; }
     nap "$wait_s"
     if kill -0 "$locust_pid" 2>/dev/null; then
       date +%s.%N >"$dir/halved_at"

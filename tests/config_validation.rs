@@ -708,7 +708,11 @@ fn in_flight_caps_are_checked() {
     };
     for (upstream, route, what) in [
         ("queue = 5", "", "upstreams[0].queue (line"),
-        ("queue_timeout_ms = 5", "", "has no effect without max_in_flight"),
+        (
+            "queue_timeout_ms = 5",
+            "",
+            "has no effect without max_in_flight",
+        ),
         (
             "max_in_flight = 4\npool_max_in_flight = 40",
             "",
@@ -721,7 +725,11 @@ fn in_flight_caps_are_checked() {
         ),
         ("max_in_flight = 0", "", "upstreams[0].max_in_flight (line"),
         ("", "adaptive = { min = 1, max = 2 }", "routes[0].adaptive"),
-        ("", "max_in_flight_per_client = 0", "routes[0].max_in_flight_per_client (line"),
+        (
+            "",
+            "max_in_flight_per_client = 0",
+            "routes[0].max_in_flight_per_client (line",
+        ),
     ] {
         let (ok, _, err) = check(&with(upstream, route));
         assert!(!ok, "{upstream} {route}");
@@ -749,5 +757,8 @@ fn in_flight_caps_are_checked() {
         "",
     ));
     assert!(ok);
-    assert!(out.contains("in flight: max 8 (this replica), queue 0 for 1000 ms\n"), "{out}");
+    assert!(
+        out.contains("in flight: max 8 (this replica), queue 0 for 1000 ms\n"),
+        "{out}"
+    );
 }

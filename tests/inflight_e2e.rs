@@ -447,3 +447,50 @@ upstream = "up"
         "{est}"
     );
 }
+
+/// A pool-wide cap (`pool_max_in_flight = 4`) over two replicas on one
+/// Redis: each takes half once the heartbeats count both, so 10 at once on
+/// one replica get 2 served.
+#[test]
+fn a_pool_wide_cap_is_shared_by_the_live_replicas() {
+    let redis = support::RedisGuard::start();
+    let up = UpstreamGuard::start_with(&["--service-ms", "300", "--threads", "2"]);
+    let config = format!(
+        r#"
+{SERVER_2_THREADS}
+
+[limiter]
+backend = "redis"
+
+[redis]
+urls = ["{}"]
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+pool_max_in_flight = 4
+
+[[routes]]
+name = "r"
+path_prefix = "/"
+upstream = "up"
+"#,
+        redis.url(),
+        up.addr
+    );
+    let a = GatewayGuard::start(&config);
+    let b = GatewayGuard::start(&config);
+    for gw in [&a, &b] {
+        wait_for("two live replicas", Duration::from_secs(15), || {
+            (gw.admin_get("/readyz").json()["replicas"] == 2).then_some(())
+        });
+    }
+    let got = at_once(a.addr, 10, "/x", &[]);
+    let ok = count(&got, 200, "");
+    assert_eq!(gauge(&a, "gateway_in_flight_limit", "upstream", "up"), 2.0);
+    println!(
+        "FIGURES pool-wide cap 4 over 2 replicas: 10 at once on one: {ok} served (its half: 2)"
+    );
+    assert_eq!(ok, 2, "{got:?}");
+    assert!(up.stats()["max_in_flight"].as_u64().unwrap() <= 2);
+}
