@@ -211,10 +211,14 @@ retries = 1
         "FIGURES no leak: 1000 requests in {:.1} s (statuses {by_status:?}, {abandoned} abandoned by their clients), in flight after: 0, queued: 0",
         started.elapsed().as_secs_f64()
     );
-    assert!(
-        by_status.get(&504).copied().unwrap_or(0) >= 100,
-        "{by_status:?}"
-    );
+    // Some of each: served (half of them after a dead server first),
+    // timed out upstream, refused by the cap.
+    for status in [200, 503, 504] {
+        assert!(
+            by_status.get(&status).copied().unwrap_or(0) >= 20,
+            "{by_status:?}"
+        );
+    }
     // (The upstream itself may hold more: a request the gateway gave up on
     // at its timeout still runs there.)
 
