@@ -24,10 +24,10 @@
 # CSVs and HTML report per run (runs/<run>/), summary.json, report.md (the
 # table and the targets) and the PNG plots (loadtest/capacity_halves.py).
 #
-#   (default)  100 users, spawned at 50/s, 60 s per run: about 2.5 minutes
-#   --quick    the same users, 40 s per run: under 2 minutes
+#   (default)  100 users, spawned at 50/s, 60 s per run: about 2 minutes
+#   --quick    the same users, 40 s per run: about 1.5 minutes
 #   --smoke    40 users for 12 s per run; checks that summary.json,
-#              report.md and the PNGs are made and well-formed (about 40 s)
+#              report.md and the PNGs are made and well-formed (about 35 s)
 # Explicit options win over the presets. --run-time takes seconds or Locust's
 # 90s / 3m / 1m30s forms.
 #
@@ -56,7 +56,7 @@ usage() {
 mode=default
 users="" spawn="" run_time="" out=""
 rate=75 burst=100 workers=8 service_ms=100 timeout_s=3
-queue=100 queue_timeout_ms=300 adaptive_min=2 adaptive_max=200 seed=26
+queue=100 queue_timeout_ms=50 adaptive_min=2 adaptive_max=200 seed=26
 think_min=0.2 think_max=0.4
 while (($#)); do
   case $1 in
