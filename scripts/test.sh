@@ -2,7 +2,7 @@
 # The test command: installs what is missing (scripts/setup.sh --for-tests:
 # also what only tests need), then runs every check the
 # project has: format, lints, the whole test suite (real Redis, real gateway
-# processes), config checks, deployment-file checks, the load-test smoke run
+# processes), config checks, deployment-file checks, the load-test smoke runs
 # and the demo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,11 @@ fi
 if [ -x loadtest/surge.sh ]; then
   step "surge load test (smoke)"
   loadtest/surge.sh --smoke
+fi
+
+if [ -x loadtest/capacity_halves.sh ]; then
+  step "capacity-halves load test (smoke: rate limit alone and adaptive concurrency)"
+  loadtest/capacity_halves.sh --smoke
 fi
 
 step "demo (scripts/demo.sh --once)"
