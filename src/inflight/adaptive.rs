@@ -9,20 +9,23 @@
 //!
 //! ```text
 //! gradient = clamp(min_rtt × (1 + BUFFER) / sample_rtt, 0.5, 1 + BUFFER)
-//! limit    = clamp(limit × gradient + (1 if gradient ≥ 1, else 0), min, max)
+//! limit    = clamp(limit × gradient, min, max)
 //! ```
 //!
 //! where `sample_rtt` is the interval's mean round trip and `min_rtt` the
-//! least of the interval means remembered. While round trips stay within
-//! `BUFFER` of the unloaded one the limit grows (by up to `BUFFER` and one a
-//! step); a queue forming at the server shrinks it in proportion. It settles
-//! where the server's queue adds about `BUFFER` to its round trip: its
-//! workers and a twentieth more (Envoy adds a headroom of √limit every step,
-//! which for a server of 8 workers is a standing queue of a third).
+//! least of the interval means remembered. (Shrinking, the gradient applies
+//! to the mean concurrency the samples were sent at: they left under the
+//! previous limit.) While round trips stay within
+//! `BUFFER` of the unloaded one the limit grows (by up to `BUFFER` a step);
+//! a queue forming at the server shrinks it in proportion. It settles where
+//! the server's queue adds about `BUFFER` to its round trip: its workers and
+//! a twentieth more (Envoy adds a headroom of √limit every step, which for a
+//! server of 8 workers is a standing queue of a third).
 //!
 //! It starts at `min`, where the unloaded round trip shows, and doubles the
 //! limit each interval until the first queue shows, as TCP's slow start
-//! does (a limit started high never sees the unloaded round trip).
+//! does (a limit started high never sees the unloaded round trip); so again
+//! whenever it falls to `min`.
 //!
 //! Two choices differ from Envoy's. The unloaded round trip is learnt from
 //! the means themselves, not by forcing concurrency down to `min` every
@@ -65,6 +68,8 @@ pub struct Gradient {
     /// while they ran.
     samples: Vec<u64>,
     busiest: u32,
+    /// The requests in flight when this interval's samples were sent, summed.
+    sent_at: u64,
     started: Micros,
     /// Interval means remembered: (when, mean µs, the most in flight).
     means: VecDeque<(Micros, u64, u32)>,
@@ -94,6 +99,7 @@ impl Gradient {
             max,
             samples: Vec::with_capacity(64),
             busiest: 0,
+            sent_at: 0,
             started: now,
             means: VecDeque::new(),
             slow_start: true,
@@ -118,6 +124,7 @@ impl Gradient {
     pub fn sample(&mut self, now: Micros, rtt_us: u64, in_flight: u32) -> Option<Estimate> {
         self.samples.push(rtt_us.max(1));
         self.busiest = self.busiest.max(in_flight);
+        self.sent_at += in_flight as u64;
         // Two round trips at least: the samples that close an interval were
         // sent under the limit it set, not the one before.
         let span = INTERVAL_US.max(2 * self.last.sample_rtt_us as Micros);
@@ -153,14 +160,19 @@ impl Gradient {
         let min_rtt = self.means.iter().map(|m| m.1).min().unwrap_or(sample);
         let gradient = (min_rtt as f64 * (1.0 + BUFFER) / sample as f64).clamp(0.5, 1.0 + BUFFER);
         self.slow_start &= gradient >= 1.0;
-        // One more only while no queue shows beyond the buffer: at a
-        // queue's edge the gradient alone holds the limit (a +1 there would
-        // be an eighth too many for a server of 8 workers).
-        let headroom = if gradient >= 1.0 { 1.0 } else { 0.0 };
+        // No additive probe: past the workers by one is an eighth too many
+        // for a server of 8, and a probe of one visits it every other step.
+        // Shrinking, the gradient applies to the concurrency its round trips
+        // were sent at, not to the limit now: an interval's samples left
+        // under the one before, and a limit that just fell would otherwise
+        // fall again for the same queue.
+        let sent_at = self.sent_at as f64 / self.samples.len() as f64;
         let mut next = if self.slow_start {
             self.limit * 2.0
+        } else if gradient < 1.0 {
+            sent_at * gradient
         } else {
-            self.limit * gradient + headroom
+            self.limit * gradient
         };
         // App-limited: the traffic used under half of it; nothing learnt
         // about more.
@@ -168,8 +180,14 @@ impl Gradient {
             next = next.min(self.limit);
         }
         self.limit = next.clamp(self.min as f64, self.max as f64);
+        // At the floor, growing by a twentieth a step would take long:
+        // double again until a queue shows.
+        if self.limit <= self.min as f64 {
+            self.slow_start = true;
+        }
         self.samples.clear();
         self.busiest = 0;
+        self.sent_at = 0;
         self.started = now;
         self.last = Estimate {
             limit: self.limit as u32,
