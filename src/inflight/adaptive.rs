@@ -25,7 +25,8 @@
 //! It starts at `min`, where the unloaded round trip shows, and doubles the
 //! limit each interval until the first queue shows, as TCP's slow start
 //! does (a limit started high never sees the unloaded round trip); so again
-//! whenever it falls to `min`.
+//! whenever it falls to `min`, then up to the last limit that showed no
+//! queue (TCP's ssthresh: a server that slowed down has the same workers).
 //!
 //! Two choices differ from Envoy's. The unloaded round trip is learnt from
 //! the means themselves, not by forcing concurrency down to `min` every
@@ -75,6 +76,9 @@ pub struct Gradient {
     means: VecDeque<(Micros, u64, u32)>,
     /// Doubling each interval until the first queue shows.
     slow_start: bool,
+    /// The last limit that showed no queue: a slow start from `min` stops
+    /// there (TCP's ssthresh), the server's workers being what it was.
+    good: f64,
     last: Estimate,
 }
 
@@ -103,6 +107,7 @@ impl Gradient {
             started: now,
             means: VecDeque::new(),
             slow_start: true,
+            good: f64::MAX,
             last: Estimate {
                 limit,
                 ..Estimate::default()
@@ -167,8 +172,14 @@ impl Gradient {
         // under the one before, and a limit that just fell would otherwise
         // fall again for the same queue.
         let sent_at = self.sent_at as f64 / self.samples.len() as f64;
+        if gradient >= 1.0 && !self.slow_start {
+            self.good = self.limit;
+        }
         let mut next = if self.slow_start {
-            self.limit * 2.0
+            if self.limit * 2.0 >= self.good {
+                self.slow_start = false;
+            }
+            (self.limit * 2.0).min(self.good.max(self.limit))
         } else if gradient < 1.0 {
             sent_at * gradient
         } else {
