@@ -122,45 +122,62 @@ pub fn preflight(headers: crate::cors::Headers) -> Reply {
     }
 }
 
+/// An RFC 9457 problem+json answer the gateway writes itself: 429 (a
+/// limit) or 503 (no capacity), with `fields` added to the standard ones.
+fn problem(
+    status: u16,
+    detail: String,
+    fields: serde_json::Value,
+    headers: Vec<(&'static str, HeaderValue)>,
+    retry_after_ms: u64,
+) -> Reply {
+    let (kind, title) = match status {
+        429 => ("quota-exceeded", "Too Many Requests"),
+        _ => ("temporary-reduced-capacity", "Service Unavailable"),
+    };
+    let mut body = serde_json::json!({
+        "type": format!("https://iana.org/assignments/http-problem-types#{kind}"),
+        "title": title,
+        "status": status,
+        "detail": detail,
+    });
+    if let (Some(body), serde_json::Value::Object(fields)) = (body.as_object_mut(), fields) {
+        body.extend(fields);
+    }
+    Reply {
+        status,
+        content_type: "application/problem+json",
+        body: body.to_string(),
+        headers,
+        message: detail,
+        retry_after_ms: Some(retry_after_ms),
+    }
+}
+
 pub fn too_many_requests(
     headers: Vec<(&'static str, HeaderValue)>,
     retry_after_ms: u64,
     violated: &[&str],
 ) -> Reply {
     let detail = format!("rate limit exceeded on tier(s): {}", violated.join(", "));
-    Reply {
-        status: 429,
-        content_type: "application/problem+json",
-        body: serde_json::json!({
-            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
-            "title": "Too Many Requests",
-            "status": 429,
-            "detail": detail,
-            "violated-policies": violated,
-            "retry_after_ms": retry_after_ms,
-        })
-        .to_string(),
-        headers,
-        message: format!("{detail}; retry after {retry_after_ms} ms"),
-        retry_after_ms: Some(retry_after_ms),
-    }
+    let fields = serde_json::json!({
+        "violated-policies": violated,
+        "retry_after_ms": retry_after_ms,
+    });
+    let mut reply = problem(429, detail, fields, headers, retry_after_ms);
+    reply.message = format!("{}; retry after {retry_after_ms} ms", reply.message);
+    reply
 }
 
 pub fn reduced_capacity() -> Reply {
-    Reply {
-        status: 503,
-        content_type: "application/problem+json",
-        body: serde_json::json!({
-            "type": "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
-            "title": "Service Unavailable",
-            "status": 503,
-            "detail": "the rate limiter is unavailable and this gateway is configured to deny",
-        })
-        .to_string(),
-        headers: vec![("retry-after", HeaderValue::from_static("1"))],
-        message: "the rate limiter is unavailable and this gateway is configured to deny".into(),
-        retry_after_ms: Some(1000),
-    }
+    let detail = "the rate limiter is unavailable and this gateway is configured to deny";
+    problem(
+        503,
+        detail.into(),
+        serde_json::Value::Null,
+        retry_after_secs(1),
+        1000,
+    )
 }
 
 /// A request the rate tiers admitted but an in-flight cap did not: 503,
@@ -173,22 +190,9 @@ pub fn over_capacity(kind: &str, name: &str, shed: crate::inflight::Shed, wait_m
         Shed::Displaced => "a request of a higher-priority plan took its place in the queue",
     };
     let detail = format!("{kind} \"{name}\" has its requests in flight at its limit and {why}");
+    let fields = serde_json::json!({ "reason": shed.as_str() });
     let secs = wait_ms.div_ceil(1000).max(1);
-    Reply {
-        status: 503,
-        content_type: "application/problem+json",
-        body: serde_json::json!({
-            "type": "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity",
-            "title": "Service Unavailable",
-            "status": 503,
-            "detail": detail,
-            "reason": shed.as_str(),
-        })
-        .to_string(),
-        headers: vec![("retry-after", HeaderValue::from(secs))],
-        message: detail,
-        retry_after_ms: Some(secs * 1000),
-    }
+    problem(503, detail, fields, retry_after_secs(secs), secs * 1000)
 }
 
 /// One client's requests in flight on a route at its cap: 429.
@@ -196,21 +200,12 @@ pub fn too_many_in_flight(route: &str, max: u32) -> Reply {
     let detail = format!(
         "this client has {max} request(s) in flight on route \"{route}\", its most (max_in_flight_per_client)"
     );
-    Reply {
-        status: 429,
-        content_type: "application/problem+json",
-        body: serde_json::json!({
-            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
-            "title": "Too Many Requests",
-            "status": 429,
-            "detail": detail,
-            "violated-policies": ["in-flight-per-client"],
-        })
-        .to_string(),
-        headers: vec![("retry-after", HeaderValue::from_static("1"))],
-        message: detail,
-        retry_after_ms: Some(1000),
-    }
+    let fields = serde_json::json!({ "violated-policies": ["in-flight-per-client"] });
+    problem(429, detail, fields, retry_after_secs(1), 1000)
+}
+
+fn retry_after_secs(secs: u64) -> Vec<(&'static str, HeaderValue)> {
+    vec![("retry-after", HeaderValue::from(secs))]
 }
 
 pub fn headers_too_large(limit: usize) -> Reply {
