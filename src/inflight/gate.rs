@@ -127,6 +127,11 @@ impl Gate {
         (g.in_flight, g.waiting.len(), g.limit)
     }
 
+    /// How long a request may wait in the queue (its refusal's Retry-After).
+    pub fn queue_timeout(&self) -> Duration {
+        self.inner.lock().settings.queue_timeout
+    }
+
     pub fn estimate(&self) -> Option<Estimate> {
         self.inner.lock().gradient.as_ref().map(Gradient::estimate)
     }

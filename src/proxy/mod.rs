@@ -161,32 +161,21 @@ impl Gateway {
         }
         gates.set_replicas(self.limiter.replicas());
         let caps = [
-            (
-                "route",
-                route.name.as_str(),
-                gates.route(i),
-                route.in_flight,
-            ),
+            ("route", route.name.as_str(), gates.route(i)),
             (
                 "upstream",
                 route.upstream.as_str(),
                 gates.upstream(&route.upstream),
-                live.policy
-                    .config
-                    .upstreams
-                    .iter()
-                    .find(|u| u.name == route.upstream)
-                    .and_then(|u| u.in_flight),
             ),
         ];
-        for (kind, name, gate, settings) in caps {
+        for (kind, name, gate) in caps {
             let Some(gate) = gate else { continue };
             match gate.acquire(priority).await {
                 Ok(slot) if kind == "route" => ctx.route_slot = Some(slot),
                 Ok(slot) => ctx.upstream_slot = Some(slot),
                 Err(shed) => {
                     crate::metrics::in_flight_refused(kind, name, shed.as_str());
-                    let wait_ms = settings.map_or(1000, |s| s.queue_timeout_ms);
+                    let wait_ms = gate.queue_timeout().as_millis() as u64;
                     return Some(responses::over_capacity(kind, name, shed, wait_ms));
                 }
             }
