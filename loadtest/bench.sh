@@ -5,6 +5,7 @@
 #   loadtest/bench.sh [--quick] [--duration SECS] [--connections N] [--threads N]
 #                     [--rounds N] [--latency-duration SECS] [--warmup SECS]
 #                     [--wrk-threads N] [--upstream-threads N] [--rate RPS]
+#                     [--paired-rounds N] [--lease-period-ms N]
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
 #                     [--memory-clients N] [--memory-max-entries N]
 #                     [--clients N [--zipf S] [--over PCT]] [--cluster-nodes N]
@@ -48,6 +49,10 @@
 # of sampled keys; used_memory growth per key when many are held). The
 # cluster's targets of #17, passed or failed: its Redis CPU per decision
 # <= 1.5x standalone's, its gateway CPU per request <= 1.2x standalone's.
+# With gateway_local and gateway_redis both measured, --paired-rounds windows
+# (default twice --rounds) then drive the two at once, half the fixed rate
+# each, and pool each one's latencies: #24's p99 added over gateway_local is
+# taken from them, since the machine's noise lands on both alike.
 # Each number reported is the median of the rounds. For context (reported, never
 # pass/fail): gateway_off's and nginx_limit_req's CPU per request relative to
 # pingora_bare's.

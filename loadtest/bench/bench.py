@@ -58,7 +58,7 @@ from checks import summarize
 from common import (BARE, GATEWAY_TARGETS, LIMITED_TARGETS, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
                     RESULTS, ROOT, TARGETS, log, warn)
 from common import BenchError, median
-from measure import Meter, busy_others, machine_info
+from measure import Meter, busy_others, machine_info, pool_paired
 from report import publish, publish_cluster, write_report
 from targets import Targets
 
@@ -151,6 +151,20 @@ def run(args) -> int:
                         f"p99.9 {r['p999_ms']:.3f} ms  ({r['cpu_us_per_req']:.1f} µs/req CPU)  other load "
                         f"{r['other_cpu_pct']:.0f}%")
             extra["orders"] = orders
+            # #24's p99 added over gateway_local: both driven at once, so the
+            # noise this machine makes lands on both (measure.paired_latency).
+            pair = [t for t in ("gateway_local", "gateway_redis") if t in targets]
+            if len(pair) == 2 and args.paired_rounds > 0:
+                log(f"paired latency: {pair[0]} and {pair[1]} at once, {rate / 2:,.0f} rps each, "
+                    f"{args.paired_rounds} windows of {args.latency_duration:g}s")
+                windows = []
+                for rnd in range(args.paired_rounds):
+                    w = meter.paired_latency(pair, f"pair{rnd + 1}", rate)
+                    windows.append(w)
+                    log(f"[pair {rnd + 1}/{args.paired_rounds}] " + "  ".join(
+                        f"{t} p99 {w[t]['p99_ms']:.3f} ms" for t in pair)
+                        + f"  added {w[pair[1]]['p99_ms'] - w[pair[0]]['p99_ms']:+.3f} ms")
+                extra["paired_latency"] = pool_paired(pair, windows)
             if args.perf:
                 extra["perf"] = meter.perf([t for t in targets if t != "direct"])
         if args.memory or args.memory_only:
@@ -203,7 +217,8 @@ def run(args) -> int:
         "rounds": args.rounds, "duration_s": args.duration, "latency_duration_s": args.latency_duration,
         "warmup_s": args.warmup, "connections": args.connections, "threads": args.threads,
         "wrk_threads": args.wrk_threads, "upstream_threads": args.upstream_threads,
-        "path": PATH, "api_key_header_on": LIMITED_TARGETS,
+        "path": PATH, "api_key_header_on": LIMITED_TARGETS, "lease_period_ms": args.lease_period_ms,
+        "paired_rounds": args.paired_rounds,
         "clients": {"n": args.clients, "zipf": args.zipf, "over_pct": args.over, "over_path": OVER_PATH,
                     "targets": [t for t in targets if t in MANY_CLIENTS_TARGETS],
                     "note": "max-throughput windows only; the fixed-rate windows keep one client"}
@@ -254,6 +269,11 @@ def main() -> int:
     r.add_argument("--wrk-threads", type=int, default=2)
     r.add_argument("--upstream-threads", type=int, default=1)
     r.add_argument("--rate", type=float)
+    r.add_argument("--lease-period-ms", type=int, default=None,
+                   help="[limiter.leases] period_ms for the Redis targets (default: the gateway's own)")
+    r.add_argument("--paired-rounds", type=int, default=None,
+                   help="windows driving gateway_local and gateway_redis at once for #24's p99 added "
+                        "(default: twice --rounds; 0: none)")
     r.add_argument("--targets")
     r.add_argument("--memory", action="store_true", default=None)
     r.add_argument("--no-memory", dest="memory", action="store_false")
@@ -300,6 +320,12 @@ def main() -> int:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.paired_rounds is None:
+        args.paired_rounds = 2 * args.rounds
+    if args.lease_period_ms is not None and args.lease_period_ms <= 0:
+        ap.error("--lease-period-ms must be positive")
+    if args.paired_rounds < 0:
+        ap.error("--paired-rounds must be 0 or more")
     if args.targets:
         args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
         bad = [t for t in args.targets if t not in TARGETS]

@@ -11,13 +11,16 @@
  *
  *   fixedrate --url http://127.0.0.1:8080/path --rate 15000 --duration 10
  *             [--warmup 2] [--connections 32] [--header 'k: v']...
- *             [--timeout 5] [--out result.json]
+ *             [--timeout 5] [--out result.json] [--samples lat.bin]
  *
  * Requests intended during the warm-up are sent but not recorded. After the
  * schedule ends it waits up to --timeout seconds for the outstanding ones.
  * Prints (and writes to --out) one JSON object: the rates, status counts,
  * errors, and latency percentiles in milliseconds, both corrected (from the
- * intended time) and raw service time (from the actual write).
+ * intended time) and raw service time (from the actual write). --samples
+ * also writes every recorded latency (corrected, in nanoseconds, sorted) as
+ * native int64s, so windows can be pooled into one distribution (bench.py's
+ * paired latency windows).
  *
  * Loopback only: the host must be a literal IPv4 address in 127.0.0.0/8.
  *
@@ -467,12 +470,13 @@ static double pct(int64_t *v, size_t n, double p) {
 static void usage(void) {
     fprintf(stderr,
             "usage: fixedrate --url http[s]://127.0.0.1:PORT/PATH --rate RPS --duration SECS\n"
-            "                 [--warmup SECS] [--connections N] [--header 'k: v']... [--timeout SECS] [--out FILE]\n");
+            "                 [--warmup SECS] [--connections N] [--header 'k: v']... [--timeout SECS] [--out FILE]\n"
+            "                 [--samples FILE]\n");
     exit(2);
 }
 
 int main(int argc, char **argv) {
-    const char *url = NULL, *out = NULL;
+    const char *url = NULL, *out = NULL, *samples = NULL;
     double rate = 0, duration = 0, warmup = 0, timeout = 5;
     char *headers[MAX_HEADERS];
     int nheaders = 0;
@@ -487,6 +491,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--connections")) nconns = atoi(v);
         else if (!strcmp(a, "--timeout")) timeout = atof(v);
         else if (!strcmp(a, "--out")) out = v;
+        else if (!strcmp(a, "--samples")) samples = v;
         else if (!strcmp(a, "--header")) {
             if (nheaders == MAX_HEADERS) die("too many --header");
             headers[nheaders++] = (char *)v;
@@ -642,6 +647,10 @@ int main(int argc, char **argv) {
         if (!f) die("cannot write --out");
         fputs(json, f);
         fclose(f);
+    }
+    if (samples) {
+        FILE *f = fopen(samples, "wb");
+        if (!f || fwrite(lc, sizeof *lc, nc, f) != nc || fclose(f)) die("cannot write --samples");
     }
     return 0;
 }

@@ -59,7 +59,7 @@ METRIC_RE = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$')
 def gateway_metrics(admin: str) -> dict:
     """Status counts and failover counters from the gateway's /metrics."""
     status, _, body = http_get(f"http://{admin}/metrics", timeout=5)
-    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}}
+    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}, "lease_tokens": {}}
     if status != 200:
         return out
     for line in body.decode(errors="replace").splitlines():
@@ -77,6 +77,8 @@ def gateway_metrics(admin: str) -> dict:
             out["backend"][lab.get("backend", "?")] = value
         elif name == "gateway_limiter_decisions_total":
             out["decided_by"][lab.get("path", "?")] = value
+        elif name == "gateway_lease_tokens_total":
+            out["lease_tokens"][lab.get("event", "?")] = value
     return out
 
 
@@ -180,6 +182,10 @@ class Meter:
             paths = delta_counts(mb.get("decided_by", {}), me.get("decided_by", {}))
             if sum(paths.values()) > 0:
                 r["lease_share"] = paths.get("lease", 0) / sum(paths.values())
+            # Tokens leased, given back and lost (expired unreturned) per request.
+            lt = delta_counts(mb.get("lease_tokens", {}), me.get("lease_tokens", {}))
+            if lt:
+                r["lease_tokens_per_req"] = {k: v / n for k, v in lt.items()}
             fb = delta_counts(mb["fallback"], me["fallback"])
             if fb:
                 r["fallback_transitions"] = fb
@@ -329,6 +335,52 @@ class Meter:
         r["loadgen_cpu_cores"] = lg_ticks / CLK_TCK / (e["wall"] - b["wall"])
         self.check_statuses(target, "fixedrate", r, f)
         return r
+
+    def paired_latency(self, pair: list[str], tag: str, rate: float) -> dict:
+        """Both targets of `pair` driven at once, each at half the fixed rate
+        (so the machine carries what one fixed-rate window does): whatever
+        else the machine is doing lands on both alike, which sequential
+        windows cannot promise. Each target's latencies are kept whole
+        (`--samples`) so the rounds pool into one distribution."""
+        a = self.a
+        procs, files = [], {}
+        errf = open(self.out / "logs" / "loadgen.stderr", "ab")
+        try:
+            for t in pair:
+                info = self.tg.t[t]
+                jp = self.out / "raw" / f"{tag}-{t}-paired.json"
+                sp = self.out / "raw" / f"{tag}-{t}-paired.lat"
+                argv = [str(self.fixedrate), "--url", info["url"], "--rate", f"{rate / 2:.0f}",
+                        "--duration", f"{a.latency_duration:g}", "--warmup", f"{a.warmup:g}",
+                        "--connections", str(max(1, a.connections // 2)), "--timeout", "5",
+                        "--out", str(jp), "--samples", str(sp)]
+                for k, v in info["headers"].items():
+                    argv += ["--header", f"{k}: {v}"]
+                procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errf))
+                files[t] = (jp, sp)
+            deadline = time.monotonic() + a.latency_duration + a.warmup + 30
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            for p in procs:  # interrupted or timed out: stop ours, by PID
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            raise
+        finally:
+            errf.close()
+        out = {}
+        for t, p in zip(pair, procs):
+            jp, sp = files[t]
+            if p.returncode != 0 or not jp.exists():
+                raise BenchError(f"fixedrate failed against {t} (exit {p.returncode}); see logs/loadgen.stderr")
+            f = json.loads(jp.read_text())
+            lat = f["latency_ms"]
+            r = {"rate": rate / 2, "rate_achieved": f["rate_achieved"], "p50_ms": lat["p50"],
+                 "p99_ms": lat["p99"], "p999_ms": lat["p999"], "samples": str(sp)}
+            self.check_statuses(t, "fixedrate", r, f)
+            out[t] = r
+        return out
 
     def check_statuses(self, target: str, tool: str, r: dict, raw: dict) -> None:
         want = "429" if target == "gateway_redis_denied" else "200"
@@ -591,3 +643,28 @@ def busy_others(exclude: set[int], secs: float = 1.0) -> list[dict]:
             out.append({"pid": pid, "cpu_pct": round(100 * used), "cmd": cmd.strip()})
     return out
 
+
+def pool_paired(pair: list[str], windows: list[dict]) -> dict:
+    """The paired windows' latencies pooled per target (one distribution
+    each, from every window), and p99 added = the second's p99 less the
+    first's; each window's own difference is kept for the spread."""
+    from array import array
+
+    def pct(v, p):
+        return v[min(len(v) - 1, int(p / 100 * len(v)))] / 1e6 if v else None
+
+    out: dict = {"pair": pair, "windows": len(windows), "rate_each": windows[0][pair[0]]["rate"] if windows else None}
+    for t in pair:
+        v = array("q")
+        for w in windows:
+            with open(w[t]["samples"], "rb") as f:
+                v.frombytes(f.read())
+        v = sorted(v)
+        out[t] = {"samples": len(v), "p50_ms": pct(v, 50), "p90_ms": pct(v, 90), "p99_ms": pct(v, 99),
+                  "p999_ms": pct(v, 99.9)}
+    a, b = pair
+    if out[a]["p99_ms"] is not None and out[b]["p99_ms"] is not None:
+        out["p99_added_ms"] = out[b]["p99_ms"] - out[a]["p99_ms"]
+        out["p50_added_ms"] = out[b]["p50_ms"] - out[a]["p50_ms"]
+    out["p99_added_ms_windows"] = [round(w[b]["p99_ms"] - w[a]["p99_ms"], 4) for w in windows]
+    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,7 +47,9 @@ def markdown(s: dict) -> str:
              f"mock-upstream `--threads {run['upstream_threads']}`; max throughput: wrk -t{run['wrk_threads']} "
              f"for {run['duration_s']:g} s; latency: fixedrate (open loop, coordinated-omission corrected) at "
              f"{fmt(s['fixed_rate_rps'], 0)} rps (half gateway_off's max) for {run['latency_duration_s']:g} s; "
-             f"medians of rounds.")
+             f"medians of rounds."
+             + (f" The Redis targets run `[limiter.leases] period_ms = {run['lease_period_ms']}`."
+                if run.get("lease_period_ms") else ""))
     L.append("")
     L.append(f"Machine: {m['nproc']} × {m['cpu_model']}, Linux {m['kernel']}, {m['mem_gib']} GiB; "
              f"{m['nginx']}; {m['wrk']}; {m['redis'].split(' sha=')[0]}; {m['gateway']} "
@@ -78,7 +81,13 @@ def markdown(s: dict) -> str:
     if shares:
         L.append("Decided on a lease (no round trip to Redis), share of the max-throughput window's requests: "
                  + ", ".join(f"`{t}` {100 * v:.1f}%" for t, v in shares) + ".")
+        toks = [(t, d["lease_tokens_per_req"]) for t, d in T.items()
+                if t in REDIS_TARGETS and d.get("lease_tokens_per_req")]
+        if toks:
+            L.append("Lease tokens per request (`gateway_lease_tokens_total`): " + "; ".join(
+                f"`{t}` " + ", ".join(f"{k} {v:.3f}" for k, v in x.items()) for t, x in toks) + ".")
         L.append("")
+    L += paired_md(s)
     L += cluster_md(s)
     L += clients_md(s)
     L.append("*proxy CPU*: the proxy's processes (for `direct`, the upstream itself) from `/proc/PID/stat` over the "
@@ -102,6 +111,32 @@ def markdown(s: dict) -> str:
         L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | {res} |")
     L += memory_md(s)
     return "\n".join(L) + "\n"
+
+
+def paired_md(s: dict) -> list[str]:
+    """The paired latency windows (#24's p99 added): both targets at once."""
+    pl = s.get("paired_latency")
+    if not pl or not pl.get("windows"):
+        return []
+    a, b = pl["pair"]
+    L = [f"Paired latency ({pl['windows']} windows, `{a}` and `{b}` driven at once by two fixedrate processes at "
+         f"{fmt(pl['rate_each'], 0)} rps each, so the machine's noise lands on both alike; every window's "
+         "latencies pooled per target):", "",
+         "| target | requests | p50 ms | p90 ms | p99 ms | p99.9 ms |", "|---|--:|--:|--:|--:|--:|"]
+    for t in (a, b):
+        d = pl[t]
+        L.append(f"| `{t}` | {d['samples']:,} | {fmt(d['p50_ms'], 3)} | {fmt(d['p90_ms'], 3)} | "
+                 f"{fmt(d['p99_ms'], 3)} | {fmt(d['p999_ms'], 3)} |")
+    diffs = pl["p99_added_ms_windows"]
+    spread = ""
+    if len(diffs) >= 2:
+        # How finely this machine resolves p99 added: the windows' own differences.
+        spread = (f"; their median {statistics.median(diffs):+.3f} ms, mean {statistics.fmean(diffs):+.3f} ms, "
+                  f"standard error of the mean {statistics.stdev(diffs) / len(diffs) ** 0.5:.3f} ms")
+    shown = pl["p99_added_ms_windows"]
+    L += ["", f"p99 added by `{b}`: {fmt(pl.get('p99_added_ms'), 3)} ms pooled (each window's own: "
+          + ", ".join(f"{x:+.3f}" for x in shown[:12]) + (", ..." if len(shown) > 12 else "") + f" ms{spread}).", ""]
+    return L
 
 
 def cluster_md(s: dict) -> list[str]:

@@ -403,6 +403,8 @@ class Targets:
                 self.render(
                     "gateway.tiers.toml", dest, **subs, BACKEND=backend, API_KEY=API_KEY,
                     REDIS_SECTION=section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
+                    LEASES_SECTION=f"[limiter.leases]\nperiod_ms = {a.lease_period_ms}   # --lease-period-ms"
+                    if a.lease_period_ms and backend == "redis" else "# [limiter.leases]: the defaults",
                     ROUTE_CAPACITY=1 if denied else 1000000000,
                     ROUTE_REFILL="0.000001" if denied else ("0.01" if many else 1000000000),
                     CLIENT_REFILL="0.01" if many else 1000000000,
