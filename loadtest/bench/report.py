@@ -259,7 +259,9 @@ def chart(s: dict, path: Path) -> None:
     colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e",
               "nginx_tls": "#98df8a", "gateway_tls": "#9467bd", "gateway_redis_cluster": "#17becf"}
     col = [colors.get(n, "#1f77b4") for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
+    pl = s.get("paired_latency") or {}
+    paired = bool(pl.get("p99_added_ms_windows"))
+    fig, axes = plt.subplots(1, 4 if paired else 3, figsize=(21 if paired else 16, 5.2))
 
     ax = axes[0]
     rps = [T[n]["rps"] or 0 for n in names]
@@ -298,7 +300,21 @@ def chart(s: dict, path: Path) -> None:
     ax.set_ylabel("ms (log scale)")
     ax.legend(fontsize=8)
 
-    for ax in axes:
+    if paired:
+        # #24's p99 added: each paired window's own difference, and the pooled one.
+        ax = axes[3]
+        d = pl["p99_added_ms_windows"]
+        ax.scatter(range(1, len(d) + 1), d, color="#08519c", s=12, label="one window")
+        ax.axhline(pl["p99_added_ms"], color="#d62728", label=f"pooled: {pl['p99_added_ms']:+.3f} ms")
+        ax.axhline(0.1, color="#555555", ls="--", lw=1, label="target: 0.1 ms")
+        ax.axhline(0, color="#999999", lw=0.8)
+        ax.set_title(f"p99 added, {pl['pair'][1]} over {pl['pair'][0]}, driven at once\n"
+                     f"({pl['windows']} windows, {pl['rate_each']:,.0f} rps each)", fontsize=10)
+        ax.set_xlabel("window")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in axes[:3]:
         ax.set_xticks(list(x))
         ax.set_xticklabels([n.replace("gateway_", "gw_") for n in names], rotation=30, ha="right", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
