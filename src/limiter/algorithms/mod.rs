@@ -64,6 +64,20 @@ pub struct Decision {
     pub delay_us: u64,
 }
 
+impl Decision {
+    /// This admission given back (a refund): the bucket holds `cost` more
+    /// than the decision said, and a token bucket is whole again that much
+    /// sooner.
+    pub fn refunded(mut self, cost: u64, algorithm: &crate::config::Algorithm) -> Self {
+        self.remaining = (self.remaining + cost).min(self.limit);
+        if let crate::config::Algorithm::TokenBucket { refill_per_sec, .. } = *algorithm {
+            let back = (cost as f64 * 1e6 / refill_per_sec) as u64;
+            self.reset_after_us = self.reset_after_us.saturating_sub(back);
+        }
+        self
+    }
+}
+
 /// The state change a `check` prepared, applied by `commit` if all tiers admit.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Update {

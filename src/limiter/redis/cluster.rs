@@ -296,7 +296,8 @@ impl Inner {
                             // The node that charged it (its call answered, so
                             // its connection was made).
                             let node = conns[g].as_ref().unwrap_or(conn);
-                            refunds.push(self.refund_one(node, c, v.now_us, d.remaining));
+                            let refund = self.refund_one(node, c, v.now_us, d.remaining);
+                            refunds.push((r, c.key.clone(), refund));
                         }
                     }
                 }
@@ -310,8 +311,18 @@ impl Inner {
                 verdicts.push(Verdict { decisions, now_us });
             }
         }
-        for r in refunds {
-            let _ = r.await;
+        for (r, key, refund) in refunds {
+            // A refund made gives the admission back: what this replica is
+            // told the bucket holds (its leases start from it) must not count
+            // it as spent. (`verdicts` holds every request when no call failed.)
+            if refund.await.unwrap_or(false) && failed.is_none() {
+                let (checks, v) = (&requests[r], &mut verdicts[r]);
+                for (c, d) in checks.iter().zip(v.decisions.iter_mut()) {
+                    if c.key == key && d.allowed {
+                        *d = d.refunded(c.cost, &c.algorithm);
+                    }
+                }
+            }
         }
         match failed {
             Some(e) => Err(e),
@@ -331,7 +342,7 @@ impl Inner {
         c: &Check,
         now_us: i64,
         remaining: u64,
-    ) -> tokio::task::JoinHandle<()> {
+    ) -> tokio::task::JoinHandle<bool> {
         let direct = match node {
             Conn::Single(c) => Some(c.clone()),
             Conn::Cluster(_) => None,
@@ -360,13 +371,15 @@ impl Inner {
                 }
             }
             match r {
-                Some(Ok(_)) => {}
+                Some(Ok(given)) => given == 1,
                 // The error's class only: its text could name the server.
                 Some(Err(e)) => {
-                    tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged")
+                    tracing::warn!(error_kind = ?e.kind(), code = e.code().unwrap_or("-"), "limiter: refund failed; the client stays charged");
+                    false
                 }
                 None => {
-                    tracing::warn!("limiter: no connection for a refund; the client stays charged")
+                    tracing::warn!("limiter: no connection for a refund; the client stays charged");
+                    false
                 }
             }
         })
