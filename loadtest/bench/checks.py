@@ -177,10 +177,13 @@ def compute_checks(s: dict) -> list[dict]:
     def ratio(x, y):
         return x / y if x is not None and y else None
 
+    def added(t, base, k):
+        x, y = get(t, k), get(base, k)
+        return x - y if x is not None and y is not None else None
+
     vals = {
         "redis_vs_off_rps": ratio(get("gateway_redis", "rps"), get("gateway_off", "rps")),
-        "p99_added_ms": (get("gateway_redis", "p99_ms") - get("gateway_off", "p99_ms"))
-        if get("gateway_redis", "p99_ms") is not None and get("gateway_off", "p99_ms") is not None else None,
+        "p99_added_ms": added("gateway_redis", "gateway_off", "p99_ms"),
         "denied_vs_off_rps": ratio(get("gateway_redis_denied", "rps"), get("gateway_off", "rps")),
         "denied_script_calls_per_req": get("gateway_redis_denied", "script_calls_per_req"),
         "redis_cpu_us_per_decision": get("gateway_redis", "redis_cpu_us_per_req"),
@@ -192,9 +195,8 @@ def compute_checks(s: dict) -> list[dict]:
         "redis_vs_local_rps": ratio(get("gateway_redis", "rps"), get("gateway_local", "rps")),
         # Both driven at once when the run had paired windows (the machine's
         # noise then lands on both); else the sequential windows' medians.
-        "p99_added_over_local_ms": (s.get("paired_latency") or {}).get("p99_added_ms",
-                                                                       (get("gateway_redis", "p99_ms") - get("gateway_local", "p99_ms"))
-                                                                       if get("gateway_redis", "p99_ms") is not None and get("gateway_local", "p99_ms") is not None else None),
+        "p99_added_over_local_ms": (s.get("paired_latency") or {}).get(
+            "p99_added_ms", added("gateway_redis", "gateway_local", "p99_ms")),
         "script_calls_per_req": get("gateway_redis", "script_calls_per_req"),
         "redis_cpu_us_per_req": get("gateway_redis", "redis_cpu_us_per_req"),
         "redis_cpu_us_per_req_above_idle": get("gateway_redis", "redis_cpu_us_per_req_above_idle"),

@@ -307,15 +307,20 @@ class Meter:
                 "memory_usage_bytes_per_key": round(sum(sizes) / len(sizes), 1) if sizes else None,
                 "used_memory_growth_per_key": round(used / keys, 1) if keys >= 1000 else None}
 
-    def fixed_rate(self, target: str, tag: str, rate: float) -> dict:
-        a = self.a
-        info = self.tg.t[target]
-        jp = self.out / "raw" / f"{tag}-{target}-fixedrate.json"
+    def fixedrate_argv(self, target: str, rate: float, connections: int, out: Path) -> list[str]:
+        """fixedrate against `target` for one latency window, its JSON to `out`."""
+        a, info = self.a, self.tg.t[target]
         argv = [str(self.fixedrate), "--url", info["url"], "--rate", f"{rate:.0f}",
                 "--duration", f"{a.latency_duration:g}", "--warmup", f"{a.warmup:g}",
-                "--connections", str(a.connections), "--timeout", "5", "--out", str(jp)]
+                "--connections", str(connections), "--timeout", "5", "--out", str(out)]
         for k, v in info["headers"].items():
             argv += ["--header", f"{k}: {v}"]
+        return argv
+
+    def fixed_rate(self, target: str, tag: str, rate: float) -> dict:
+        a = self.a
+        jp = self.out / "raw" / f"{tag}-{target}-fixedrate.json"
+        argv = self.fixedrate_argv(target, rate, a.connections, jp)
         b = self.snapshot(target)
         rc, lg_ticks, _ = self.loadgen(argv, a.latency_duration + a.warmup + 30)
         e = self.snapshot(target)
@@ -347,15 +352,9 @@ class Meter:
         errf = open(self.out / "logs" / "loadgen.stderr", "ab")
         try:
             for t in pair:
-                info = self.tg.t[t]
                 jp = self.out / "raw" / f"{tag}-{t}-paired.json"
                 sp = self.out / "raw" / f"{tag}-{t}-paired.lat"
-                argv = [str(self.fixedrate), "--url", info["url"], "--rate", f"{rate / 2:.0f}",
-                        "--duration", f"{a.latency_duration:g}", "--warmup", f"{a.warmup:g}",
-                        "--connections", str(max(1, a.connections // 2)), "--timeout", "5",
-                        "--out", str(jp), "--samples", str(sp)]
-                for k, v in info["headers"].items():
-                    argv += ["--header", f"{k}: {v}"]
+                argv = self.fixedrate_argv(t, rate / 2, max(1, a.connections // 2), jp) + ["--samples", str(sp)]
                 procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errf))
                 files[t] = (jp, sp)
             deadline = time.monotonic() + a.latency_duration + a.warmup + 30

@@ -66,15 +66,24 @@ pub struct Decision {
 
 impl Decision {
     /// This admission given back (a refund): the bucket holds `cost` more
-    /// than the decision said, and a token bucket is whole again that much
-    /// sooner.
-    pub fn refunded(mut self, cost: u64, algorithm: &crate::config::Algorithm) -> Self {
+    /// than the decision said, and a GCRA bucket (whose refund moves its TAT
+    /// back, `refund.lua`) is whole again that much sooner.
+    pub fn refunded(mut self, cost: u64, algorithm: &Algorithm) -> Self {
         self.remaining = (self.remaining + cost).min(self.limit);
-        if let crate::config::Algorithm::TokenBucket { refill_per_sec, .. } = *algorithm {
-            let back = (cost as f64 * 1e6 / refill_per_sec) as u64;
-            self.reset_after_us = self.reset_after_us.saturating_sub(back);
+        if let Some(t) = gcra_interval(algorithm) {
+            self.reset_after_us = self.reset_after_us.saturating_sub((cost as f64 * t) as u64);
         }
         self
+    }
+}
+
+/// A rule's GCRA emission interval (us per request): token and leaky
+/// buckets; none for the counting rules.
+pub(crate) fn gcra_interval(alg: &Algorithm) -> Option<f64> {
+    match *alg {
+        Algorithm::TokenBucket { refill_per_sec, .. } => Some(1e6 / refill_per_sec),
+        Algorithm::LeakyBucket { rate_per_sec, .. } => Some(1e6 / rate_per_sec),
+        _ => None,
     }
 }
 

@@ -13,17 +13,8 @@
 
 use std::collections::VecDeque;
 
-use super::{ceil_us, Decision, Micros, State};
+use super::{ceil_us, gcra_interval, Decision, Micros, State};
 use crate::config::Algorithm;
-
-/// A shared rule's GCRA emission interval (us per request).
-fn gcra_interval(alg: &Algorithm) -> Option<f64> {
-    match *alg {
-        Algorithm::TokenBucket { refill_per_sec, .. } => Some(1e6 / refill_per_sec),
-        Algorithm::LeakyBucket { rate_per_sec, .. } => Some(1e6 / rate_per_sec),
-        _ => None,
-    }
-}
 
 /// Requests a decision says were spent, scaled from the shared `limit` to the
 /// local share's `local_limit`, rounded up (the fallback errs on the strict side).

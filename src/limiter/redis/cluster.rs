@@ -283,22 +283,20 @@ impl Inner {
                     .as_ref()
                     .is_some_and(|d| checks.iter().zip(d).all(|(c, d)| d.allowed || c.shadow));
             if !admitted {
-                // Give back what its admitted shares took.
-                let mut seen: Vec<(usize, usize)> = Vec::new();
-                for &(g, share, _) in &placed[r] {
-                    if seen.contains(&(g, share)) || !share_admitted(g, share) {
+                // Give back what its admitted shares took, tier by tier (a
+                // share is this request's tiers on one node).
+                for (k, &(g, share, i)) in placed[r].iter().enumerate() {
+                    if !share_admitted(g, share) {
                         continue;
                     }
-                    seen.push((g, share));
                     let v = &answers[g].as_ref().expect("admitted share")[share];
-                    for (c, d) in groups[g].3[share].1.iter().zip(&v.decisions) {
-                        if d.allowed {
-                            // The node that charged it (its call answered, so
-                            // its connection was made).
-                            let node = conns[g].as_ref().unwrap_or(conn);
-                            let refund = self.refund_one(node, c, v.now_us, d.remaining);
-                            refunds.push((r, c.key.clone(), refund));
-                        }
+                    let d = &v.decisions[i];
+                    if d.allowed {
+                        // The node that charged it (its call answered, so
+                        // its connection was made).
+                        let node = conns[g].as_ref().unwrap_or(conn);
+                        let refund = self.refund_one(node, &checks[k], v.now_us, d.remaining);
+                        refunds.push((r, k, refund));
                     }
                 }
             }
@@ -311,17 +309,14 @@ impl Inner {
                 verdicts.push(Verdict { decisions, now_us });
             }
         }
-        for (r, key, refund) in refunds {
+        for (r, k, refund) in refunds {
             // A refund made gives the admission back: what this replica is
             // told the bucket holds (its leases start from it) must not count
             // it as spent. (`verdicts` holds every request when no call failed.)
             if refund.await.unwrap_or(false) && failed.is_none() {
-                let (checks, v) = (&requests[r], &mut verdicts[r]);
-                for (c, d) in checks.iter().zip(v.decisions.iter_mut()) {
-                    if c.key == key && d.allowed {
-                        *d = d.refunded(c.cost, &c.algorithm);
-                    }
-                }
+                let c = &requests[r][k];
+                let d = &mut verdicts[r].decisions[k];
+                *d = d.refunded(c.cost, &c.algorithm);
             }
         }
         match failed {
