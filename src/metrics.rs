@@ -132,11 +132,16 @@ pub fn install() {
         }
         describe_counter!(
             "gateway_lease_tokens_total",
-            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, taken back by the shared bucket), lost (unspent and not taken back: Redis takes back only what leaves the bucket exactly as if never leased, and a reset or evicted entry loses its lease; the shared limit under-admits by them)"
+            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, taken back by the shared bucket), lost (unspent and not taken back: Redis takes back only what leaves the bucket exactly as if never leased, a reset cancels the leases of the bucket it made whole, and a return whose call may have run is never sent again; the shared limit under-admits by them). granted = spent + returned + lost + gateway_lease_tokens_held"
         );
         for event in ["granted", "spent", "returned", "lost"] {
             counter!("gateway_lease_tokens_total", "event" => event).absolute(0);
         }
+        describe_gauge!(
+            "gateway_lease_tokens_held",
+            "Leased tokens this replica holds: live, owed back to Redis (sent within a quarter lease period), or taken by a request still being decided"
+        );
+        gauge!("gateway_lease_tokens_held").set(0.0);
         gauge!("gateway_requests_in_flight").set(0.0);
         describe_gauge!(
             "gateway_in_flight",
@@ -345,6 +350,12 @@ pub fn lease_tokens(event: LeaseEvent, n: u64) {
         })[event as usize]
             .increment(n);
     }
+}
+
+/// Leased tokens this replica holds: live, owed back, or taken by a
+/// request still being decided (granted less spent, returned and lost).
+pub fn lease_tokens_held(n: i64) {
+    gauge!("gateway_lease_tokens_held").set(n as f64);
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -20,10 +20,12 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
+use super::algorithms::lease::leasable;
 use super::algorithms::{outage, Snapshot};
 use super::deny_cache::{Denial, DenyCache};
 use super::leases::Leases;
 use super::ledger::Ledger;
+use super::redis::Persistence;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, OnRedisFailure};
@@ -266,8 +268,15 @@ impl Fallback {
             return;
         }
         let warning = match redis.persistence().await {
-            Ok(Some(_)) => None,
-            Ok(None) => Some(
+            Ok(Persistence::Aof) => None,
+            Ok(p @ Persistence::Snapshots(_)) => Some(match p.snapshot_window() {
+                Some((least, most)) => format!(
+                    "quotas are configured and Redis persists only by RDB snapshots (save \"{}\"): a crash loses the counts written since the last snapshot, {least} to {most} s of every customer's usage; run it with appendonly yes",
+                    match &p { Persistence::Snapshots(s) => s.as_str(), _ => "" }
+                ),
+                None => "quotas are configured and Redis persists only by RDB snapshots: a crash loses the counts written since the last snapshot; run it with appendonly yes".to_string(),
+            }),
+            Ok(Persistence::Nothing) => Some(
                 "quotas are configured and Redis persists nothing (no AOF, no RDB snapshots): a Redis restart starts every quota's period from zero; run it with appendonly yes".to_string(),
             ),
             Err(e) => Some(format!(
@@ -382,10 +391,18 @@ impl Fallback {
                     }
                     for (c, d) in asked.iter().zip(&verdict.decisions) {
                         if !d.allowed && !c.shadow {
+                            let mut wait = Duration::from_micros(d.retry_after_us);
+                            // Another replica's lease on this bucket can
+                            // come back at any moment (returned, or owed
+                            // once it expires): a refusal is remembered no
+                            // longer than a lease lives.
+                            if let Some(l) = leases.filter(|_| leasable(&c.algorithm)) {
+                                wait = wait.min(l.period());
+                            }
                             self.denied.remember(
                                 &c.key,
                                 Denial {
-                                    until: received + Duration::from_micros(d.retry_after_us),
+                                    until: received + wait,
                                     held: d.remaining,
                                 },
                             );
@@ -887,11 +904,39 @@ impl Fallback {
         }
     }
 
-    /// The watchdog, until the process ends: while Redis is up, confirms late
-    /// calls with a PING and announces this replica; while it is down, probes
-    /// for failback every `interval`.
+    /// Until the process ends, three loops at once, so that none waits on
+    /// another: the watchdog (a late call is confirmed with a PING within
+    /// the budget, whatever the upkeep is waiting for: a heartbeat or a
+    /// charge on a Redis that hung right after a failback waits up to its
+    /// own, longer budget), the upkeep (while Redis is up, heartbeats and
+    /// late charges; while it is down, the failback probe every
+    /// `interval`), and the lease sweeper.
     pub async fn watch(self: Arc<Self>, interval: Duration) {
         let Some(redis) = &self.redis else { return };
+        tokio::join!(
+            self.watchdog(redis),
+            self.upkeep(redis, interval),
+            self.sweep(redis)
+        );
+    }
+
+    async fn watchdog(&self, redis: &RedisBackend) {
+        loop {
+            redis.late_call().await;
+            if !self.redis_up.load(Ordering::Acquire) {
+                continue;
+            }
+            match redis.ping().await {
+                Ok(()) => metrics::late_call_verdict(false),
+                Err(e) => {
+                    metrics::late_call_verdict(true);
+                    self.trip(e);
+                }
+            }
+        }
+    }
+
+    async fn upkeep(&self, redis: &RedisBackend, interval: Duration) {
         let mut next_heartbeat = Instant::now() + HEARTBEAT_EVERY;
         loop {
             if !self.redis_up.load(Ordering::Acquire) {
@@ -899,25 +944,76 @@ impl Fallback {
                 tokio::time::sleep(interval).await;
                 continue;
             }
-            tokio::select! {
-                _ = redis.late_call() => {
-                    if !self.redis_up.load(Ordering::Acquire) {
-                        continue;
-                    }
-                    match redis.ping().await {
-                        Ok(()) => metrics::late_call_verdict(false),
-                        Err(e) => {
-                            metrics::late_call_verdict(true);
-                            self.trip(e);
-                        }
-                    }
-                }
-                _ = tokio::time::sleep_until(next_heartbeat.into()) => {
-                    next_heartbeat = Instant::now() + HEARTBEAT_EVERY;
-                    self.heartbeat().await;
-                    self.settle_later(redis).await;
-                }
+            // Looked at every `interval`: a breaker the watchdog opened
+            // starts the probe soon, not at the next heartbeat.
+            let now = Instant::now();
+            if now < next_heartbeat {
+                tokio::time::sleep(interval.min(next_heartbeat - now)).await;
+                continue;
             }
+            next_heartbeat = now + HEARTBEAT_EVERY;
+            if self.redis_up.load(Ordering::Acquire) {
+                self.heartbeat().await;
+                self.settle_later(redis).await;
+            }
+        }
+    }
+
+    /// Every quarter lease period: expired leases' tokens, and tokens given
+    /// back after their lease ended, go back to Redis with a call of their
+    /// own when no request has carried them. Nothing waits for its holder
+    /// to name the bucket again.
+    async fn sweep(&self, redis: &RedisBackend) {
+        let Some(leases) = redis.leases() else { return };
+        let every = (leases.period() / 4).max(Duration::from_millis(1));
+        loop {
+            tokio::time::sleep(every).await;
+            if self.redis_up.load(Ordering::Acquire) && leases.due(Instant::now()) {
+                // A failure leaves them owed (or counted lost, if the call
+                // may have run); the next sweep sends what is owed.
+                let _ = redis.flush().await;
+            }
+        }
+    }
+
+    /// Gives back every lease this replica holds: before a graceful stop
+    /// (`stop`: nothing is leased or spent after it, and tokens requests
+    /// still being decided give back are sent too), or at a reload. Waits
+    /// at most `within`; with Redis down the tokens stay owed (and are lost
+    /// with the process on a stop).
+    pub async fn release_leases(&self, stop: bool, within: Duration) {
+        let Some(redis) = &self.redis else { return };
+        let Some(leases) = redis.leases() else { return };
+        let deadline = Instant::now() + within;
+        leases.release(stop);
+        if stop {
+            // Calls go on connections of this task's own: the proxy's
+            // runtime, where the request path's were made, is stopping.
+            redis.renew_request_connection();
+        }
+        let mut calls = 0;
+        while Instant::now() < deadline {
+            let owing = leases.owing();
+            if !owing && (!stop || leases.held() <= 0) {
+                break;
+            }
+            if owing && self.redis_up.load(Ordering::Acquire) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let _ = tokio::time::timeout(left, redis.flush()).await;
+                calls += 1;
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let held = leases.held();
+        if held > 0 {
+            tracing::warn!(
+                held,
+                stop,
+                "limiter: leased tokens not given back (redis unreachable, or requests still being decided)"
+            );
+        } else if calls > 0 {
+            tracing::info!(stop, calls, "limiter: leases given back");
         }
     }
 }

@@ -14,18 +14,27 @@
 //!   client never waits for Redis.
 //! - A lease lives one period from when its call was sent (never past the
 //!   end of the window it was counted in), so it expires here no later than
-//!   on Redis's clock. Its unspent tokens go back with the next call that
-//!   carries an ask for the bucket, or any call a period later; Redis takes
-//!   them back only where that is exact (`algorithms::lease`), and tokens it
-//!   refuses are lost: the shared limit under-admits by them, never
-//!   over-admits.
+//!   on Redis's clock. Its unspent tokens are then *owed*: they go back with
+//!   the next call, which the limiter's sweeper sends within a quarter
+//!   period if no request does (`due`), so a quota's `used` is exact within
+//!   a period of the last request whether or not this bucket is named
+//!   again. Tokens a request took and then had to give back go to the lease
+//!   they came from while it lives, else they are owed too: no token leaves
+//!   a lease but spent, returned or lost. Redis takes returns back only
+//!   where that is exact (`algorithms::lease`); tokens it refuses are lost:
+//!   the shared limit under-admits by them, never over-admits.
+//! - A graceful stop and a reload release every lease (`release`): no
+//!   request spends them after that, and they are owed at once.
+//! - The books balance: granted = spent + returned + lost + held, where
+//!   held (a gauge) is what this replica still has, live, owed or taken by
+//!   a request in flight.
 //! - Entries are bounded by `local_max_entries`: a full table first drops
 //!   entries idle for two periods, then takes no new bucket (it is decided by
 //!   Redis, as without leases).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -72,8 +81,9 @@ pub struct Ask {
 pub struct Taken {
     /// Per tier: its decision when its lease covered it.
     pub decisions: Vec<Option<Decision>>,
-    /// Per covered tier: the lease it was taken from.
-    generations: Vec<u64>,
+    /// Per covered tier: the lease it was taken from, and what a return
+    /// of its tokens names.
+    generations: Vec<(u64, i64)>,
     /// A lease ran low and was queued for the next call (the caller makes
     /// sure one is sent).
     pub renew: bool,
@@ -114,10 +124,16 @@ struct Entry {
     expires: Instant,
     /// What the lease's grant answered (`Grant::until`): a return names it.
     until: i64,
-    /// Bumped when a lease replaces an expired one (or a reset cancels
-    /// it): a request that took tokens and then had to give them back gives
-    /// them only to the lease it took them from, or one merged into it.
+    /// Bumped when a lease ends (it expired, was released or replaced, or
+    /// a reset cancelled it): a request that took tokens and then had to
+    /// give them back gives them to the lease it took them from, or one
+    /// merged into it; else they are owed.
     generation: u64,
+    /// Leases before this one were cancelled by a reset: their tokens were
+    /// taken from a bucket made whole since, and are not given back.
+    reset_generation: u64,
+    /// Unspent tokens of ended leases, to give back with the next call.
+    owed: Vec<Owed>,
     /// Tokens requests wanted in this period and in the previous one.
     demand: u64,
     demand_prev: u64,
@@ -138,7 +154,49 @@ struct Entry {
     last_seen: Instant,
 }
 
+/// Tokens of an ended lease, owed back to the shared bucket.
+#[derive(Debug, Clone, Copy)]
+struct Owed {
+    tokens: u64,
+    until: i64,
+}
+
 impl Entry {
+    /// Owes `tokens` of a lease whose grant answered `until`. Returns of one
+    /// window are one return; a token bucket's are merged under the
+    /// earliest `until` (a return must hold for the oldest grant).
+    fn owe(&mut self, tokens: u64, until: i64) {
+        if tokens == 0 {
+            return;
+        }
+        let windowed = !matches!(self.algorithm, Algorithm::TokenBucket { .. });
+        match self.owed.iter_mut().find(|o| !windowed || o.until == until) {
+            Some(o) => {
+                o.tokens += tokens;
+                o.until = o.until.min(until);
+            }
+            None => self.owed.push(Owed { tokens, until }),
+        }
+    }
+
+    /// Ends the live lease: its unspent tokens are owed.
+    fn end_lease(&mut self) {
+        let tokens = std::mem::take(&mut self.tokens);
+        self.owe(tokens, self.until);
+        self.generation += 1;
+    }
+
+    /// An expired lease's tokens become owed.
+    fn settle(&mut self, now: Instant) {
+        if self.tokens > 0 && now >= self.expires {
+            self.end_lease();
+        }
+    }
+
+    fn holds_any(&self) -> bool {
+        self.tokens > 0 || !self.owed.is_empty()
+    }
+
     fn new(algorithm: Algorithm, now: Instant) -> Self {
         Entry {
             algorithm,
@@ -146,6 +204,8 @@ impl Entry {
             expires: now,
             until: 0,
             generation: 0,
+            reset_generation: 0,
+            owed: Vec::new(),
             demand: 0,
             demand_prev: 0,
             period_start: now,
@@ -256,9 +316,15 @@ pub struct Leases {
     /// Buckets whose lease ran low on a request decided here: asked for in
     /// the next call.
     renewals: Mutex<Vec<Check>>,
-    /// Buckets holding a lease, and when they were last looked at for one
-    /// that expired with tokens to give back.
-    leased: Mutex<(HashMap<String, Check>, Option<Instant>)>,
+    /// Buckets holding a live lease: looked at by `due` for one that
+    /// expired.
+    leased: Mutex<HashMap<String, Check>>,
+    /// Buckets with owed tokens: every call carries them back.
+    owing: Mutex<HashMap<String, Check>>,
+    /// Set by `release` for a stop: nothing is leased or spent after it.
+    closed: AtomicBool,
+    /// Tokens granted and not yet spent, returned or lost.
+    held: AtomicI64,
     replicas: AtomicU32,
     hasher: std::collections::hash_map::RandomState,
 }
@@ -270,10 +336,17 @@ impl Leases {
             per_shard: max_entries.div_ceil(SHARDS).max(1),
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             renewals: Mutex::new(Vec::new()),
-            leased: Mutex::new((HashMap::new(), None)),
+            leased: Mutex::new(HashMap::new()),
+            owing: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            held: AtomicI64::new(0),
             replicas: AtomicU32::new(1),
             hasher: Default::default(),
         }
+    }
+
+    pub fn period(&self) -> Duration {
+        self.period
     }
 
     /// The replicas a grant is shared among.
@@ -285,6 +358,26 @@ impl Leases {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
+    /// Books one event: the counter, and what this replica holds.
+    fn book(&self, event: LeaseEvent, n: u64) {
+        if n == 0 {
+            return;
+        }
+        metrics::lease_tokens(event, n);
+        let delta = match event {
+            LeaseEvent::Granted => n as i64,
+            _ => -(n as i64),
+        };
+        let held = self.held.fetch_add(delta, Ordering::Relaxed) + delta;
+        metrics::lease_tokens_held(held);
+    }
+
+    /// Tokens granted and not yet spent, returned or lost: live, owed, or
+    /// taken by a request still being decided.
+    pub fn held(&self) -> i64 {
+        self.held.load(Ordering::Relaxed)
+    }
+
     /// Notes a request's demand on each bucket, and takes its cost from
     /// the leases that hold enough. When every tier is covered the request
     /// is admitted here (`Taken::all`); otherwise the other tiers go to
@@ -293,9 +386,12 @@ impl Leases {
     pub fn spend(&self, checks: &[Check], now: Instant) -> Taken {
         let mut taken = Taken {
             decisions: vec![None; checks.len()],
-            generations: vec![0; checks.len()],
+            generations: vec![(0, 0); checks.len()],
             renew: false,
         };
+        if self.closed.load(Ordering::Acquire) {
+            return taken;
+        }
         for (i, c) in checks.iter().enumerate() {
             if c.shadow || !leasable(&c.algorithm) {
                 continue;
@@ -309,7 +405,7 @@ impl Leases {
                 continue;
             }
             e.tokens -= c.cost;
-            taken.generations[i] = e.generation;
+            taken.generations[i] = (e.generation, e.until);
             taken.decisions[i] = Some(e.decision(now));
             if running_low(e.tokens, e.want(now, self.period))
                 && !e.renew_queued
@@ -331,25 +427,39 @@ impl Leases {
             .filter(|(_, d)| d.is_some())
             .map(|(c, _)| c.cost)
             .sum();
-        metrics::lease_tokens(LeaseEvent::Spent, spent);
+        self.book(LeaseEvent::Spent, spent);
     }
 
     /// The request was not admitted: the tokens it took go back to the
-    /// leases they came from (not to a lease granted since).
+    /// lease they came from while it lives, else they are owed (a lease a
+    /// reset cancelled since loses them: its bucket was made whole).
     pub fn give_back(&self, checks: &[Check], taken: &Taken) {
         for (i, c) in checks.iter().enumerate() {
             if taken.decisions[i].is_none() {
                 continue;
             }
-            if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
-                if e.generation == taken.generations[i] {
-                    e.tokens += c.cost;
-                }
+            let (generation, until) = taken.generations[i];
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = shard.get_mut(&c.key) else {
+                drop(shard);
+                self.book(LeaseEvent::Lost, c.cost);
+                continue;
+            };
+            if e.generation == generation {
+                e.tokens += c.cost;
+            } else if generation < e.reset_generation {
+                drop(shard);
+                self.book(LeaseEvent::Lost, c.cost);
+            } else {
+                e.owe(c.cost, until);
+                drop(shard);
+                self.owing.lock().insert(c.key.clone(), c.clone());
             }
         }
     }
 
-    /// The bucket's entry, made if there is room (after dropping idle ones).
+    /// The bucket's entry, made if there is room (after dropping idle ones
+    /// that hold nothing).
     fn entry<'a>(
         &self,
         shard: &'a mut HashMap<String, Entry>,
@@ -359,16 +469,9 @@ impl Leases {
         if !shard.contains_key(&c.key) {
             if shard.len() >= self.per_shard {
                 let idle = 2 * self.period;
-                let mut lost = 0;
                 shard.retain(|_, e| {
-                    let keep = now.saturating_duration_since(e.last_seen) < idle
-                        || (e.tokens > 0 && now < e.expires);
-                    if !keep {
-                        lost += e.tokens;
-                    }
-                    keep
+                    now.saturating_duration_since(e.last_seen) < idle || e.holds_any()
                 });
-                metrics::lease_tokens(LeaseEvent::Lost, lost);
                 if shard.len() >= self.per_shard {
                     return None;
                 }
@@ -379,38 +482,28 @@ impl Leases {
     }
 
     /// The leases a call deciding `requests` asks for: its buckets whose
-    /// lease is low, and those queued by `spend`.
+    /// lease is low, those queued by `spend`, and every bucket with owed
+    /// tokens.
     pub fn asks(&self, requests: &[&[Check]], now: Instant) -> Asks {
         let mut asks = Vec::new();
         let mut seen: HashSet<&str> = HashSet::new();
         for c in requests.iter().flat_map(|r| r.iter()) {
             if !c.shadow && leasable(&c.algorithm) && seen.insert(c.key.as_str()) {
-                asks.extend(self.ask_for(c, now));
+                self.ask_for(c, now, &mut asks);
             }
         }
         let queued = std::mem::take(&mut *self.renewals.lock());
         for c in &queued {
             if seen.insert(c.key.as_str()) {
-                asks.extend(self.ask_for(c, now));
+                self.ask_for(c, now, &mut asks);
             }
         }
-        // Once a period, any call carries back what expired on buckets no
-        // request has named since.
-        let expired: Vec<Check> = {
-            let mut leased = self.leased.lock();
-            if leased
-                .1
-                .is_some_and(|t| now.saturating_duration_since(t) < self.period)
-            {
-                Vec::new()
-            } else {
-                leased.1 = Some(now);
-                leased.0.values().cloned().collect()
-            }
-        };
-        for c in &expired {
+        let owing: Vec<Check> = std::mem::take(&mut *self.owing.lock())
+            .into_values()
+            .collect();
+        for c in &owing {
             if seen.insert(c.key.as_str()) {
-                asks.extend(self.ask_for(c, now));
+                self.ask_for(c, now, &mut asks);
             }
         }
         Asks {
@@ -420,15 +513,44 @@ impl Leases {
         }
     }
 
-    fn ask_for(&self, c: &Check, now: Instant) -> Option<Ask> {
+    /// Only the owed tokens, with no new lease asked for: what the sweeper
+    /// and a release send (a bucket nobody sends requests for any more
+    /// must not be leased again on its old demand).
+    pub fn returns(&self, now: Instant) -> Asks {
+        let owing: Vec<Check> = std::mem::take(&mut *self.owing.lock())
+            .into_values()
+            .collect();
+        let mut asks = Vec::new();
+        for c in &owing {
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = shard.get_mut(&c.key) else {
+                continue;
+            };
+            e.settle(now);
+            asks.extend(e.owed.drain(..).map(|o| Ask {
+                check: c.clone(),
+                want: 0,
+                ret: o.tokens,
+                until: o.until,
+            }));
+        }
+        Asks {
+            asks,
+            replicas: self.replicas.load(Ordering::Relaxed) as u64,
+            min: MIN_GRANT,
+        }
+    }
+
+    /// One bucket's asks: a top-up when its lease runs low, and one
+    /// return per owed `until`.
+    fn ask_for(&self, c: &Check, now: Instant, out: &mut Vec<Ask>) {
         let mut shard = self.shard(&c.key).lock();
-        let e = shard.get_mut(&c.key)?;
-        e.renew_queued = false;
-        let ret = if now >= e.expires {
-            std::mem::take(&mut e.tokens)
-        } else {
-            0
+        let Some(e) = shard.get_mut(&c.key) else {
+            return;
         };
+        e.renew_queued = false;
+        e.settle(now);
+        let owed = std::mem::take(&mut e.owed);
         // Topped up to a period's demand: a lease then runs low within the
         // period it lives, so it is renewed before it expires, never after
         // (asking for a whole period on top of what is held would leave
@@ -436,20 +558,30 @@ impl Leases {
         let want = e.want(now, self.period).saturating_sub(e.tokens);
         // Less than the smallest grant is never granted: not worth asking.
         let asking = want >= MIN_GRANT
+            && !self.closed.load(Ordering::Acquire)
             && running_low(e.tokens, e.tokens + want)
             && !e.asked_recently(now, self.period);
         if asking {
             e.asking = Some(now);
         }
         if e.tokens == 0 {
-            self.leased.lock().0.remove(&c.key);
+            self.leased.lock().remove(&c.key);
         }
-        (asking || ret > 0).then(|| Ask {
+        let first = owed.first().copied();
+        if asking || first.is_some() {
+            out.push(Ask {
+                check: c.clone(),
+                want: if asking { want } else { 0 },
+                ret: first.map_or(0, |o| o.tokens),
+                until: first.map_or(e.until, |o| o.until),
+            });
+        }
+        out.extend(owed.iter().skip(1).map(|o| Ask {
             check: c.clone(),
-            want: if asking { want } else { 0 },
-            ret,
-            until: e.until,
-        })
+            want: 0,
+            ret: o.tokens,
+            until: o.until,
+        }));
     }
 
     /// Applies a call's grants (one per ask, in order). `sent`: when the
@@ -457,19 +589,26 @@ impl Leases {
     pub fn granted(&self, asks: &Asks, grants: &[Grant], sent: Instant, now_us: Micros) {
         let period_us = self.period.as_micros() as i64;
         for (a, g) in asks.asks.iter().zip(grants) {
-            metrics::lease_tokens(LeaseEvent::Returned, g.taken_back);
-            metrics::lease_tokens(LeaseEvent::Lost, a.ret - g.taken_back.min(a.ret));
-            let c = &a.check;
-            let mut shard = self.shard(&c.key).lock();
-            let Some(e) = shard.get_mut(&c.key) else {
-                metrics::lease_tokens(LeaseEvent::Lost, g.tokens);
-                continue;
-            };
+            self.book(LeaseEvent::Returned, g.taken_back);
+            self.book(LeaseEvent::Lost, a.ret - g.taken_back.min(a.ret));
             if g.tokens == 0 {
                 // Nothing to spare: `asking` stays set, so the bucket is not
                 // asked for again for a period.
                 continue;
             }
+            self.book(LeaseEvent::Granted, g.tokens);
+            let c = &a.check;
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = shard.get_mut(&c.key) else {
+                // Evicted meanwhile (it held nothing): kept again, so the
+                // grant is spent or given back.
+                let mut e = Entry::new(c.algorithm, Instant::now());
+                e.owe(g.tokens, g.until);
+                shard.insert(c.key.clone(), e);
+                drop(shard);
+                self.owing.lock().insert(c.key.clone(), c.clone());
+                continue;
+            };
             e.asking = None;
             // Never past the end of the window the tokens count in: Redis
             // took them from that window only.
@@ -487,35 +626,65 @@ impl Leases {
             let expires = sent + Duration::from_micros(life_us as u64);
             let now = Instant::now();
             let windowed = !matches!(c.algorithm, Algorithm::TokenBucket { .. });
-            if now < e.expires && e.tokens > 0 && (!windowed || e.until == g.until) {
+            let closed = self.closed.load(Ordering::Acquire);
+            if !closed && now < e.expires && e.tokens > 0 && (!windowed || e.until == g.until) {
                 // Tokens of both leases: a return must hold for the older
                 // (a token bucket's `until` only grows).
                 e.tokens += g.tokens;
                 e.until = e.until.min(g.until);
             } else {
-                // A new lease: tokens taken from the old one are not given
-                // back to it.
-                metrics::lease_tokens(LeaseEvent::Lost, e.tokens);
+                // A new lease: the old one's tokens are owed (and so are
+                // those requests took from it and give back).
+                e.end_lease();
                 e.tokens = g.tokens;
                 e.until = g.until;
-                e.generation += 1;
             }
             e.expires = expires;
             e.granted_us = now_us;
+            if closed {
+                // Granted to a call that left before the release.
+                e.end_lease();
+            }
+            let owes = !e.owed.is_empty();
             drop(shard);
-            self.leased.lock().0.insert(c.key.clone(), c.clone());
-            metrics::lease_tokens(LeaseEvent::Granted, g.tokens);
+            if owes {
+                self.owing.lock().insert(c.key.clone(), c.clone());
+            }
+            if !closed {
+                self.leased.lock().insert(c.key.clone(), c.clone());
+            }
         }
     }
 
-    /// A call carrying `asks` failed: its buckets may be asked for again;
-    /// what it gave back may or may not have arrived (counted lost: never
-    /// sent twice).
-    pub fn failed(&self, asks: &Asks) {
+    /// A call carrying `asks` failed: its buckets may be asked for again.
+    /// What it gave back is owed again when the call cannot have run
+    /// (`ran`: false), else counted lost: it may have arrived, and a return
+    /// is never sent twice.
+    pub fn failed(&self, asks: &Asks, ran: bool) {
         for a in &asks.asks {
-            metrics::lease_tokens(LeaseEvent::Lost, a.ret);
-            if let Some(e) = self.shard(&a.check.key).lock().get_mut(&a.check.key) {
-                e.asking = None;
+            let mut shard = self.shard(&a.check.key).lock();
+            let e = shard.get_mut(&a.check.key);
+            match e {
+                Some(e) if !ran => {
+                    e.asking = None;
+                    e.owe(a.ret, a.until);
+                    let owes = a.ret > 0;
+                    drop(shard);
+                    if owes {
+                        self.owing
+                            .lock()
+                            .insert(a.check.key.clone(), a.check.clone());
+                    }
+                }
+                Some(e) => {
+                    e.asking = None;
+                    drop(shard);
+                    self.book(LeaseEvent::Lost, a.ret);
+                }
+                None => {
+                    drop(shard);
+                    self.book(LeaseEvent::Lost, a.ret);
+                }
             }
         }
     }
@@ -545,14 +714,14 @@ impl Leases {
         }
     }
 
-    /// Whether this replica holds tokens of `key`'s bucket, spendable or
-    /// expired (then the next call gives them back, and a request in it
-    /// can be admitted from them).
+    /// Whether this replica holds tokens of `key`'s bucket, live or owed
+    /// (then the next call gives them back, and a request in it can be
+    /// admitted from them).
     pub fn holds(&self, key: &str) -> bool {
         self.shard(key)
             .lock()
             .get(key)
-            .is_some_and(|e| e.tokens > 0)
+            .is_some_and(Entry::holds_any)
     }
 
     /// This replica's unspent lease on a bucket and its time left.
@@ -564,17 +733,78 @@ impl Leases {
     }
 
     /// Drops the leases on these buckets (a reset): their tokens, taken
-    /// from the bucket before it was made whole, are not spent.
+    /// from the bucket before it was made whole, are not spent, nor given
+    /// back to the new bucket.
     pub fn cancel(&self, keys: &[&str], granted_before: Option<Micros>) {
         for &k in keys {
-            if let Some(e) = self.shard(k).lock().get_mut(k) {
-                if granted_before.is_some_and(|t| e.granted_us >= t) {
-                    continue; // granted by the bucket as it is since
-                }
-                e.tokens = 0;
-                e.generation += 1;
+            let mut shard = self.shard(k).lock();
+            let Some(e) = shard.get_mut(k) else { continue };
+            if granted_before.is_some_and(|t| e.granted_us >= t) {
+                continue; // granted by the bucket as it is since
+            }
+            let lost =
+                std::mem::take(&mut e.tokens) + e.owed.drain(..).map(|o| o.tokens).sum::<u64>();
+            e.generation += 1;
+            e.reset_generation = e.generation;
+            drop(shard);
+            self.book(LeaseEvent::Lost, lost);
+        }
+    }
+
+    /// Ends every live lease whose time is up; whether any tokens are owed
+    /// (the caller then sends a call to carry them back). The sweeper asks
+    /// this every quarter period, so an idle bucket's lease goes back
+    /// within a period and a quarter of its grant.
+    pub fn due(&self, now: Instant) -> bool {
+        let leased: Vec<Check> = self.leased.lock().values().cloned().collect();
+        for c in leased {
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = shard.get_mut(&c.key) else {
+                continue;
+            };
+            e.settle(now);
+            let (owes, live) = (!e.owed.is_empty(), e.tokens > 0);
+            drop(shard);
+            if owes {
+                self.owing.lock().insert(c.key.clone(), c.clone());
+            }
+            if !live {
+                self.leased.lock().remove(&c.key);
             }
         }
+        !self.owing.lock().is_empty()
+    }
+
+    /// Ends every lease now (a reload: the old rules' leases go back
+    /// before they go; `stop`: a graceful stop, after which nothing is
+    /// leased or spent). Returns whether any tokens are owed.
+    pub fn release(&self, stop: bool) -> bool {
+        if stop {
+            self.closed.store(true, Ordering::Release);
+        }
+        let leased: Vec<Check> = std::mem::take(&mut *self.leased.lock())
+            .into_values()
+            .collect();
+        for c in leased {
+            let mut shard = self.shard(&c.key).lock();
+            let Some(e) = shard.get_mut(&c.key) else {
+                continue;
+            };
+            if e.tokens > 0 {
+                e.end_lease();
+            }
+            let owes = !e.owed.is_empty();
+            drop(shard);
+            if owes {
+                self.owing.lock().insert(c.key.clone(), c.clone());
+            }
+        }
+        !self.owing.lock().is_empty()
+    }
+
+    /// Whether tokens are owed and wait for a call.
+    pub fn owing(&self) -> bool {
+        !self.owing.lock().is_empty()
     }
 
     /// Buckets with an entry (bounded by `local_max_entries`).
@@ -707,6 +937,7 @@ mod tests {
         // Then quiet for two periods: its expired lease goes back, and no
         // new one is asked for on the strength of the old demand.
         let later = now + Duration::from_millis(250);
+        assert!(l.due(later), "the sweeper finds the expired lease");
         let asks = l.asks(&[], later);
         assert_eq!(asks.asks.len(), 1);
         assert_eq!((asks.asks[0].ret, asks.asks[0].want), (5, 0));
@@ -768,6 +999,100 @@ mod tests {
         // 10 tokens at 100/s: 100 ms more to refill.
         assert_eq!(verdicts[0].decisions[0].remaining, 40);
         assert_eq!(verdicts[0].decisions[0].reset_after_us, 9_600_000);
+    }
+
+    /// Redis's answer to `asks`: every return taken back, `tokens` granted
+    /// to the first ask that wants some.
+    fn answer(l: &Leases, asks: &Asks, tokens: u64, sent: Instant) {
+        let grants: Vec<Grant> = asks
+            .asks
+            .iter()
+            .map(|a| Grant {
+                tokens: if a.want > 0 { tokens } else { 0 },
+                until: 0,
+                taken_back: a.ret,
+            })
+            .collect();
+        l.granted(asks, &grants, sent, 0);
+    }
+
+    #[test]
+    fn tokens_given_back_after_their_lease_ended_are_owed_not_lost() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let c = [check("a", 1)];
+        for _ in 0..10 {
+            l.spend(&c, now);
+        }
+        let _ = grant(&l, &c, 5, now);
+        // A request takes a token, then waits for Redis on another tier...
+        let t = l.spend(&c, now);
+        assert!(t.all());
+        // ...while the lease expires and a new one replaces it.
+        let later = now + Duration::from_millis(120);
+        for _ in 0..10 {
+            l.spend(&c, later);
+        }
+        let asks = l.asks(&[&c[..]], later);
+        assert_eq!(asks.asks[0].ret, 4, "the expired lease's unspent tokens");
+        answer(&l, &asks, 6, later);
+        // Refused: its token belongs to the ended lease, and is owed.
+        l.give_back(&c, &t);
+        assert_eq!(l.outstanding("a", later).map(|o| o.0), Some(6));
+        assert!(l.owing());
+        let asks = l.asks(&[], later);
+        assert_eq!(asks.asks.len(), 1);
+        assert_eq!(asks.asks[0].ret, 1);
+        answer(&l, &asks, 0, later);
+        // granted 11 = returned 5 + held 6: nothing vanished.
+        assert_eq!(l.held(), 6);
+    }
+
+    #[test]
+    fn a_release_owes_every_lease_and_a_stop_spends_none_after_it() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let (a, b) = ([check("a", 1)], [check("b", 2)]);
+        for _ in 0..10 {
+            l.spend(&a, now);
+            l.spend(&b, now);
+        }
+        let _ = grant(&l, &a, 5, now);
+        let _ = grant(&l, &b, 8, now);
+        assert!(l.spend(&a, now).all());
+        l.confirm(&a, &l.spend(&a, now));
+        assert_eq!(l.held(), 13 - 1, "one spent, one taken and undecided");
+        assert!(l.release(true));
+        assert!(!l.spend(&a, now).any(), "nothing is spent after a stop");
+        let asks = l.asks(&[&a[..], &b[..]], now);
+        let mut rets: Vec<(u64, u64)> = asks.asks.iter().map(|x| (x.ret, x.want)).collect();
+        rets.sort();
+        assert_eq!(rets, vec![(3, 0), (8, 0)], "returns only, no new lease");
+        answer(&l, &asks, 0, now);
+        // The request still being decided holds its token until it is.
+        assert_eq!(l.held(), 1);
+        assert!(!l.owing());
+    }
+
+    #[test]
+    fn a_return_whose_call_cannot_have_run_is_owed_again() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let c = [check("a", 1)];
+        for _ in 0..10 {
+            l.spend(&c, now);
+        }
+        let _ = grant(&l, &c, 5, now);
+        let later = now + Duration::from_millis(150);
+        assert!(l.due(later));
+        let asks = l.asks(&[], later);
+        l.failed(&asks, false);
+        assert!(l.owing(), "never sent: owed again");
+        let asks = l.asks(&[], later);
+        assert_eq!(asks.asks[0].ret, 5);
+        l.failed(&asks, true);
+        assert!(!l.owing(), "may have run: never sent twice");
+        assert_eq!(l.held(), 0, "counted lost");
     }
 
     #[test]

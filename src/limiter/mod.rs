@@ -186,6 +186,18 @@ impl LimiterError {
         matches!(self, LimiterError::Timeout(_) | LimiterError::NoAnswer(_))
     }
 
+    /// Whether the call may have run in Redis: only an error that Redis
+    /// gave before running anything, or a call never sent, says it did not.
+    pub fn may_have_run(&self) -> bool {
+        !matches!(
+            self,
+            LimiterError::NotConnected
+                | LimiterError::Refused { .. }
+                | LimiterError::CrossSlot
+                | LimiterError::Misplaced(..)
+        )
+    }
+
     /// The closed label `gateway_redis_errors_total{reason}` counts this under.
     pub fn reason(&self) -> &'static str {
         match self {

@@ -62,7 +62,8 @@ impl Reloader {
         }
     }
 
-    fn reload(&self, why: &str) {
+    /// Loads the file and swaps it in; whether it was.
+    fn reload(&self, why: &str) -> bool {
         match config::load(&self.path) {
             Ok(new) => {
                 let new = Arc::new(new);
@@ -76,7 +77,7 @@ impl Reloader {
                         Err(e) => {
                             tracing::error!(trigger = why, error = %e, "config reload failed; the running config keeps serving");
                             metrics::config_reload(false);
-                            return;
+                            return false;
                         }
                     }
                 };
@@ -95,6 +96,7 @@ impl Reloader {
                 )));
                 metrics::config_reload(true);
                 tracing::info!(trigger = why, path = %self.path.display(), "config reloaded");
+                true
             }
             Err(e) => {
                 metrics::config_reload(false);
@@ -102,8 +104,18 @@ impl Reloader {
                     trigger = why,
                     "config reload failed; the running config keeps serving: {e}"
                 );
+                false
             }
         }
+    }
+
+    /// After a reload: the leases taken under the old rules go back (a
+    /// rule that changed names other buckets, whose leases no request
+    /// would spend again).
+    async fn reloaded(&self) {
+        self.limiter
+            .release_leases(false, std::time::Duration::from_secs(1))
+            .await;
     }
 }
 
@@ -240,14 +252,20 @@ impl BackgroundService for Reloader {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
-                    self.reload("SIGHUP");
+                    if self.reload("SIGHUP") {
+                        self.reloaded().await;
+                    }
                     self.reload_password("SIGHUP");
                     config.seen_now();
                     password.seen_now();
                 }
                 _ = tokio::time::sleep(POLL) => {
                     match config.poll() {
-                        Polled::Changed => self.reload("file change"),
+                        Polled::Changed => {
+                            if self.reload("file change") {
+                                self.reloaded().await;
+                            }
+                        }
                         Polled::Unreadable(e) => tracing::warn!(
                             file = %self.path.display(),
                             error = %e,

@@ -28,10 +28,13 @@ use crate::limiter::{Fallback, LocalBackend, RedisBackend};
 /// The start-up attempt to reach Redis, then the breaker's watchdog and
 /// failback probe until shutdown, on a thread of their own: what they
 /// measure is Redis's latency, not the proxy workers'.
+/// At shutdown it gives back this replica's leases first thing in the
+/// grace period, so a stop strands no token of a shared limit.
 struct Prober {
     limiter: Arc<Fallback>,
     startup_wait: Duration,
     interval: Duration,
+    grace: Duration,
 }
 
 #[async_trait]
@@ -45,6 +48,27 @@ impl BackgroundService for Prober {
             _ = work => {}
             _ = shutdown.changed() => {}
         }
+        // Pingora drops this runtime's tasks when it stops it, and waits
+        // (graceful_shutdown_timeout_seconds, at least 1 s) only for
+        // blocking ones: the leases go back from a thread and a runtime of
+        // their own, within that second.
+        let limiter = self.limiter.clone();
+        let within = self
+            .grace
+            .clamp(Duration::from_millis(200), Duration::from_millis(800));
+        let release =
+            tokio::task::spawn_blocking(
+                move || match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt.block_on(limiter.release_leases(true, within)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "limiter: cannot give leases back at shutdown")
+                    }
+                },
+            );
+        let _ = release.await;
     }
 }
 
@@ -236,6 +260,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
                     limiter: limiter.clone(),
                     startup_wait: Duration::from_millis(srv.startup_redis_wait_ms),
                     interval: Duration::from_millis(redis.probe_interval_ms),
+                    grace: Duration::from_secs(srv.grace_period_secs),
                 },
             ));
         }

@@ -20,12 +20,22 @@ use tempfile::TempDir;
 
 pub use http::{Client, Response};
 
-/// A port nothing listens on right now.
+/// A port nothing listens on right now, and never handed out before by
+/// this test binary: the kernel may give a port just let go to the next
+/// bind, so two calls could otherwise name one port for two services.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral loopback port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("bind an ephemeral loopback port");
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Polls `f` until it returns `Some`, or panics after `timeout` naming `what`.

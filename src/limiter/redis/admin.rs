@@ -137,24 +137,24 @@ impl RedisBackend {
             .await
     }
 
-    /// What Redis keeps on disk: `Some("aof")` or `Some("rdb")` (snapshots
-    /// configured), `None` for nothing.
-    pub async fn persistence(&self) -> Result<Option<&'static str>, LimiterError> {
+    /// What Redis keeps on disk: an append-only file, snapshots (with
+    /// their `save` points), or nothing.
+    pub async fn persistence(&self) -> Result<Persistence, LimiterError> {
         let work = async {
             let mut conn = self.admin_connection().await?;
             let info: String = query(&mut conn, redis::cmd("INFO").arg("persistence"))
                 .await
                 .map_err(redis_err)?;
             if info.lines().any(|l| l.trim() == "aof_enabled:1") {
-                return Ok(Some("aof"));
+                return Ok(Persistence::Aof);
             }
             let save: Vec<String> = query(&mut conn, redis::cmd("CONFIG").arg("GET").arg("save"))
                 .await
                 .map_err(redis_err)?;
-            Ok(save
-                .get(1)
-                .is_some_and(|v| !v.trim().is_empty())
-                .then_some("rdb"))
+            Ok(match save.get(1).map(|v| v.trim()) {
+                Some(v) if !v.is_empty() => Persistence::Snapshots(v.to_string()),
+                _ => Persistence::Nothing,
+            })
         };
         self.inner
             .by(Instant::now() + self.inner.upkeep_budget(), work)
@@ -166,6 +166,32 @@ impl RedisBackend {
     async fn admin_connection(&self) -> Result<Conn, LimiterError> {
         self.inner.ensure_connected().await?;
         self.inner.probe_connection()
+    }
+}
+
+/// What a Redis keeps on disk (`RedisBackend::persistence`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Persistence {
+    Aof,
+    /// RDB snapshots only: Redis's `save` points ("3600 1 300 100").
+    Snapshots(String),
+    Nothing,
+}
+
+impl Persistence {
+    /// The seconds of writes a crash can lose with snapshots alone: from
+    /// the shortest `save` interval (a busy Redis) to the longest (a quiet
+    /// one); `None` for an AOF or nothing on disk.
+    pub fn snapshot_window(&self) -> Option<(u64, u64)> {
+        let Persistence::Snapshots(save) = self else {
+            return None;
+        };
+        let secs: Vec<u64> = save
+            .split_whitespace()
+            .step_by(2)
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        Some((*secs.iter().min()?, *secs.iter().max()?))
     }
 }
 

@@ -240,7 +240,7 @@ impl Inner {
                             (Ok((verdicts, ..)), None) => Ok(verdicts),
                             (Err(e), leases) => {
                                 if let Some(leases) = leases {
-                                    leases.failed(asks);
+                                    leases.failed(asks, e.may_have_run());
                                 }
                                 Err(e)
                             }

@@ -77,6 +77,7 @@ mod watchdog;
 use connection::*;
 use script::*;
 
+pub use admin::Persistence;
 pub use slots::slot;
 use slots::SlotMap;
 
@@ -261,6 +262,24 @@ impl RedisBackend {
         tokio::spawn(async move {
             let _ = rx.await;
         });
+    }
+
+    /// Sends a call carrying only lease asks (owed returns, renewals) and
+    /// waits for it: on this task, not the batching task's (at a stop, the
+    /// proxy's runtime that task lives on may be going away).
+    pub async fn flush(&self) -> Result<(), LimiterError> {
+        let Some(leases) = &self.inner.leases else {
+            return Ok(());
+        };
+        let asks = leases.returns(Instant::now());
+        if asks.is_empty() {
+            return Ok(());
+        }
+        let mut abandon = self.inner.abandon.subscribe();
+        self.inner
+            .decide_asking(&[], asks, &mut abandon)
+            .await
+            .map(|_| ())
     }
 
     /// Decides several requests in one call with lease requests: the
@@ -461,12 +480,38 @@ impl Decider for Inner {
         requests: &[&[Check]],
         abandon: &mut tokio::sync::watch::Receiver<u64>,
     ) -> Result<Vec<Verdict>, LimiterError> {
-        let mut conn = self.connection()?;
-        let sent = Instant::now();
         let asks = match &self.leases {
-            Some(leases) => leases.asks(requests, sent),
+            Some(leases) => leases.asks(requests, Instant::now()),
             None => Asks::default(),
         };
+        self.decide_asking(requests, asks, abandon).await
+    }
+
+    fn abandoned(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.abandon.subscribe()
+    }
+}
+
+impl Inner {
+    /// A batch's call with these lease asks: grants and returns applied,
+    /// then the verdicts.
+    async fn decide_asking(
+        &self,
+        requests: &[&[Check]],
+        asks: Asks,
+        abandon: &mut tokio::sync::watch::Receiver<u64>,
+    ) -> Result<Vec<Verdict>, LimiterError> {
+        let conn = self.connection();
+        let mut conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(leases) = &self.leases {
+                    leases.failed(&asks, e.may_have_run());
+                }
+                return Err(e);
+            }
+        };
+        let sent = Instant::now();
         if asks.is_empty() && requests.iter().all(|r| r.is_empty()) {
             // Only renewals, already asked for by another call.
             return Ok(requests.iter().map(|_| Verdict::default()).collect());
@@ -496,14 +541,10 @@ impl Decider for Inner {
                 Ok(verdicts)
             }
             Err(e) => {
-                leases.failed(&asks);
+                leases.failed(&asks, e.may_have_run());
                 Err(e)
             }
         }
-    }
-
-    fn abandoned(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.abandon.subscribe()
     }
 }
 
