@@ -19,3 +19,4 @@ pub mod operator;
 pub mod path;
 pub mod proxy;
 pub mod routing;
+pub mod usage;

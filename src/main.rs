@@ -57,6 +57,23 @@ Environment:
         #[command(subcommand)]
         action: LimitsAction,
     },
+    /// Each API key's use of one quota period, for billing (CSV or JSON
+    /// lines), read from Redis with SCAN. An ended period is there for
+    /// limiter.quota_retention_days after its end.
+    Usage {
+        #[arg(short, long, default_value = "gateway.toml")]
+        config: PathBuf,
+        /// minute, hour, day, week or month.
+        #[arg(long)]
+        period: String,
+        /// A day of the period (2026-10-15, in limiter.quota_time_zone) or
+        /// an RFC 3339 time; default: now.
+        #[arg(long)]
+        at: Option<String>,
+        /// csv or jsonl.
+        #[arg(long, default_value = "csv")]
+        format: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -177,6 +194,30 @@ fn main() -> ExitCode {
                 Err(e) => {
                     eprintln!("gateway limits: {e}");
                     ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Usage {
+            config,
+            period,
+            at,
+            format,
+        } => {
+            let cfg = match config::load(&config) {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match operator::usage(&cfg, &period, at.as_deref(), &format) {
+                Ok(text) => {
+                    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+                    ExitCode::SUCCESS
+                }
+                Err((code, e)) => {
+                    eprintln!("gateway usage: {e}");
+                    ExitCode::from(code)
                 }
             }
         }

@@ -2,7 +2,8 @@
 //! at a shell. With `limiter.backend = "redis"` it reads and resets the
 //! shared buckets in Redis itself (every replica hears of a reset within a
 //! second); with the local backend the buckets live in a gateway's memory,
-//! so it asks that gateway's admin listener.
+//! so it asks that gateway's admin listener. `gateway usage` reads a quota
+//! period's counts from Redis (`usage`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,6 +14,40 @@ use serde_json::{json, Value};
 use crate::admission::{self, Policy, Subject};
 use crate::config::{Backend, Config};
 use crate::limiter::RedisBackend;
+
+/// `gateway usage`: the period's report, rendered; on failure the exit
+/// code (2: the question is wrong, 1: Redis could not answer) and why.
+pub fn usage(
+    config: &Config,
+    period: &str,
+    at: Option<&str>,
+    format: &str,
+) -> Result<String, (u8, String)> {
+    let period = crate::usage::parse_period(period).map_err(|e| (2, e))?;
+    let format = crate::usage::Format::parse(format).map_err(|e| (2, e))?;
+    let at = match at {
+        Some(a) => crate::usage::parse_at(a, config.limiter.quota_time_zone).map_err(|e| (2, e))?,
+        None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
+    };
+    let settings = match (config.limiter.backend, &config.redis) {
+        (Backend::Redis, Some(s)) => s,
+        _ => {
+            return Err((
+                2,
+                "usage is read from Redis, and limiter.backend is \"local\" (a single instance's counts live in its memory: GET /limits?key=ID&quota=PERIOD on its admin port)".into(),
+            ))
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| (1, e.to_string()))?;
+    let redis = RedisBackend::from_settings(settings, None).map_err(|e| (1, e.to_string()))?;
+    let report = rt
+        .block_on(crate::usage::collect(&redis, config, period, at))
+        .map_err(|e| (1, format!("cannot read Redis: {e}")))?;
+    Ok(crate::usage::render(&report, format))
+}
 
 /// What to show or reset.
 pub struct Ask {

@@ -656,7 +656,25 @@ fn quotas_and_their_time_zone_are_checked() {
     ));
     assert!(ok, "{err}");
     assert!(out.contains("quota_time_zone=Europe/Paris"), "{out}");
+    assert!(out.contains("quota_retention_days=0"), "{out}");
     assert!(out.contains("quotas: 1000/day, 20000/month"), "{out}");
+    // How long a period's counts are kept after it ends: whole days, at
+    // most ten years.
+    let kept = |v: &str| {
+        plan("[{ limit = 5, period = \"day\" }]", "UTC").replace(
+            "quota_time_zone = \"UTC\"",
+            &format!("quota_time_zone = \"UTC\"\nquota_retention_days = {v}"),
+        )
+    };
+    let (ok, out, err) = check(&kept("400"));
+    assert!(ok && out.contains("quota_retention_days=400"), "{out}{err}");
+    for bad in ["-1", "4000", "\"forever\""] {
+        let (ok, _, err) = check(&kept(bad));
+        assert!(
+            !ok && err.contains("limiter.quota_retention_days (line"),
+            "{bad}: {err}"
+        );
+    }
     assert!(out.contains("key a: its own; quotas: 9/month"), "{out}");
 
     // limit_by_plan names defined plans only.

@@ -27,6 +27,7 @@ pub(super) fn read(
             "local_max_entries",
             "leases",
             "quota_time_zone",
+            "quota_retention_days",
         ],
     );
     // With a [redis] section the operator means Redis; without one, local.
@@ -76,6 +77,11 @@ pub(super) fn read(
             }
         }
     });
+    // Up to ten years of invoices; 0: a period's counts go a minute after
+    // it ends (the grace a replica whose clock is behind needs).
+    let retention = opt(r, t, p, "quota_retention_days", 0, |r, path, v| {
+        r.int(path, v, 0, 3660).map(|n| n as u32)
+    });
     Some(LimiterSettings {
         backend: backend?,
         on_redis_failure: on_failure?,
@@ -85,6 +91,7 @@ pub(super) fn read(
         local_max_entries: max_entries?,
         leases: leases?,
         quota_time_zone: zone?,
+        quota_retention_days: retention?,
     })
 }
 

@@ -168,13 +168,14 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} quota_time_zone={}",
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} quota_time_zone={} quota_retention_days={}",
             l.instances,
             l.retry_after_jitter_ms,
             l.local_max_entries,
             l.leases.enabled,
             l.leases.period_ms,
-            l.quota_time_zone.name()
+            l.quota_time_zone.name(),
+            l.quota_retention_days
         );
         match &self.redis {
             Some(r) => {

@@ -173,6 +173,9 @@ pub struct LimiterSettings {
     pub leases: LeaseSettings,
     /// The calendar that bounds quota periods.
     pub quota_time_zone: chrono_tz::Tz,
+    /// A quota period's counts are kept this long after it ends (invoices,
+    /// `gateway usage`); 0: a minute.
+    pub quota_retention_days: u32,
 }
 
 /// `[limiter.leases]`: tokens Redis debits ahead for a hot bucket, spent on

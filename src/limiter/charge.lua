@@ -45,6 +45,9 @@ else
   local t = call('TIME')
   now = tonum(t[1]) * 1000000 + tonum(t[2])
 end
+-- As in limiter.lua: a quota period's count is kept this long past its end
+-- (the gateway builds the script with limiter.quota_retention_days).
+local QUOTA_KEEP_US = 60000000
 local tag = ARGV[2]
 
 local function bad(why)
@@ -127,7 +130,7 @@ for k = 1, #KEYS do
         local x, y = string.match(raw, '^(%-?%d+) (%d+)$')
         if x and tonum(x) == stop then base = tonum(y) end
       end
-      local ttl = max(0, stop - now) + 60000000
+      local ttl = max(0, stop - now) + QUOTA_KEEP_US
       call('SET', key, format('%d %d', stop, base + v[2]), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end

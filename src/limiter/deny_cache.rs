@@ -17,11 +17,14 @@ use super::Check;
 
 const SHARDS: usize = 16;
 
-/// A remembered denial: refused until `until`; the bucket held `held`
-/// tokens (fewer than the request's cost) when Redis said so.
+/// A remembered denial: answered from memory until `until`; Redis said a
+/// retry could succeed at `retry_at` (later than `until` when the memory
+/// is cut short: a leased bucket's), and the bucket held `held` tokens
+/// (fewer than the request's cost).
 #[derive(Debug, Clone, Copy)]
 pub struct Denial {
     pub until: Instant,
+    pub retry_at: Instant,
     pub held: u64,
 }
 
@@ -45,7 +48,8 @@ impl DenyCache {
     }
 
     /// The first enforcing check known to deny at `now`, with the time left
-    /// and what its bucket held; checks for which `skip` holds are passed.
+    /// until a retry can succeed and what its bucket held; checks for which
+    /// `skip` holds are passed.
     pub fn find(
         &self,
         checks: &[Check],
@@ -57,7 +61,7 @@ impl DenyCache {
                 return None;
             }
             let d = *self.shard(&c.key).lock().get(&c.key)?;
-            (d.until > now).then(|| (i, d.until - now, d.held))
+            (d.until > now).then(|| (i, d.retry_at.saturating_duration_since(now), d.held))
         })
     }
 

@@ -298,6 +298,11 @@ impl Fallback {
         self.local.len()
     }
 
+    /// The shared backend, when there is one (`gateway usage`'s reads).
+    pub fn redis(&self) -> Option<&RedisBackend> {
+        self.redis.as_ref()
+    }
+
     pub fn has_redis(&self) -> bool {
         self.redis.is_some()
     }
@@ -391,18 +396,24 @@ impl Fallback {
                     }
                     for (c, d) in asked.iter().zip(&verdict.decisions) {
                         if !d.allowed && !c.shadow {
-                            let mut wait = Duration::from_micros(d.retry_after_us);
-                            // Another replica's lease on this bucket can
-                            // come back at any moment (returned, or owed
-                            // once it expires): a refusal is remembered no
-                            // longer than a lease lives.
-                            if let Some(l) = leases.filter(|_| leasable(&c.algorithm)) {
-                                wait = wait.min(l.period());
-                            }
+                            let wait = Duration::from_micros(d.retry_after_us);
+                            // Another live replica's lease on this bucket
+                            // can come back at any moment (returned, or
+                            // owed once it expires): a refusal is then
+                            // remembered no longer than a lease lives,
+                            // though it still tells the client Redis's
+                            // retry time. (This replica's own leases pass
+                            // the memory: `remembered_denial`.)
+                            let others = self.replicas() > 1;
+                            let memory = match leases.filter(|_| others && leasable(&c.algorithm)) {
+                                Some(l) => wait.min(l.period()),
+                                None => wait,
+                            };
                             self.denied.remember(
                                 &c.key,
                                 Denial {
-                                    until: received + wait,
+                                    until: received + memory,
+                                    retry_at: received + wait,
                                     held: d.remaining,
                                 },
                             );

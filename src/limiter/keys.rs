@@ -62,6 +62,25 @@ fn escape_into(out: &mut String, identity: &str) {
     }
 }
 
+/// An identity as `escape_into` wrote it, read back (`None`: not one it
+/// could have written).
+pub fn unescape(escaped: &str) -> Option<String> {
+    let b = escaped.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +99,11 @@ mod tests {
             bucket_key("rl", "route", "r", &alg, "k:a{b}%"),
             "rl:route:r:tb-20-10:k:a%7Bb%7D%25"
         );
+        for id in ["k:a{b}%", "ip:2001:db8::/64", "k:ünï cødé*?[]"] {
+            let mut k = String::new();
+            escape_into(&mut k, id);
+            assert_eq!(unescape(&k).as_deref(), Some(id));
+        }
+        assert_eq!(unescape("a%4"), None);
     }
 }

@@ -69,6 +69,12 @@ count or TAT is lower than the lease left it: a reset bucket spent past that
 point may take back a lease from before the reset (README).
 ]]
 
+-- How long a quota period's count is kept past the period's end: at least
+-- a minute (calendar.rs's GRACE_US, for a replica whose clock is a little
+-- behind), or limiter.quota_retention_days (invoices, `gateway usage`). The
+-- gateway builds the script with its own value (redis/mod.rs).
+local QUOTA_KEEP_US = 60000000
+
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
 local floor, ceil, max, fmod, huge = math.floor, math.ceil, math.max, math.fmod, math.huge
 local format, match = string.format, string.match
@@ -154,14 +160,13 @@ local function sliding_window(s, limit, w, now, cost)
   return false, 0, retry, 0
 end
 
--- A quota's period: state {its end, count}; kept a minute past its end
--- (calendar.rs's GRACE_US) for a replica whose clock is a little behind.
+-- A quota's period: state {its end, count}; kept QUOTA_KEEP_US past its end.
 local function quota(s, limit, stop, now, cost)
   local count = 0
   if s and s[1] == stop then count = s[2] end
   local left = max(0, stop - now)
   if count + cost <= limit then
-    return true, limit - count - cost, left, 0, {stop, count + cost}, left + 60000000
+    return true, limit - count - cost, left, 0, {stop, count + cost}, left + QUOTA_KEEP_US
   end
   return false, 0, left, 0
 end
@@ -371,7 +376,7 @@ for i = 1, nl do
         lback[i] = ret
       elseif kind == 6 and s[2] >= ret then
         state[k] = {s[1], s[2] - ret}
-        touch(k, max(0, s[1] - now) + 60000000)
+        touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
         lback[i] = ret
       end
     end

@@ -77,6 +77,18 @@ impl ServeHttp for Admin {
                     a.body.to_string().into_bytes(),
                 )
             }
+            "/usage" => {
+                let config = self.live.load_full().policy.config.clone();
+                let query = session.req_header().uri.query().unwrap_or("").to_string();
+                match usage(&self.limiter, &config, &query).await {
+                    Ok((ctype, body)) => (200, ctype, body.into_bytes()),
+                    Err((status, why)) => (
+                        status,
+                        "application/json",
+                        serde_json::json!({ "error": why }).to_string().into_bytes(),
+                    ),
+                }
+            }
             "/metrics" => (200, "text/plain; version=0.0.4", {
                 // As of this scrape, not of the last probe.
                 let on_fallback = self.limiter.health().fallback_for;
@@ -97,4 +109,51 @@ impl ServeHttp for Admin {
             .body(body)
             .unwrap_or_else(|_| Response::new(Vec::new()))
     }
+}
+
+/// `GET /usage?period=P[&at=DATE][&format=csv|jsonl]`: `gateway usage` over
+/// HTTP (a read, open like `/limits`).
+async fn usage(
+    limiter: &Fallback,
+    config: &crate::config::Config,
+    query: &str,
+) -> Result<(&'static str, String), (u16, String)> {
+    let mut period = None;
+    let mut at = None;
+    let mut format = "csv".to_string();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v =
+            crate::attributes::decode(v).map_err(|e| (400, format!("query parameter {k} {e}")))?;
+        match k {
+            "period" => period = Some(v),
+            "at" => at = Some(v),
+            "format" => format = v,
+            other => {
+                return Err((
+                    400,
+                    format!("unknown parameter \"{other}\": expected period, at, format"),
+                ))
+            }
+        }
+    }
+    let period = period.ok_or((
+        400,
+        "name a period: period=minute|hour|day|week|month".to_string(),
+    ))?;
+    let period = crate::usage::parse_period(&period).map_err(|e| (400, e))?;
+    let format = crate::usage::Format::parse(&format).map_err(|e| (400, e))?;
+    let at = match at {
+        Some(a) => {
+            crate::usage::parse_at(&a, config.limiter.quota_time_zone).map_err(|e| (400, e))?
+        }
+        None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
+    };
+    let Some(redis) = limiter.redis() else {
+        return Err((409, "usage is read from Redis, and limiter.backend is \"local\": GET /limits?key=ID&quota=PERIOD".into()));
+    };
+    let report = crate::usage::collect(redis, config, period, at)
+        .await
+        .map_err(|e| (503, format!("cannot read Redis: {e}")))?;
+    Ok((format.content_type(), crate::usage::render(&report, format)))
 }

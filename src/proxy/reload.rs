@@ -153,6 +153,10 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             l0.local_max_entries != l1.local_max_entries,
         ),
         ("limiter.leases", l0.leases != l1.leases),
+        (
+            "limiter.quota_retention_days",
+            l0.quota_retention_days != l1.quota_retention_days,
+        ),
         ("redis", old.redis != new.redis),
     ]
     .into_iter()

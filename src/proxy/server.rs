@@ -274,8 +274,9 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
     let local = LocalBackend::new(config.limiter.local_max_entries, clock);
     let redis = match (config.limiter.backend, &config.redis) {
         (Backend::Redis, Some(r)) => {
-            let backend =
-                RedisBackend::from_settings(r, None).map_err(|e| format!("[redis]: {e}"))?;
+            let backend = RedisBackend::from_settings(r, None)
+                .map_err(|e| format!("[redis]: {e}"))?
+                .with_quota_retention(config.limiter.quota_retention_days);
             let leases = config.limiter.leases;
             Some(if leases.enabled {
                 backend.with_leases(

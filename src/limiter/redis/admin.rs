@@ -1,5 +1,6 @@
 //! Operators' calls on the shared buckets: read them without spending
-//! (`peek`) and reset them (`reset`), for `/limits` and `gateway limits`.
+//! (`peek`), reset them (`reset`), for `/limits` and `gateway limits`, and
+//! page through them (`scan_values`, for `gateway usage`).
 //!
 //! A reset deletes the buckets and appends their names to a stream
 //! (`{prefix}:resets`) that every replica reads with its heartbeat, so each
@@ -9,7 +10,9 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::{query, redis_err, Conn, RedisBackend};
+use redis::aio::ConnectionManager;
+
+use super::{query, redis_err, Conn, RedisBackend, SlotMap};
 use crate::config::Algorithm;
 use crate::limiter::algorithms::{self, Micros, Snapshot, State};
 use crate::limiter::{Check, LimiterError};
@@ -161,11 +164,82 @@ impl RedisBackend {
             .await
     }
 
+    /// Every key matching `pattern` with its value, paged with SCAN (never
+    /// KEYS: Redis keeps serving between pages), on every master of a
+    /// cluster. A key that expired between the pages reads `None`.
+    pub async fn scan_values(
+        &self,
+        pattern: &str,
+    ) -> Result<Vec<(String, Option<String>)>, LimiterError> {
+        let mut conn = self.admin_connection().await?;
+        let mut out = Vec::new();
+        match &mut conn {
+            Conn::Single(c) => scan_node(c, pattern, true, &mut out).await?,
+            Conn::Cluster(c) => {
+                let reply: redis::Value = redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async(c)
+                    .await
+                    .map_err(redis_err)?;
+                let map = SlotMap::from_reply(&reply, Instant::now())
+                    .ok_or_else(|| LimiterError::BadReply("CLUSTER SLOTS".into()))?;
+                let masters: Vec<String> = map.addresses().map(str::to_string).collect();
+                for addr in masters {
+                    let Conn::Single(mut node) = self.inner.node_connection(&addr)? else {
+                        continue;
+                    };
+                    scan_node(&mut node, pattern, false, &mut out).await?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The probe's connection, made first if this process has no probe
     /// (`gateway limits` talks to Redis straight).
     async fn admin_connection(&self) -> Result<Conn, LimiterError> {
         self.inner.ensure_connected().await?;
         self.inner.probe_connection()
+    }
+}
+
+/// One node's keys matching `pattern`, a thousand a page; their values by
+/// MGET where the keys may span slots (`one_node`: not a cluster), else by
+/// a pipeline of GETs.
+async fn scan_node(
+    c: &mut ConnectionManager,
+    pattern: &str,
+    one_node: bool,
+    out: &mut Vec<(String, Option<String>)>,
+) -> Result<(), LimiterError> {
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(c)
+            .await
+            .map_err(redis_err)?;
+        if !keys.is_empty() {
+            let values: Vec<Option<String>> = if one_node {
+                redis::cmd("MGET").arg(&keys).query_async(c).await
+            } else {
+                let mut pipe = redis::pipe();
+                for k in &keys {
+                    pipe.cmd("GET").arg(k);
+                }
+                pipe.query_async(c).await
+            }
+            .map_err(redis_err)?;
+            out.extend(keys.into_iter().zip(values));
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
     }
 }
 

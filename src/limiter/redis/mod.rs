@@ -60,6 +60,18 @@ static REFUND_LUA: &str = include_str!("../refund.lua");
 static CHARGE_LUA: &str = include_str!("../charge.lua");
 static HEARTBEAT_LUA: &str = include_str!("../heartbeat.lua");
 
+/// How long past its period's end a quota's count is kept, in microseconds.
+pub fn quota_keep_us(days: u32) -> u64 {
+    (days as u64 * 86_400_000_000).max(super::algorithms::calendar::GRACE_US)
+}
+
+/// A script's source with its quota retention (`QUOTA_KEEP_US`) set.
+fn with_quota_keep(source: &str, keep_us: u64) -> String {
+    let default = "local QUOTA_KEEP_US = 60000000";
+    debug_assert!(source.contains(default));
+    source.replacen(default, &format!("local QUOTA_KEEP_US = {keep_us}"), 1)
+}
+
 /// Cluster: how many times a batch refused as misplaced (a slot on the
 /// move) is decided again before it fails (and falls back).
 const MISPLACED_RETRIES: u32 = 3;
@@ -238,6 +250,18 @@ impl RedisBackend {
             inner: Arc::new(inner),
             batcher: Batcher::new(),
         }
+    }
+
+    /// Keeps a quota period's counts `days` after it ends (at least the
+    /// minute's grace): the scripts that write them are built with it.
+    /// Before the backend is shared.
+    pub fn with_quota_retention(mut self, days: u32) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            let keep = quota_keep_us(days);
+            inner.script = redis::Script::new(&with_quota_keep(LIMITER_LUA, keep));
+            inner.charge = redis::Script::new(&with_quota_keep(CHARGE_LUA, keep));
+        }
+        self
     }
 
     /// Turns leases on (`[limiter.leases]`). Before the backend is shared.
