@@ -33,6 +33,29 @@ impl Period {
         ("month", Period::Month),
     ];
 
+    /// The period's shortest length in seconds (a DST day: 23 hours; a
+    /// February: 28 days).
+    pub fn as_secs_at_least(self) -> u64 {
+        match self {
+            Period::Minute => 60,
+            Period::Hour => 3600,
+            Period::Day => 23 * 3600,
+            Period::Week => 7 * 86400 - 3600,
+            Period::Month => 28 * 86400 - 3600,
+        }
+    }
+
+    /// Its longest.
+    pub fn as_secs_at_most(self) -> u64 {
+        match self {
+            Period::Minute => 60,
+            Period::Hour => 3600,
+            Period::Day => 25 * 3600,
+            Period::Week => 7 * 86400 + 3600,
+            Period::Month => 31 * 86400 + 3600,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Period::Minute => "minute",

@@ -128,6 +128,9 @@ fn main() -> ExitCode {
                     // gone (`gateway check | head -1`).
                     let mut out = std::io::stdout().lock();
                     let _ = write!(out, "{}: ok\n{}", config.display(), cfg.summary());
+                    for w in cfg.warnings() {
+                        eprintln!("warning: {w}");
+                    }
                     match certs {
                         Some(Ok(c)) => {
                             let _ = writeln!(out, "tls: certificates serve {:?}", c.names());
@@ -232,6 +235,9 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            for w in cfg.warnings() {
+                tracing::warn!("config: {w}");
+            }
             metrics::install();
             // Returns only if start-up failed; serving exits the process itself.
             if let Err(e) = proxy::server::run(cfg, &config) {

@@ -157,11 +157,15 @@ pub fn install() {
         );
         describe_gauge!(
             "gateway_adaptive_rtt_seconds",
-            "An adaptive upstream's round trips: estimate=min (the unloaded one it learnt), sample (the last interval's median)"
+            "An adaptive upstream's round trips: estimate=min (the unloaded one it learnt), sample (the last interval's mean)"
         );
         describe_counter!(
             "gateway_in_flight_refusals_total",
-            "Requests the rate tiers admitted and an in-flight cap refused, by kind, name and reason: queue_full, queue_timeout, displaced (a higher-priority plan took its place in the queue) answered 503; per_client (max_in_flight_per_client) answered 429"
+            "Requests the rate tiers admitted and an in-flight cap refused, by kind, name and reason: queue_full, queue_timeout, displaced (a higher-priority plan took its place in the queue) answered 503; per_client (max_in_flight_per_client) answered 429; client_left (its client left while it waited: dropped, never sent upstream). Every reason of every cap is present at 0 from the first scrape"
+        );
+        describe_counter!(
+            "gateway_in_flight_held_total",
+            "Requests whose client left after they were sent and before the upstream answered: their slot stayed taken until the upstream would have answered (the longest recent round trip, at most the read timeout), so the upstream never holds more than the cap"
         );
         describe_counter!(
             "gateway_tls_certificate_reloads_total",
@@ -252,12 +256,31 @@ pub fn in_flight_refused(kind: &'static str, name: &str, reason: &'static str) {
 
 /// The in-flight caps as of a scrape.
 pub fn in_flight(gates: &crate::inflight::Gates) {
+    for route in gates.per_client_routes() {
+        counter!(
+            "gateway_in_flight_refusals_total",
+            "kind" => "route",
+            "name" => route.to_string(),
+            "reason" => "per_client"
+        )
+        .increment(0);
+    }
     for (kind, name, gate) in gates.all() {
         let (held, queued, limit) = gate.load();
         let labels = [("kind", kind.to_string()), ("name", name.to_string())];
         gauge!("gateway_in_flight", &labels).set(held as f64);
         gauge!("gateway_in_flight_queued", &labels).set(queued as f64);
         gauge!("gateway_in_flight_limit", &labels).set(limit as f64);
+        counter!("gateway_in_flight_held_total", &labels).absolute(gate.held());
+        // Every reason a gate refuses for, at 0 before its first.
+        for reason in crate::inflight::Shed::REASONS {
+            let labels = [
+                ("kind", kind.to_string()),
+                ("name", name.to_string()),
+                ("reason", reason.to_string()),
+            ];
+            counter!("gateway_in_flight_refusals_total", &labels).increment(0);
+        }
         if let Some(e) = gate.estimate() {
             for (estimate, us) in [("min", e.min_rtt_us), ("sample", e.sample_rtt_us)] {
                 gauge!("gateway_adaptive_rtt_seconds", "upstream" => name.to_string(), "estimate" => estimate)

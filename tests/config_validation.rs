@@ -779,4 +779,36 @@ fn in_flight_caps_are_checked() {
         out.contains("in flight: max 8 (this replica), queue 0 for 1000 ms\n"),
         "{out}"
     );
+    // Adaptive bounds above the cap: loaded, printed as in force, warned.
+    let (ok, out, err) = check(&with(
+        "max_in_flight = 8\nadaptive = { min = 4, max = 64 }",
+        "",
+    ));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("adaptive 4..=8 (configured 4..=64, capped by max_in_flight)"),
+        "{out}"
+    );
+    assert!(
+        err.contains("warning: upstreams.a.adaptive: min..max 4..=64 is above max_in_flight: the limit moves within 4..=8"),
+        "{err}"
+    );
+}
+
+/// A quota that a longer period's smaller quota always reaches first is
+/// warned about (it loads: nothing is wrong, only useless).
+#[test]
+fn a_quota_that_can_never_bind_is_warned_about() {
+    let src = format!(
+        "{MINIMAL}\n[plans.free]\ncapacity = 10\nrefill_per_sec = 1\nquotas = [{{ limit = 500, period = \"day\" }}, {{ limit = 100, period = \"month\" }}]\n"
+    );
+    let (ok, _, err) = check(&src);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("warning: plans.free.quotas: 500 a day can never bind under 100 a month"),
+        "{err}"
+    );
+    let fine = src.replace("limit = 500", "limit = 50");
+    let (ok, _, err) = check(&fine);
+    assert!(ok && !err.contains("warning"), "{err}");
 }

@@ -212,13 +212,23 @@ retries = 1
         started.elapsed().as_secs_f64()
     );
     // Some of each: served (half of them after a dead server first),
-    // timed out upstream, refused by the cap.
-    for status in [200, 503, 504] {
+    // timed out upstream, refused by the cap or dropped in its queue when
+    // their clients left, and held past their end for an upstream still
+    // working on them.
+    for status in [200, 504] {
         assert!(
             by_status.get(&status).copied().unwrap_or(0) >= 20,
             "{by_status:?}"
         );
     }
+    let metrics = gw.raw_metrics();
+    let refused = support::family_sum(&metrics, "gateway_in_flight_refusals_total");
+    let held = support::family_sum(&metrics, "gateway_in_flight_held_total");
+    println!("FIGURES no leak: {refused} refused or dropped by the cap (503s and clients gone from the queue), {held} slots held past their request's end");
+    assert!(
+        refused >= 20.0 && held >= 1.0,
+        "{refused} refused, {held} held"
+    );
     // (The upstream itself may hold more: a request the gateway gave up on
     // at its timeout still runs there.)
 
@@ -228,6 +238,131 @@ retries = 1
     let full = count(&got, 503, "queue_full");
     println!("FIGURES after them, 20 at once: {ok} served, {full} refused (cap 4 + queue 8)");
     assert_eq!((ok, full), (12, 8), "the whole cap and queue: {got:?}");
+}
+
+/// Sends one request on a connection of its own and closes the connection
+/// after `leave_after`, answered or not; whether an answer came first.
+fn leaving(addr: SocketAddr, path: &str, leave_after: Duration) -> std::thread::JoinHandle<bool> {
+    let path = path.to_string();
+    std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .expect("send");
+        s.set_read_timeout(Some(leave_after)).expect("timeout");
+        let mut buf = [0u8; 64];
+        matches!(std::io::Read::read(&mut s, &mut buf), Ok(n) if n > 0)
+    })
+}
+
+/// #35 acceptance 1: a cap of 4 with a queue of 4 before a 400 ms upstream
+/// that goes on working on a request whose client left (as a threaded
+/// server does). Four clients leave 0.2 s after they were sent upstream,
+/// four more leave 0.1 s into their wait in the queue, and four patient
+/// ones come after: the upstream never holds more than 4, and no request
+/// whose client left while queued reaches it. Twice: before the gateway
+/// knows the upstream's round trip (a slot is then held up to the read
+/// timeout), and after (up to the longest recent round trip).
+#[test]
+fn clients_that_leave_never_push_the_upstream_past_its_cap() {
+    let up = UpstreamGuard::start_with(&[
+        "--service-ms",
+        "400",
+        "--workers",
+        "64",
+        "--threads",
+        "2",
+        "--finish-abandoned",
+    ]);
+    let gw = GatewayGuard::start(&format!(
+        r#"
+{SERVER_2_THREADS}
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+read_timeout_ms = 1500
+max_in_flight = 4
+queue = 4
+queue_timeout_ms = 10000
+
+[[routes]]
+name = "r"
+path_prefix = "/"
+upstream = "up"
+"#,
+        up.addr
+    ));
+    for round in ["first", "second"] {
+        let before = up.total();
+        let hasty: Vec<_> = (0..4)
+            .map(|i| {
+                leaving(
+                    gw.addr,
+                    &format!("/hasty/{round}/{i}"),
+                    Duration::from_millis(200),
+                )
+            })
+            .collect();
+        wait_for("4 in flight", Duration::from_secs(5), || {
+            (gauge(&gw, "gateway_in_flight", "upstream", "up") == 4.0).then_some(())
+        });
+        let queued: Vec<_> = (0..4)
+            .map(|i| {
+                leaving(
+                    gw.addr,
+                    &format!("/queued/{round}/{i}"),
+                    Duration::from_millis(100),
+                )
+            })
+            .collect();
+        for q in queued {
+            assert!(!q.join().unwrap(), "a queued request was not answered");
+        }
+        for h in hasty {
+            assert!(!h.join().unwrap(), "400 ms: not answered within 200 ms");
+        }
+        let patient = at_once(gw.addr, 4, &format!("/patient/{round}"), &[]);
+        assert_eq!(count(&patient, 200, ""), 4, "{patient:?}");
+        wait_for("every slot given back", Duration::from_secs(5), || {
+            (gauge(&gw, "gateway_in_flight", "upstream", "up") == 0.0).then_some(())
+        });
+        let stats = up.stats();
+        let most = stats["max_in_flight"].as_u64().unwrap();
+        let paths = stats["paths"].as_object().unwrap();
+        let reached = |prefix: &str| {
+            paths
+                .iter()
+                .filter(|(p, _)| p.starts_with(&format!("/{prefix}/{round}")))
+                .map(|(_, n)| n.as_u64().unwrap())
+                .sum::<u64>()
+        };
+        let metrics = gw.raw_metrics();
+        let left = support::series(
+            &metrics,
+            "gateway_in_flight_refusals_total{kind=\"upstream\",name=\"up\",reason=\"client_left\"}",
+        )
+        .unwrap_or("0")
+        .to_string();
+        println!(
+            "FIGURES clients leaving ({round} round): upstream held at most {most} (cap 4); hasty sent {}, queued-then-gone sent {}, patient sent {}; client_left refusals so far {left}; upstream received {} this round",
+            reached("hasty"),
+            reached("queued"),
+            reached("patient"),
+            up.total() - before
+        );
+        assert!(most <= 4, "the upstream held {most} at once");
+        assert_eq!(
+            reached("queued"),
+            0,
+            "a request whose client left while queued was sent"
+        );
+        assert_eq!((reached("hasty"), reached("patient")), (4, 4));
+    }
+    let log = gw.log();
+    assert!(
+        log.contains("rejected_by=\"in_flight:client_left\""),
+        "the access log names why"
+    );
 }
 
 /// Acceptance 3: with the queue full of free-plan requests, a pro request
@@ -345,6 +480,16 @@ max_in_flight_per_client = 2
     let got = at_once(gw.addr, 5, "/x", &[]);
     assert_eq!(count(&got, 200, ""), 2, "{got:?}");
     assert_eq!(count(&got, 429, "max_in_flight_per_client"), 3, "{got:?}");
+    // Not a quota: a problem type of its own.
+    assert_eq!(
+        count(
+            &got,
+            429,
+            "urn:ratelimit-gateway:problem:too-many-in-flight"
+        ),
+        3,
+        "{got:?}"
+    );
     println!("FIGURES per client: cap 2, 5 at once from one client: 2 served, 3 answered 429");
 }
 

@@ -17,7 +17,10 @@
 //! for the service time. `/stats` reports how many requests it holds now and
 //! at most (`in_flight`, `max_in_flight`) and how many wait for a worker
 //! (`waiting`, `max_waiting`). `POST /control?service_ms=N` changes the
-//! service time while it runs (a service that slows down).
+//! service time while it runs (a service that slows down). With
+//! `--finish-abandoned` a request whose client closed the connection is
+//! still served whole (it keeps its worker and its place in `in_flight`),
+//! as a threaded server's is; without it the work ends with the connection.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -62,6 +65,11 @@ struct Args {
     /// Requests served at once; more wait for a worker (0: no limit).
     #[arg(long, default_value_t = 0)]
     workers: usize,
+    /// Go on working on a request whose client closed the connection, as a
+    /// threaded server does (its worker stays busy for the whole service
+    /// time); without it the work stops with the connection.
+    #[arg(long)]
+    finish_abandoned: bool,
 }
 
 /// Distinct paths tracked before the rest are counted as "(other)".
@@ -262,6 +270,21 @@ async fn handle(
         }
         _ => {}
     }
+    if up.args.finish_abandoned {
+        // The work runs on a task of its own: dropping this handler (the
+        // client left) does not end it.
+        let work = tokio::spawn(serve_one(up, req, path));
+        return Ok(work.await.unwrap_or_else(|_| respond(500, "{}".into())));
+    }
+    Ok(serve_one(up, req, path).await)
+}
+
+/// One counted request: held, given a worker, served for its service time.
+async fn serve_one(
+    up: Arc<Upstream>,
+    req: Request<Incoming>,
+    path: String,
+) -> Response<Full<Bytes>> {
     up.count(&path);
     let _held = Held::new(&up.held);
     let header = |name: &str| {
@@ -298,13 +321,13 @@ async fn handle(
                 tokio::time::sleep(wait + service).await;
             }
             up.stats.ok.fetch_add(1, Ordering::Relaxed);
-            Ok(respond(200, echo))
+            respond(200, echo)
         }
         None => {
             // Saturated: the caller waits the full queue time, then fails.
             tokio::time::sleep(Duration::from_millis(up.args.max_queue_ms) + service).await;
             up.stats.failed.fetch_add(1, Ordering::Relaxed);
-            Ok(respond(503, r#"{"error":"overloaded"}"#.into()))
+            respond(503, r#"{"error":"overloaded"}"#.into())
         }
     }
 }

@@ -119,6 +119,49 @@ impl Config {
     }
 
     /// What `gateway check` prints: the effective values, never a secret.
+    /// What loads but may not do what its author meant: `check` prints
+    /// each as a warning, `run` logs it.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let caps = self
+            .upstreams
+            .iter()
+            .filter_map(|u| Some((format!("upstreams.{}", u.name), u.in_flight?)));
+        for (at, f) in caps {
+            if let (Some((lo, hi)), Some((elo, ehi))) = (f.adaptive, f.adaptive_capped()) {
+                out.push(format!(
+                    "{at}.adaptive: min..max {lo}..={hi} is above max_in_flight: the limit moves within {elo}..={ehi}"
+                ));
+            }
+        }
+        let plans = self
+            .plans
+            .iter()
+            .map(|(n, p)| (format!("plans.{n}"), &p.quotas));
+        let keys = self
+            .api_keys
+            .iter()
+            .filter_map(|k| Some((format!("api_keys \"{}\"", k.id), k.quotas.as_ref()?)));
+        for (at, quotas) in plans.chain(keys) {
+            for short in quotas.iter() {
+                for long in quotas.iter() {
+                    if short.period.as_secs_at_most() < long.period.as_secs_at_least()
+                        && short.limit >= long.limit
+                    {
+                        out.push(format!(
+                            "{at}.quotas: {} a {} can never bind under {} a {}",
+                            short.limit,
+                            short.period.as_str(),
+                            long.limit,
+                            long.period.as_str()
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     pub fn summary(&self) -> String {
         let mut s = String::new();
         let srv = &self.server;

@@ -473,6 +473,18 @@ pub struct InFlight {
     pub adaptive: Option<(u32, u32)>,
 }
 
+impl InFlight {
+    /// The adaptive bounds in force when `max_in_flight` (this replica's)
+    /// is below them: `None` when they are in force as configured.
+    pub fn adaptive_capped(&self) -> Option<(u32, u32)> {
+        let (lo, hi) = self.adaptive?;
+        match self.cap {
+            Cap::Replica(n) if hi > n || lo > n => Some((lo.min(n), hi.min(n))),
+            _ => None,
+        }
+    }
+}
+
 impl fmt::Display for InFlight {
     /// As `check` prints it: `max 256 (this replica), queue 512 for 1000 ms,
     /// adaptive 8..=256`.
@@ -483,7 +495,13 @@ impl fmt::Display for InFlight {
         }
         write!(f, ", queue {} for {} ms", self.queue, self.queue_timeout_ms)?;
         if let Some((lo, hi)) = self.adaptive {
-            write!(f, ", adaptive {lo}..={hi}")?;
+            match self.adaptive_capped() {
+                Some((elo, ehi)) => write!(
+                    f,
+                    ", adaptive {elo}..={ehi} (configured {lo}..={hi}, capped by max_in_flight)"
+                )?,
+                None => write!(f, ", adaptive {lo}..={hi}")?,
+            }
         }
         Ok(())
     }

@@ -71,6 +71,8 @@ pub struct Gradient {
     busiest: u32,
     /// The requests in flight when this interval's samples were sent, summed.
     sent_at: u64,
+    /// Requests of this interval that failed (5xx, timeouts).
+    failures: usize,
     started: Micros,
     /// Interval means remembered: (when, mean µs, the most in flight).
     means: VecDeque<(Micros, u64, u32)>,
@@ -104,6 +106,7 @@ impl Gradient {
             samples: Vec::with_capacity(64),
             busiest: 0,
             sent_at: 0,
+            failures: 0,
             started: now,
             means: VecDeque::new(),
             slow_start: true,
@@ -130,15 +133,47 @@ impl Gradient {
         self.samples.push(rtt_us.max(1));
         self.busiest = self.busiest.max(in_flight);
         self.sent_at += in_flight as u64;
+        self.close_if_due(now)
+    }
+
+    /// A request that failed (a 5xx, or a timeout): no round trip is
+    /// learnt from it (a failing server answers fast), but an interval in
+    /// which more than a tenth failed shrinks the limit by a tenth and
+    /// never grows it: the server is overloaded or broken, and more
+    /// concurrency will not help either.
+    pub fn failure(&mut self, now: Micros, in_flight: u32) -> Option<Estimate> {
+        self.failures += 1;
+        self.busiest = self.busiest.max(in_flight);
+        self.close_if_due(now)
+    }
+
+    fn close_if_due(&mut self, now: Micros) -> Option<Estimate> {
         // Two round trips at least: the samples that close an interval were
         // sent under the limit it set, not the one before.
         let span = INTERVAL_US.max(2 * self.last.sample_rtt_us as Micros);
         let age = now - self.started;
-        let due = (age >= span && self.samples.len() >= MIN_SAMPLES) || age >= MAX_INTERVAL_US;
+        let seen = self.samples.len() + self.failures;
+        let due = (age >= span && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US;
         if !due {
             return None;
         }
+        if self.samples.is_empty() || self.failures * 10 > seen {
+            return Some(self.back_off(now));
+        }
         Some(self.update(now))
+    }
+
+    /// An interval of failures: a tenth less, no slow start.
+    fn back_off(&mut self, now: Micros) -> Estimate {
+        self.slow_start = false;
+        self.limit = (self.limit * 0.9).clamp(self.min as f64, self.max as f64);
+        self.samples.clear();
+        self.failures = 0;
+        self.busiest = 0;
+        self.sent_at = 0;
+        self.started = now;
+        self.last.limit = self.limit as u32;
+        self.last
     }
 
     fn update(&mut self, now: Micros) -> Estimate {
@@ -197,6 +232,7 @@ impl Gradient {
             self.slow_start = true;
         }
         self.samples.clear();
+        self.failures = 0;
         self.busiest = 0;
         self.sent_at = 0;
         self.started = now;
@@ -312,6 +348,21 @@ mod tests {
             g.sample(t, 10_000, 5);
         }
         assert_eq!(g.limit(), 40);
+    }
+
+    #[test]
+    fn failures_shrink_the_limit_and_are_never_quick_round_trips() {
+        let mut t = 0;
+        let mut g = Gradient::new(4, 256, t);
+        run(&mut g, &mut t, 10, 20, 100_000);
+        let before = g.limit();
+        // A server failing fast: every answer a quick 5xx.
+        for _ in 0..100 {
+            t += 12_500;
+            g.failure(t, g.limit());
+        }
+        assert!(g.limit() < before / 2, "{before} -> {}", g.limit());
+        assert!(g.limit() >= 4);
     }
 
     #[test]

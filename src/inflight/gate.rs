@@ -4,10 +4,17 @@
 //! waits in the queue, highest priority first, then oldest. When the queue
 //! is full, a newcomer of higher priority than the lowest waiting takes that
 //! one's place (the lowest, then newest, is refused); otherwise the
-//! newcomer is refused. A waiter is refused after the queue timeout. A slot
-//! is a `Permit`, given back when it is dropped, however the request ends:
-//! a client that leaves while waiting takes no slot, and one that leaves
-//! holding a slot gives it back.
+//! newcomer is refused. A waiter is refused after the queue timeout.
+//!
+//! A slot is the upstream's, not the client's: a `Permit`, given back when
+//! it is dropped, unless the upstream is still working on its request.
+//! A client that leaves while waiting takes no slot. One that leaves after
+//! its request was sent and before the upstream answered leaves the
+//! upstream working on it (Pingora closes that connection; the server
+//! goes on): the slot stays taken until the upstream would have answered,
+//! the longest of its recent round trips after the request was sent (the
+//! upstream's read timeout when none is known yet, and never longer), so
+//! the upstream never holds more than the cap.
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -31,6 +38,11 @@ pub enum Shed {
 }
 
 impl Shed {
+    /// Every reason a gate's request ends without its slot: the sheds, and
+    /// a client that left while it waited.
+    pub const REASONS: [&'static str; 4] =
+        ["queue_full", "queue_timeout", "displaced", "client_left"];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Shed::QueueFull => "queue_full",
@@ -54,14 +66,21 @@ pub struct Settings {
 /// Waiters by (priority, highest first; arrival, oldest first).
 type Key = (Reverse<i64>, u64);
 
+/// Round trips remembered for how long an abandoned request keeps its slot.
+const RECENT_RTTS: usize = 64;
+
 struct Inner {
     settings: Settings,
+    /// The latest answered round trips (µs), newest last.
+    recent: std::collections::VecDeque<u64>,
     /// The limit now: `settings.limit`, or the adaptive controller's.
     limit: u32,
     in_flight: u32,
     waiting: BTreeMap<Key, oneshot::Sender<Result<(), Shed>>>,
     next: u64,
     gradient: Option<Gradient>,
+    /// Slots kept after their request ended (the client left first).
+    held: u64,
 }
 
 pub struct Gate {
@@ -74,11 +93,13 @@ impl Gate {
         let gate = Arc::new(Gate {
             inner: Mutex::new(Inner {
                 settings,
+                recent: std::collections::VecDeque::with_capacity(RECENT_RTTS),
                 limit: settings.limit,
                 in_flight: 0,
                 waiting: BTreeMap::new(),
                 next: 0,
                 gradient: None,
+                held: 0,
             }),
             started: Instant::now(),
         });
@@ -198,7 +219,22 @@ impl Gate {
             in_flight,
             sent: None,
             rtt: None,
+            failed: false,
+            upstream_ended: false,
+            timeout: None,
         }
+    }
+
+    /// The longest of the latest round trips, if any.
+    fn longest_recent(&self) -> Option<Duration> {
+        let g = self.inner.lock();
+        g.recent.iter().max().map(|us| Duration::from_micros(*us))
+    }
+
+    /// Requests that took a slot and were given it back later than their
+    /// end, for an upstream still working on them.
+    pub fn held(&self) -> u64 {
+        self.inner.lock().held
     }
 
     /// Gives the free slots to the waiters, highest priority first.
@@ -214,12 +250,24 @@ impl Gate {
         }
     }
 
-    fn release(&self, sample: Option<(Duration, u32)>) {
+    fn release(&self, sample: Option<Sample>) {
         let now = self.now_us();
         let mut g = self.inner.lock();
         g.in_flight = g.in_flight.saturating_sub(1);
-        if let (Some((rtt, in_flight)), Some(gr)) = (sample, g.gradient.as_mut()) {
-            if let Some(e) = gr.sample(now, rtt.as_micros() as u64, in_flight) {
+        if let Some(Sample::Answered { rtt, .. }) = sample {
+            if g.recent.len() == RECENT_RTTS {
+                g.recent.pop_front();
+            }
+            g.recent.push_back(rtt.as_micros() as u64);
+        }
+        if let (Some(sample), Some(gr)) = (sample, g.gradient.as_mut()) {
+            let e = match sample {
+                Sample::Answered { rtt, in_flight } => {
+                    gr.sample(now, rtt.as_micros() as u64, in_flight)
+                }
+                Sample::Failed { in_flight } => gr.failure(now, in_flight),
+            };
+            if let Some(e) = e {
                 g.limit = e.limit;
             }
         }
@@ -249,14 +297,32 @@ impl Drop for Waiting {
     }
 }
 
-/// A slot in flight; given back when dropped. `sent` then `answered` give
-/// the adaptive limit the upstream's round trip.
+/// What a request taught the adaptive limit when its slot was given back.
+#[derive(Debug, Clone, Copy)]
+enum Sample {
+    /// A round trip, with the requests in flight when it was sent.
+    Answered { rtt: Duration, in_flight: u32 },
+    /// A 5xx or a timeout: a signal of its own, never a quick round trip
+    /// (a failing server answers fast).
+    Failed { in_flight: u32 },
+}
+
+/// A slot in flight; given back when dropped (or later: the module's doc).
+/// `sent` then `answered` give the adaptive limit the upstream's round trip.
 pub struct Permit {
     gate: Arc<Gate>,
     /// Requests in flight when it was given (itself included).
     in_flight: u32,
     sent: Option<Instant>,
     rtt: Option<Duration>,
+    /// The answer was a 5xx, or the upstream timed out.
+    failed: bool,
+    /// The upstream ended the exchange itself (it closed or reset the
+    /// connection): it is not working on the request any more.
+    upstream_ended: bool,
+    /// The upstream's read timeout for this request: the longest it can
+    /// be working on it as far as the gateway knows.
+    timeout: Option<Duration>,
 }
 
 impl Permit {
@@ -275,11 +341,61 @@ impl Permit {
             self.rtt = Some(sent.elapsed());
         }
     }
+
+    /// The upstream answered with a server error, or timed out.
+    pub fn failed(&mut self) {
+        self.answered();
+        self.failed = true;
+    }
+
+    /// The upstream closed or reset the connection itself.
+    pub fn upstream_ended(&mut self) {
+        self.upstream_ended = true;
+    }
+
+    /// The upstream's read timeout for this request.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = Some(timeout);
+    }
+
+    /// How much longer the upstream may be working on this request once
+    /// it ended here: none if it answered or ended the exchange itself, or
+    /// was never sent.
+    fn still_working(&self) -> Option<Duration> {
+        let sent = self.sent?;
+        if self.rtt.is_some() || self.upstream_ended {
+            return None;
+        }
+        let timeout = self.timeout.unwrap_or(Duration::from_secs(10));
+        let longest = self.gate.longest_recent().unwrap_or(timeout).min(timeout);
+        longest.checked_sub(sent.elapsed())
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.gate.release(self.rtt.map(|rtt| (rtt, self.in_flight)));
+        let sample = match (self.rtt, self.failed) {
+            (Some(_), true) => Some(Sample::Failed {
+                in_flight: self.in_flight,
+            }),
+            (Some(rtt), false) => Some(Sample::Answered {
+                rtt,
+                in_flight: self.in_flight,
+            }),
+            (None, _) => None,
+        };
+        let hold = self.still_working();
+        match (hold, tokio::runtime::Handle::try_current()) {
+            (Some(left), Ok(rt)) if !left.is_zero() => {
+                let gate = self.gate.clone();
+                gate.inner.lock().held += 1;
+                rt.spawn(async move {
+                    tokio::time::sleep(left).await;
+                    gate.release(None);
+                });
+            }
+            _ => self.gate.release(sample),
+        }
     }
 }
 

@@ -138,6 +138,14 @@ impl Gates {
         }
     }
 
+    /// The routes with a cap per client, for metrics.
+    pub fn per_client_routes(&self) -> impl Iterator<Item = &str> {
+        self.per_client
+            .iter()
+            .zip(&self.route_names)
+            .filter_map(|(c, n)| c.as_ref().map(|_| n.as_str()))
+    }
+
     /// Each upstream's and route's gate, for metrics: (kind, name, gate).
     pub fn all(&self) -> impl Iterator<Item = (&'static str, &str, &Arc<Gate>)> {
         let ups = self

@@ -109,6 +109,8 @@ pub struct Ctx {
     client_slot: Option<ClientSlot>,
     route_slot: Option<Permit>,
     upstream_slot: Option<Permit>,
+    /// Why the in-flight caps refused it (or dropped it: `client_left`).
+    in_flight_refusal: Option<&'static str>,
     /// Dropped with the context, after `logging` counted the request.
     _in_flight: crate::metrics::InFlight,
 }
@@ -128,20 +130,32 @@ impl Gateway {
     }
 
     /// A request the rate tiers admitted goes upstream once it holds its
-    /// in-flight slots (`Ok(false)`), or is answered their refusal.
+    /// in-flight slots (`Ok(false)`), or is answered their refusal; a
+    /// request whose client left while it waited for a slot is dropped
+    /// (never sent).
     async fn admit(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        match self.take_slots(ctx).await {
-            Some(refused) => self.reply(session, ctx, refused).await,
-            None => Ok(false),
+        match self.take_slots(session, ctx).await {
+            Slots::Taken => Ok(false),
+            Slots::Refused(refused) => self.reply(session, ctx, refused).await,
+            Slots::ClientLeft => Err(Error::explain(
+                ErrorType::ConnectionClosed,
+                "the client left while its request waited for an in-flight slot",
+            )
+            .into_down()),
         }
     }
 
     /// Once the rate tiers admitted: the route's cap per client, then a slot
     /// under the route's and the upstream's in-flight caps (waiting in
-    /// their queues if need be, by the plan's priority). `Some`: the refusal.
-    async fn take_slots(&self, ctx: &mut Ctx) -> Option<Reply> {
-        let live = ctx.live.clone()?;
-        let plan = ctx.plan.as_ref()?;
+    /// their queues if need be, by the plan's priority, while the client
+    /// is watched: one that leaves gives its place to the next).
+    async fn take_slots(&self, session: &mut Session, ctx: &mut Ctx) -> Slots {
+        let Some(live) = ctx.live.clone() else {
+            return Slots::Taken;
+        };
+        let Some(plan) = ctx.plan.as_ref() else {
+            return Slots::Taken;
+        };
         let (i, priority) = (plan.route, plan.priority);
         let route = &live.policy.config.routes[i];
         let gates = &live.gates;
@@ -154,11 +168,22 @@ impl Gateway {
                 Some(slot) => ctx.client_slot = Some(slot),
                 None => {
                     crate::metrics::in_flight_refused("route", &route.name, "per_client");
+                    ctx.in_flight_refusal = Some("per_client");
                     let max = route.max_in_flight_per_client.unwrap_or(0);
-                    return Some(responses::too_many_in_flight(&route.name, max));
+                    return Slots::Refused(responses::too_many_in_flight(&route.name, max));
                 }
             }
         }
+        // The longest the upstream can be working on the request, as far
+        // as the gateway knows: a slot whose client left is held no longer.
+        let read_timeout = route.timeout_ms.map(Duration::from_millis).or_else(|| {
+            live.policy
+                .config
+                .upstreams
+                .iter()
+                .find(|u| u.name == route.upstream)
+                .map(|u| Duration::from_millis(u.read_timeout_ms))
+        });
         gates.set_replicas(self.limiter.replicas());
         let caps = [
             ("route", route.name.as_str(), gates.route(i)),
@@ -170,17 +195,42 @@ impl Gateway {
         ];
         for (kind, name, gate) in caps {
             let Some(gate) = gate else { continue };
-            match gate.acquire(priority).await {
-                Ok(slot) if kind == "route" => ctx.route_slot = Some(slot),
-                Ok(slot) => ctx.upstream_slot = Some(slot),
-                Err(shed) => {
+            let acquired = tokio::select! {
+                biased;
+                slot = gate.acquire(priority) => Some(slot),
+                () = client_gone(session) => None,
+            };
+            match acquired {
+                Some(Ok(mut slot)) => {
+                    if let Some(t) = read_timeout {
+                        slot.set_timeout(t);
+                    }
+                    match kind {
+                        "route" => ctx.route_slot = Some(slot),
+                        _ => ctx.upstream_slot = Some(slot),
+                    }
+                }
+                Some(Err(shed)) => {
                     crate::metrics::in_flight_refused(kind, name, shed.as_str());
+                    ctx.in_flight_refusal = Some(shed.as_str());
                     let wait_ms = gate.queue_timeout().as_millis() as u64;
-                    return Some(responses::over_capacity(kind, name, shed, wait_ms));
+                    return Slots::Refused(responses::over_capacity(kind, name, shed, wait_ms));
+                }
+                None => {
+                    crate::metrics::in_flight_refused(kind, name, "client_left");
+                    ctx.in_flight_refusal = Some("client_left");
+                    return Slots::ClientLeft;
                 }
             }
         }
-        None
+        Slots::Taken
+    }
+
+    /// The request's in-flight slots (the route's, then the upstream's).
+    fn slots(ctx: &mut Ctx) -> impl Iterator<Item = &mut Permit> {
+        ctx.route_slot
+            .iter_mut()
+            .chain(ctx.upstream_slot.iter_mut())
     }
 
     /// The CORS policy answering for this request: its route's (or
@@ -216,6 +266,35 @@ impl Gateway {
             (Some(l), Some(i)) => &l.policy.config.routes[i].name,
             _ => "(none)",
         }
+    }
+}
+
+/// What taking a request's in-flight slots came to.
+enum Slots {
+    Taken,
+    Refused(Reply),
+    /// The client closed its connection (or reset its HTTP/2 stream) while
+    /// the request waited in a queue.
+    ClientLeft,
+}
+
+/// Resolves when the client is known to have left: its HTTP/1 connection
+/// closed once the request was read whole, or its HTTP/2 stream reset.
+/// Never resolves where that cannot be seen without reading what the
+/// upstream must get (an HTTP/1 request body still to come).
+async fn client_gone(session: &mut Session) {
+    if let Some(idle) = session.downstream_session.watch_h2_stream_close() {
+        let _ = idle.await;
+        return;
+    }
+    if session.is_http2() || !session.downstream_session.is_body_done() {
+        return std::future::pending().await;
+    }
+    // Pingora's own idle read: a FIN (or bytes after the request, which
+    // Pingora's proxying refuses as well) is an error.
+    match session.downstream_session.read_body_or_idle(true).await {
+        Err(_) => {}
+        Ok(_) => std::future::pending().await,
     }
 }
 
@@ -271,6 +350,7 @@ impl ProxyHttp for Gateway {
             client_slot: None,
             route_slot: None,
             upstream_slot: None,
+            in_flight_refusal: None,
             _in_flight: crate::metrics::InFlight::start(),
         }
     }
@@ -568,7 +648,7 @@ impl ProxyHttp for Gateway {
         upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
         let now = Instant::now();
         ctx.upstream_sent = Some(now);
-        if let Some(slot) = &mut ctx.upstream_slot {
+        for slot in Self::slots(ctx) {
             slot.sent(now);
         }
         Ok(())
@@ -583,8 +663,14 @@ impl ProxyHttp for Gateway {
         if let (Some(sent), Some(m)) = (ctx.upstream_sent, Self::route_metrics(ctx)) {
             m.upstream(sent.elapsed());
         }
-        if let Some(slot) = &mut ctx.upstream_slot {
-            slot.answered();
+        // A server error is a signal of its own to an adaptive limit, not
+        // a quick round trip.
+        let failed = resp.status.is_server_error();
+        for slot in Self::slots(ctx) {
+            match failed {
+                true => slot.failed(),
+                false => slot.answered(),
+            }
         }
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
@@ -677,14 +763,22 @@ impl ProxyHttp for Gateway {
 
     /// Metrics and one access-log line per request.
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        // An upstream that timed out answered, as far as its adaptive limit
-        // is concerned: that long.
-        if let (Some(e), Some(slot)) = (e, &mut ctx.upstream_slot) {
-            if matches!(
+        // An upstream that timed out failed, as far as its adaptive limit is
+        // concerned; one that closed or reset the connection is no longer
+        // working on the request. A client that left first leaves its
+        // slots held while the upstream may still be (`Permit`).
+        if let Some(e) = e {
+            let timed_out = matches!(
                 e.etype(),
                 ErrorType::ReadTimedout | ErrorType::WriteTimedout
-            ) {
-                slot.answered();
+            );
+            let upstream = e.esource() == &ErrorSource::Upstream;
+            for slot in Self::slots(ctx) {
+                if timed_out {
+                    slot.failed();
+                } else if upstream {
+                    slot.upstream_ended();
+                }
             }
         }
         let status = ctx
@@ -714,7 +808,10 @@ impl ProxyHttp for Gateway {
                 names.join(",")
             }
         };
-        let rejected_by = tiers_with(DecisionLabel::Rejected);
+        let rejected_by = match ctx.in_flight_refusal {
+            Some(reason) => format!("in_flight:{reason}"),
+            None => tiers_with(DecisionLabel::Rejected),
+        };
         let shadow_rejected_by = tiers_with(DecisionLabel::ShadowRejected);
         let req = session.req_header();
         tracing::info!(

@@ -135,8 +135,30 @@ fn problem(
         429 => ("quota-exceeded", "Too Many Requests"),
         _ => ("temporary-reduced-capacity", "Service Unavailable"),
     };
+    let type_uri = format!("https://iana.org/assignments/http-problem-types#{kind}");
+    typed_problem(
+        &type_uri,
+        title,
+        status,
+        detail,
+        fields,
+        headers,
+        retry_after_ms,
+    )
+}
+
+/// A problem+json reply of a type of its own.
+fn typed_problem(
+    type_uri: &str,
+    title: &str,
+    status: u16,
+    detail: String,
+    fields: serde_json::Value,
+    headers: Vec<(&'static str, HeaderValue)>,
+    retry_after_ms: u64,
+) -> Reply {
     let mut body = serde_json::json!({
-        "type": format!("https://iana.org/assignments/http-problem-types#{kind}"),
+        "type": type_uri,
         "title": title,
         "status": status,
         "detail": detail,
@@ -195,13 +217,26 @@ pub fn over_capacity(kind: &str, name: &str, shed: crate::inflight::Shed, wait_m
     problem(503, detail, fields, retry_after_secs(secs), secs * 1000)
 }
 
+/// The problem type of a client's requests in flight at its cap on a route.
+pub const PER_CLIENT_PROBLEM: &str = "urn:ratelimit-gateway:problem:too-many-in-flight";
+
 /// One client's requests in flight on a route at its cap: 429.
 pub fn too_many_in_flight(route: &str, max: u32) -> Reply {
     let detail = format!(
         "this client has {max} request(s) in flight on route \"{route}\", its most (max_in_flight_per_client)"
     );
     let fields = serde_json::json!({ "violated-policies": ["in-flight-per-client"] });
-    problem(429, detail, fields, retry_after_secs(1), 1000)
+    // Not a quota: the client may send again as soon as one of its
+    // requests ends, so the problem type says which limit this is.
+    typed_problem(
+        PER_CLIENT_PROBLEM,
+        "Too Many Requests In Flight",
+        429,
+        detail,
+        fields,
+        retry_after_secs(1),
+        1000,
+    )
 }
 
 fn retry_after_secs(secs: u64) -> Vec<(&'static str, HeaderValue)> {

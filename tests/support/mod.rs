@@ -76,9 +76,23 @@ fn reap(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
 
 fn print_log(name: &str, path: &PathBuf) {
     if let Ok(log) = fs::read_to_string(path) {
-        let tail: Vec<&str> = log.lines().rev().take(60).collect();
+        // The last lines that are not access lines (what the gateway said),
+        // then the last few access lines: a busy test's access lines
+        // would otherwise hide everything else.
+        let said: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains(" access: "))
+            .rev()
+            .take(60)
+            .collect();
+        let access: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(" access: "))
+            .rev()
+            .take(10)
+            .collect();
         eprintln!("----- {name} log ({}) -----", path.display());
-        for line in tail.into_iter().rev() {
+        for line in said.into_iter().rev().chain(access.into_iter().rev()) {
             eprintln!("{line}");
         }
     }
@@ -452,7 +466,10 @@ impl GatewayGuard {
         let child = Command::new(env!("CARGO_BIN_EXE_gateway"))
             .args(["run", "--config"])
             .arg(&config_path)
-            .env("GATEWAY_LOG", "info")
+            .env(
+                "GATEWAY_LOG",
+                std::env::var("TEST_GATEWAY_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdout(fs::File::create(dir.path().join("stdout.log")).expect("log"))
             .stderr(fs::File::create(&log).expect("log"))
             .spawn()
