@@ -21,6 +21,9 @@
  * also writes every recorded latency (corrected, in nanoseconds, sorted) as
  * native int64s, so windows can be pooled into one distribution (bench.py's
  * paired latency windows).
+ * "ok_latency_ms" has the same corrected percentiles over the 2xx responses
+ * alone (answered in the measured window; "n" of them), so fast refusals
+ * (429, 503) do not hide what admitted requests wait.
  *
  * Loopback only: the host must be a literal IPv4 address in 127.0.0.0/8.
  *
@@ -192,7 +195,7 @@ typedef struct {
     size_t n, cap;
 } vec_t;
 
-static vec_t lat_corr, lat_raw;
+static vec_t lat_corr, lat_raw, lat_ok; /* lat_ok: corrected, 2xx only */
 
 static void push(vec_t *a, int64_t x) {
     if (a->n == a->cap) {
@@ -319,6 +322,7 @@ static void response_done(conn_t *c) {
         if (c->status > 0 && c->status < 600) status_count[c->status]++;
         completed_measured++;
         record(now - c->intended, now - c->sent);
+        if (c->status >= 200 && c->status < 300) push(&lat_ok, now - c->intended);
     }
     c->busy = 0;
     c->state = P_HEAD;
@@ -612,6 +616,7 @@ int main(int argc, char **argv) {
 
     qsort(lat_corr.v, lat_corr.n, sizeof *lat_corr.v, cmp64);
     qsort(lat_raw.v, lat_raw.n, sizeof *lat_raw.v, cmp64);
+    qsort(lat_ok.v, lat_ok.n, sizeof *lat_ok.v, cmp64);
     double mean = 0;
     for (size_t i = 0; i < lat_corr.n; i++) mean += (double)lat_corr.v[i];
     mean = lat_corr.n ? mean / (double)lat_corr.n / 1e6 : -1;
@@ -640,7 +645,11 @@ int main(int argc, char **argv) {
         j += snprintf(json + j, sizeof json - (size_t)j, "%s\"%d\":%ld", first ? "" : ",", s, status_count[s]);
         first = 0;
     }
-    j += snprintf(json + j, sizeof json - (size_t)j, "}}\n");
+    int64_t *lo = lat_ok.v;
+    size_t no = lat_ok.n;
+    j += snprintf(json + j, sizeof json - (size_t)j,
+                  "},\"ok_latency_ms\":{\"n\":%zu,\"p50\":%.4f,\"p90\":%.4f,\"p99\":%.4f,\"max\":%.4f}}\n",
+                  no, pct(lo, no, 50), pct(lo, no, 90), pct(lo, no, 99), no ? (double)lo[no - 1] / 1e6 : -1);
     fputs(json, stdout);
     if (out) {
         FILE *f = fopen(out, "w");

@@ -198,7 +198,23 @@ impl Gradient {
             self.means.pop_front();
         }
         let min_rtt = self.means.iter().map(|m| m.1).min().unwrap_or(sample);
-        let gradient = (min_rtt as f64 * (1.0 + BUFFER) / sample as f64).clamp(0.5, 1.0 + BUFFER);
+        // What the interval's mean may exceed the unloaded round trip by
+        // with no queue: BUFFER, and the noise of a mean of these samples
+        // (two standard errors). The unloaded round trip is the least of
+        // such means, so it sits below a typical one by about that much: a
+        // server whose answers scatter by a few ms (a 20 ms service behind a
+        // busy machine) would otherwise look queued at every interval and
+        // have its limit worn down toward `min`.
+        let n = self.samples.len() as f64;
+        let var = self
+            .samples
+            .iter()
+            .map(|&x| (x as f64 - sample as f64).powi(2))
+            .sum::<f64>()
+            / (n - 1.0).max(1.0);
+        let noise = 2.0 * (var / n).sqrt();
+        let gradient =
+            ((min_rtt as f64 * (1.0 + BUFFER) + noise) / sample as f64).clamp(0.5, 1.0 + BUFFER);
         self.slow_start &= gradient >= 1.0;
         // No additive probe: past the workers by one is an eighth too many
         // for a server of 8, and a probe of one visits it every other step.
@@ -327,6 +343,52 @@ mod tests {
         assert_eq!(g.estimate().min_rtt_us, 200_000);
     }
 
+    /// A server whose answers scatter: each round trip off by up to
+    /// `jitter_us` either way (a deterministic pseudo-random sequence).
+    fn run_noisy(
+        g: &mut Gradient,
+        t: &mut Micros,
+        secs: i64,
+        workers: u32,
+        service_us: u64,
+        jitter_us: u64,
+    ) -> Vec<(Micros, u32)> {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let (mut out, end) = (Vec::new(), *t + secs * 1_000_000);
+        // A sample per (service / workers): the rate the server answers at.
+        let step = (service_us / workers as u64) as i64;
+        while *t < end {
+            *t += step.min(12_500);
+            let c = g.limit();
+            let noise = rng.u64(0..=2 * jitter_us) as i64 - jitter_us as i64;
+            let rtt = (rtt(workers, service_us, c) as i64 + noise).max(1) as u64;
+            if let Some(e) = g.sample(*t, rtt, c) {
+                out.push((*t, e.limit));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_noisy_server_keeps_its_workers() {
+        // 8 workers at 20 ms, answers off by up to 3 ms (15 %); and 32 at
+        // 20 ms off by 2 ms.
+        for (workers, jitter) in [(8, 3_000), (32, 2_000), (4, 3_000)] {
+            let mut t = 0;
+            let mut g = Gradient::new(1, 256, t);
+            let limits = run_noisy(&mut g, &mut t, 60, workers, 20_000, jitter);
+            let settled = after(&limits, 10_000_000);
+            let low = settled.iter().filter(|l| **l < workers * 3 / 4).count();
+            let high = settled.iter().filter(|l| **l > workers * 3 / 2).count();
+            assert!(
+                low * 20 <= settled.len() && high * 20 <= settled.len(),
+                "{workers} workers: {} of {} under 3/4 of them, {high} over 3/2: {settled:?}",
+                low,
+                settled.len()
+            );
+        }
+    }
+
     #[test]
     fn stays_within_min_and_max() {
         let mut t = 0;
@@ -357,7 +419,7 @@ mod tests {
         run(&mut g, &mut t, 10, 20, 100_000);
         let before = g.limit();
         // A server failing fast: every answer a quick 5xx.
-        for _ in 0..100 {
+        for _ in 0..300 {
             t += 12_500;
             g.failure(t, g.limit());
         }

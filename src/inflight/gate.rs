@@ -150,7 +150,26 @@ impl Gate {
 
     /// How long a request may wait in the queue (its refusal's Retry-After).
     pub fn queue_timeout(&self) -> Duration {
-        self.inner.lock().settings.queue_timeout
+        Self::wait_bound(&self.inner.lock())
+    }
+
+    /// A queued request's longest wait: `queue_timeout_ms`, and under an
+    /// adaptive limit at most half the upstream's unloaded round trip once
+    /// it is known (CoDel's idea: a queue is for absorbing a burst, not for
+    /// holding an overload). With demand above capacity a slot that comes
+    /// free still finds a fresh request waiting (half a round trip of
+    /// arrivals at more than the capacity is half the limit's worth), and an
+    /// admitted request waits at most that before its round trip, so the
+    /// queue keeps the upstream busy without adding a round trip to every
+    /// answer, whatever `queue_timeout_ms` says.
+    fn wait_bound(g: &Inner) -> Duration {
+        let configured = g.settings.queue_timeout;
+        match g.gradient.as_ref().map(Gradient::estimate) {
+            Some(e) if e.min_rtt_us > 0 => {
+                configured.min(Duration::from_micros((e.min_rtt_us / 2).max(1_000)))
+            }
+            _ => configured,
+        }
     }
 
     pub fn estimate(&self) -> Option<Estimate> {
@@ -180,7 +199,7 @@ impl Gate {
             g.next += 1;
             let (tx, rx) = oneshot::channel();
             g.waiting.insert(key, tx);
-            (key, rx, g.settings.queue_timeout)
+            (key, rx, Self::wait_bound(&g))
         };
         let mut wait = Waiting {
             gate: self.clone(),

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The holdout matrix (issue #35): the gateway's in-flight caps (adaptive
+# concurrency) on upstreams of many shapes, each one's capacity halving under
+# a steady 2x overload, on loopback.
+#
+#   loadtest/matrix.sh [--quick | --smoke] [--shapes 4x20,8x50,...]
+#                      [--variants adaptive_q50,adaptive_q1000,rate_limit]
+#                      [--phase-secs P1,P2] [--warmup S] [--settle S]
+#                      [--connections N] [--out DIR]
+#
+#   (default)  workers {4,8,32} x service {20,50,200} ms x 3 variants:
+#              27 runs, phases 8 + 10 s: about 12 minutes
+#   --quick    shapes 4x200, 8x50, 32x20 (every W and S once), phases 6 + 8 s:
+#              9 runs, about 3 minutes
+#   --smoke    shape 8x20, phases 3 + 4 s: 3 runs, about 40 s; checks only
+#              that summary.json, summary.md and the plots are made and well
+#              formed (the latest smoke run is kept, older ones removed)
+#
+# Compiles loadtest/bench/fixedrate.c into loadtest/results/.tools/ when it
+# is missing or older than its source (as bench.sh does), makes sure of
+# matplotlib in .venv, then runs loadtest/matrix.py (its docstring says what
+# each run does and what is measured). Needs target/release/gateway and
+# target/release/mock-upstream: it never builds them (it runs a copy of them
+# taken at the start, so a rebuild meanwhile does not mix builds).
+#
+# Writes loadtest/results/matrix-<timestamp>/ (--out): summary.md,
+# summary.json, matrix.png, goodput.png, runs/<WxS>-<variant>/.
+# Exit status: 0 when every run completed and the outputs are well formed
+# (the #35 targets are reported PASS/FAIL, never change it), 1 otherwise,
+# 2 on bad usage. Everything started is stopped by PID, Ctrl-C included.
+set -euo pipefail
+
+root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+here=$root/loadtest
+venv=$root/.venv
+py=$venv/bin/python
+tools=$here/results/.tools
+me=matrix.sh
+
+log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+for arg in "$@"; do
+  case $arg in
+    -h | --help)
+      sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+      exit 0
+      ;;
+  esac
+done
+
+for bin in "$root/target/release/gateway" "$root/target/release/mock-upstream"; do
+  if [[ ! -x $bin ]]; then
+    echo "$me: $bin is missing: build first: cargo build --release" >&2
+    exit 1
+  fi
+done
+
+if [[ ! -x $py ]]; then
+  log "creating the virtualenv $venv"
+  python3 -m venv "$venv"
+fi
+if ! "$py" -c 'import matplotlib' 2>/dev/null; then
+  log "installing matplotlib into $venv (loadtest/requirements.txt's pin)"
+  pin=$(grep -E '^matplotlib' "$here/requirements.txt" || echo matplotlib)
+  "$py" -m pip install --quiet --disable-pip-version-check "$pin"
+fi
+
+mkdir -p "$tools"
+if [[ ! -x $tools/fixedrate || $here/bench/fixedrate.c -nt $tools/fixedrate ]]; then
+  log "compiling loadtest/bench/fixedrate.c"
+  cc -O2 -Wall -o "$tools/fixedrate.tmp" "$here/bench/fixedrate.c" -lssl -lcrypto
+  mv "$tools/fixedrate.tmp" "$tools/fixedrate"
+fi
+
+# Python in the background, so a signal to this script is passed on to it
+# (by its PID) and it stops what it started.
+"$py" -u "$here/matrix.py" run --fixedrate "$tools/fixedrate" "$@" &
+pid=$!
+trap 'kill -INT "$pid" 2>/dev/null || true' INT
+trap 'kill -TERM "$pid" 2>/dev/null || true' TERM
+rc=0
+while :; do
+  wait "$pid" && rc=0 || rc=$?
+  # wait returns early (>128) when a trapped signal arrives: wait again.
+  kill -0 "$pid" 2>/dev/null || break
+done
+trap - INT TERM
+case $rc in
+  0) log "$me: done" ;;
+  2) ;;
+  130 | 143) log "$me: interrupted" ;;
+  *) log "$me: finished with status $rc (see above)" ;;
+esac
+exit "$rc"
