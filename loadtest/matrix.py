@@ -756,7 +756,7 @@ def failed_list(row) -> list[str]:
 
 
 COLUMNS = [
-    "shape", "variant", "C→C/2 rps", "goodput % before/after", "up in_flight p50/p90 before | after",
+    "shape", "variant", "C→C/2 rps", "goodput % before/after", "up in_flight p50/p90 before", "up in_flight p50/p90 after",
     "up waiting p90 before/after", "p50/p99 ÷ unloaded before", "p50/p99 ÷ unloaded after", "5xx≠503",
     "503 %", "429 %", "limit median before/after", "settle s", "verdict",
 ]
@@ -765,7 +765,7 @@ COLUMNS = [
 def row_cells(r) -> list[str]:
     shape = f"{r['workers']}w × {r['service_ms']} ms"
     if r.get("error"):
-        return [shape, r["variant"], f"{fmt(r['capacity_rps'], nd=1)}→{fmt(r['capacity_rps'] / 2, nd=1)}"] + ["-"] * 10 + [
+        return [shape, r["variant"], f"{fmt(r['capacity_rps'], nd=1)}→{fmt(r['capacity_rps'] / 2, nd=1)}"] + ["-"] * (len(COLUMNS) - 4) + [
             "ERROR: " + r["error"].splitlines()[0][:80]]
     b, a = r["before"], r["after"]
     if r["adaptive"]:
@@ -783,7 +783,7 @@ def row_cells(r) -> list[str]:
         r["variant"],
         f"{fmt(r['capacity_rps'], nd=1)}→{fmt(r['capacity_rps'] / 2, nd=1)}",
         f"{fmt(b['goodput_pct'])}/{fmt(a['goodput_pct'])}",
-        f"{fmt(b['upstream_in_flight_p50'])}/{fmt(b['upstream_in_flight_p90'])} | "
+        f"{fmt(b['upstream_in_flight_p50'])}/{fmt(b['upstream_in_flight_p90'])}",
         f"{fmt(a['upstream_in_flight_p50'])}/{fmt(a['upstream_in_flight_p90'])}",
         f"{fmt(b['upstream_waiting_p90'])}/{fmt(a['upstream_waiting_p90'])} (≤{fmt(r['workers'] * T_QUEUE_FRACTION)})",
         f"{fmt(b['ok_p50_ratio'])}/{fmt(b['ok_p99_ratio'])}",
@@ -909,6 +909,7 @@ def plots(out: Path, rows: list) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     shapes = []
     for r in rows:
@@ -943,7 +944,10 @@ def plots(out: Path, rows: list) -> None:
             b, a = r["before"], r["after"]
             for lo, hi in (b["window_s"], a["window_s"]):
                 ax.axvspan(lo, hi, color="grey", alpha=0.08)
-            ax.set_yscale("symlog", linthresh=max(1, w / 2))
+            if not r["adaptive"]:
+                # Its queue runs to hundreds: a log scale above W.
+                ax.set_yscale("symlog", linthresh=w)
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _p: f"{y:g}"))
             ax.set_ylim(bottom=0)
             verdict = "PASS" if r["passed"] else "FAIL"
             if not r["held_to_targets"]:

@@ -54,6 +54,11 @@ if [ -x loadtest/capacity_halves.sh ]; then
   loadtest/capacity_halves.sh --smoke
 fi
 
+if [ -x loadtest/matrix.sh ]; then
+  step "holdout matrix (smoke: adaptive concurrency on an upstream shape it was not tuned on)"
+  loadtest/matrix.sh --smoke
+fi
+
 step "demo (scripts/demo.sh --once)"
 scripts/demo.sh --once
 

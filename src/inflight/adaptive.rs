@@ -74,13 +74,17 @@ pub struct Gradient {
     /// Requests of this interval that failed (5xx, timeouts).
     failures: usize,
     started: Micros,
-    /// Interval means remembered: (when, mean µs, the most in flight).
-    means: VecDeque<(Micros, u64, u32)>,
+    /// Interval means remembered: (when, mean µs, the most in flight, the
+    /// standard error of that mean in µs).
+    means: VecDeque<(Micros, u64, u32, f64)>,
     /// Doubling each interval until the first queue shows.
     slow_start: bool,
     /// The last limit that showed no queue: a slow start from `min` stops
     /// there (TCP's ssthresh), the server's workers being what it was.
     good: f64,
+    /// The previous interval: the mean concurrency its requests were sent
+    /// at, and its mean round trip.
+    prev: Option<(f64, u64)>,
     last: Estimate,
 }
 
@@ -111,6 +115,7 @@ impl Gradient {
             means: VecDeque::new(),
             slow_start: true,
             good: f64::MAX,
+            prev: None,
             last: Estimate {
                 limit,
                 ..Estimate::default()
@@ -181,30 +186,6 @@ impl Gradient {
         // of N workers come back in waves, and a queue of fewer than N/2
         // leaves the median where it was.
         let sample = self.samples.iter().sum::<u64>() / self.samples.len() as u64;
-        // At its floor no queue forms (`min` is at most the server's
-        // workers): what is measured there is the unloaded round trip, the
-        // quickest way to learn a server that became slower for good.
-        if self.busiest <= self.min {
-            self.means.clear();
-        }
-        self.means.push_back((now, sample, self.busiest));
-        // Old means go once one measured no busier came after them.
-        while let Some(&(t, _, busy)) = self.means.front() {
-            let stale =
-                now - t > MIN_RTT_WINDOW_US && self.means.iter().skip(1).any(|m| m.2 <= busy);
-            if !stale && self.means.len() <= MAX_MEANS {
-                break;
-            }
-            self.means.pop_front();
-        }
-        let min_rtt = self.means.iter().map(|m| m.1).min().unwrap_or(sample);
-        // What the interval's mean may exceed the unloaded round trip by
-        // with no queue: BUFFER, and the noise of a mean of these samples
-        // (two standard errors). The unloaded round trip is the least of
-        // such means, so it sits below a typical one by about that much: a
-        // server whose answers scatter by a few ms (a 20 ms service behind a
-        // busy machine) would otherwise look queued at every interval and
-        // have its limit worn down toward `min`.
         let n = self.samples.len() as f64;
         let var = self
             .samples
@@ -212,17 +193,69 @@ impl Gradient {
             .map(|&x| (x as f64 - sample as f64).powi(2))
             .sum::<f64>()
             / (n - 1.0).max(1.0);
-        let noise = 2.0 * (var / n).sqrt();
+        let se = (var / n).sqrt();
+        // At its floor no queue forms (`min` is at most the server's
+        // workers): what is measured there is the unloaded round trip, the
+        // quickest way to learn a server that became slower for good.
+        if self.busiest <= self.min {
+            self.means.clear();
+        }
+        self.means.push_back((now, sample, self.busiest, se));
+        // Old means go once one measured no busier came after them.
+        while let Some(&(t, _, busy, _)) = self.means.front() {
+            let stale =
+                now - t > MIN_RTT_WINDOW_US && self.means.iter().skip(1).any(|m| m.2 <= busy);
+            if !stale && self.means.len() <= MAX_MEANS {
+                break;
+            }
+            self.means.pop_front();
+        }
+        let sent_at = self.sent_at as f64 / self.samples.len() as f64;
+        // A server that became slower, told from a queue: the concurrency
+        // fell by a quarter or more since the last interval and the round
+        // trip did not fall by a fifth (a queue's share of it would have:
+        // at a third over the workers, a quarter less concurrency takes a
+        // quarter off the round trip).
+        // What is measured now is the new unloaded round trip: it is learnt
+        // at once, and the limit climbs back to the workers it knew, in one
+        // or two intervals instead of falling to `min` and starting over.
+        // Or: at half the workers it knew, where no queue can form while
+        // it keeps them, the round trip is half again the unloaded one.
+        let stale_min = self.means.iter().map(|m| m.1).min().unwrap_or(sample);
+        let slower = self.prev.is_some_and(|(c, rtt)| {
+            sent_at <= 0.75 * c && sample as f64 >= 0.8 * rtt as f64 && self.limit < self.good
+        }) || (self.good < f64::MAX
+            && (self.busiest as f64) <= self.good / 2.0
+            && sample as f64 >= 1.5 * stale_min as f64);
+        if slower {
+            self.means.clear();
+            self.means.push_back((now, sample, self.busiest, se));
+            self.slow_start = true;
+        }
+        self.prev = Some((sent_at, sample));
+        let (min_rtt, min_se) = self
+            .means
+            .iter()
+            .min_by_key(|m| m.1)
+            .map_or((sample, se), |m| (m.1, m.3));
+        // What the interval's mean may exceed the unloaded round trip by
+        // with no queue: BUFFER, and the noise of such a mean (two standard
+        // errors of the mean that set the unloaded round trip: measured
+        // with no queue, so it is the server's own scatter, where this
+        // interval's would also hold a queue's, which makes round trips
+        // scatter and would hide it). The unloaded round trip is the least
+        // of noisy means, so it sits below a typical one by about that
+        // much: a server whose answers scatter by a few ms (a 20 ms service
+        // behind a busy machine) would otherwise look queued at every
+        // interval and have its limit worn down toward `min`.
+        let noise = 2.0 * min_se;
         let gradient =
             ((min_rtt as f64 * (1.0 + BUFFER) + noise) / sample as f64).clamp(0.5, 1.0 + BUFFER);
         self.slow_start &= gradient >= 1.0;
-        // No additive probe: past the workers by one is an eighth too many
-        // for a server of 8, and a probe of one visits it every other step.
         // Shrinking, the gradient applies to the concurrency its round trips
         // were sent at, not to the limit now: an interval's samples left
         // under the one before, and a limit that just fell would otherwise
         // fall again for the same queue.
-        let sent_at = self.sent_at as f64 / self.samples.len() as f64;
         if gradient >= 1.0 && !self.slow_start {
             self.good = self.limit;
         }
@@ -234,7 +267,13 @@ impl Gradient {
         } else if gradient < 1.0 {
             sent_at * gradient
         } else {
-            self.limit * gradient
+            // At least one more: a twentieth of a small limit is less than
+            // one request, and a limit of 2 that showed no queue (a server
+            // that slowed down, its limit worn down meanwhile) would take a
+            // dozen intervals to reach 3. Past the workers one more shows
+            // as a queue and is taken back the next interval: a server of
+            // N is visited at N + 1 every other interval, a queue of one.
+            (self.limit * gradient).max(self.limit.floor() + 1.0)
         };
         // App-limited: the traffic used under half of it; nothing learnt
         // about more.
@@ -330,6 +369,25 @@ mod tests {
         );
         let settled = after(&limits, slowed + MIN_RTT_WINDOW_US + 10_000_000);
         assert!(settled.iter().all(|l| (20..=22).contains(l)), "{limits:?}");
+    }
+
+    #[test]
+    fn a_server_that_slows_down_has_its_workers_again_within_three_seconds() {
+        for (workers, service) in [(4, 200_000), (8, 50_000), (32, 20_000), (20, 100_000)] {
+            let mut t = 0;
+            let mut g = Gradient::new(1, 256, t);
+            run(&mut g, &mut t, 10, workers, service);
+            let slowed = t;
+            let limits = run(&mut g, &mut t, 10, workers, 2 * service);
+            let settled = after(&limits, slowed + 3_000_000);
+            assert!(
+                settled
+                    .iter()
+                    .all(|l| (workers..=workers + workers / 8 + 1).contains(l)),
+                "{workers} x {service} us: {:?}",
+                after(&limits, slowed)
+            );
+        }
     }
 
     #[test]

@@ -154,19 +154,20 @@ impl Gate {
     }
 
     /// A queued request's longest wait: `queue_timeout_ms`, and under an
-    /// adaptive limit at most half the upstream's unloaded round trip once
-    /// it is known (CoDel's idea: a queue is for absorbing a burst, not for
-    /// holding an overload). With demand above capacity a slot that comes
-    /// free still finds a fresh request waiting (half a round trip of
-    /// arrivals at more than the capacity is half the limit's worth), and an
-    /// admitted request waits at most that before its round trip, so the
-    /// queue keeps the upstream busy without adding a round trip to every
-    /// answer, whatever `queue_timeout_ms` says.
+    /// adaptive limit at most a quarter of the upstream's unloaded round
+    /// trip once it is known (CoDel's idea: a queue is for absorbing a
+    /// burst, not for holding an overload). With demand above capacity a
+    /// slot that comes free still finds a fresh request waiting (a quarter
+    /// round trip of arrivals at more than the capacity is more than a
+    /// quarter of the limit's worth), and an admitted request waits at most
+    /// that before its round trip, so the queue keeps the upstream busy
+    /// without adding a round trip to every answer, whatever
+    /// `queue_timeout_ms` says.
     fn wait_bound(g: &Inner) -> Duration {
         let configured = g.settings.queue_timeout;
         match g.gradient.as_ref().map(Gradient::estimate) {
             Some(e) if e.min_rtt_us > 0 => {
-                configured.min(Duration::from_micros((e.min_rtt_us / 2).max(1_000)))
+                configured.min(Duration::from_micros((e.min_rtt_us / 4).max(1_000)))
             }
             _ => configured,
         }
@@ -259,7 +260,7 @@ impl Gate {
     /// Gives the free slots to the waiters, highest priority first.
     fn hand_out(g: &mut Inner) {
         while g.in_flight < g.limit {
-            let Some((_, tx)) = g.waiting.pop_first() else {
+            let Some((_, tx)) = Self::next_waiter(g) else {
                 return;
             };
             g.in_flight += 1;
@@ -267,6 +268,25 @@ impl Gate {
                 g.in_flight -= 1; // its waiter is gone
             }
         }
+    }
+
+    /// The waiter a free slot goes to: the highest priority first; within
+    /// it the oldest, or under an adaptive limit the newest (adaptive LIFO,
+    /// as Facebook's servers do under overload: with demand above capacity
+    /// the queue never empties, and serving the newest keeps an admitted
+    /// request's wait near none, while the oldest run out their short
+    /// wait and are refused).
+    fn next_waiter(g: &mut Inner) -> Option<(Key, oneshot::Sender<Result<(), Shed>>)> {
+        if g.gradient.is_none() {
+            return g.waiting.pop_first();
+        }
+        let (Reverse(top), _) = *g.waiting.first_key_value()?.0;
+        let newest = *g
+            .waiting
+            .range((Reverse(top), 0)..=(Reverse(top), u64::MAX))
+            .next_back()?
+            .0;
+        g.waiting.remove_entry(&newest)
     }
 
     fn release(&self, sample: Option<Sample>) {
@@ -448,6 +468,37 @@ mod tests {
         drop(a);
         assert_eq!(waiter.await.unwrap(), Ok(()));
         assert_eq!(g.load(), (1, 0, 2), "the waiter's permit went with it");
+    }
+
+    #[tokio::test]
+    async fn an_adaptive_gate_serves_the_newest_waiter_of_the_highest_priority() {
+        let g = Gate::new(Settings {
+            limit: 1,
+            queue: 8,
+            queue_timeout: Duration::from_secs(10),
+            adaptive: Some((1, 1)),
+        });
+        let held = g.acquire(0).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for (i, p) in [0, 0, 5, 5].into_iter().enumerate() {
+            let (g2, order) = (g.clone(), order.clone());
+            let tag = p * 10 + i as i64;
+            waiters.push(tokio::spawn(async move {
+                let permit = g2.acquire(p).await;
+                order.lock().push(tag);
+                drop(permit);
+            }));
+            while g.load().1 < i + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(held);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        // The highest priority first, each priority's newest first.
+        assert_eq!(*order.lock(), vec![53, 52, 1, 0]);
     }
 
     #[tokio::test]
