@@ -56,6 +56,9 @@ pub const MAX_INTERVAL_US: Micros = 1_000_000;
 /// How long an interval's mean counts toward the unloaded round trip
 /// (at least: see the module's doc).
 pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
+/// A limit at or past the workers it knew probes one more once in this
+/// many intervals that showed no queue.
+const PROBE_EVERY: u32 = 4;
 /// Means remembered at most (only those measured less busy than every
 /// later one stay past the window: few).
 const MAX_MEANS: usize = 4096;
@@ -85,6 +88,8 @@ pub struct Gradient {
     /// The previous interval: the mean concurrency its requests were sent
     /// at, and its mean round trip.
     prev: Option<(f64, u64)>,
+    /// Intervals in a row that showed no queue.
+    calm: u32,
     last: Estimate,
 }
 
@@ -116,6 +121,7 @@ impl Gradient {
             slow_start: true,
             good: f64::MAX,
             prev: None,
+            calm: 0,
             last: Estimate {
                 limit,
                 ..Estimate::default()
@@ -259,6 +265,9 @@ impl Gradient {
         if gradient >= 1.0 && !self.slow_start {
             self.good = self.limit;
         }
+        if gradient < 1.0 {
+            self.calm = 0;
+        }
         let mut next = if self.slow_start {
             if self.limit * 2.0 >= self.good {
                 self.slow_start = false;
@@ -267,13 +276,20 @@ impl Gradient {
         } else if gradient < 1.0 {
             sent_at * gradient
         } else {
-            // At least one more: a twentieth of a small limit is less than
-            // one request, and a limit of 2 that showed no queue (a server
-            // that slowed down, its limit worn down meanwhile) would take a
-            // dozen intervals to reach 3. Past the workers one more shows
-            // as a queue and is taken back the next interval: a server of
-            // N is visited at N + 1 every other interval, a queue of one.
-            (self.limit * gradient).max(self.limit.floor() + 1.0)
+            // At least one more below the workers it knew (a twentieth of a
+            // small limit is less than one request: a limit of 2 that
+            // showed no queue would take a dozen intervals to reach 3), and
+            // past them once every `PROBE_EVERY` calm intervals: one more
+            // past the workers is a queue of one, taken back the next
+            // interval, and over 4 workers a queue of one is a whole
+            // service time more for the request behind it.
+            self.calm += 1;
+            let probe = self.limit < self.good || self.calm >= PROBE_EVERY;
+            if probe && self.limit >= self.good {
+                self.calm = 0;
+            }
+            let step = if probe { 1.0 } else { 0.0 };
+            (self.limit * gradient).max(self.limit.floor() + step)
         };
         // App-limited: the traffic used under half of it; nothing learnt
         // about more.
