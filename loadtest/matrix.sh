@@ -55,6 +55,19 @@ for bin in "$root/target/release/gateway" "$root/target/release/mock-upstream"; 
   fi
 done
 
+# fixedrate is C with OpenSSL (its https:// mode): a compiler and OpenSSL's
+# headers, from Debian's packages when missing.
+need=()
+command -v cc >/dev/null || need+=(gcc libc6-dev)
+[[ -e /usr/include/openssl/ssl.h ]] || need+=(libssl-dev)
+if ((${#need[@]})); then
+  log "installing ${need[*]} (apt-get)"
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
 if [[ ! -x $py ]]; then
   log "creating the virtualenv $venv"
   python3 -m venv "$venv"

@@ -23,6 +23,10 @@ command -v c++ >/dev/null 2>&1 || missing+=(g++)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+# The holdout matrix's load generator (loadtest/bench/fixedrate.c) links OpenSSL.
+if ((for_tests)); then
+  [[ -e /usr/include/openssl/ssl.h ]] || missing+=(libssl-dev)
+fi
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]} (apt-get)"
   SUDO=""
