@@ -1016,15 +1016,21 @@ mod tests {
         l.granted(asks, &grants, sent, 0);
     }
 
-    #[test]
-    fn tokens_given_back_after_their_lease_ended_are_owed_not_lost() {
+    /// A hot bucket "a" (ten requests of demand) holding a lease of `tokens`.
+    fn hot(tokens: u64) -> (Leases, Instant, [Check; 1]) {
         let l = Leases::new(Duration::from_millis(100), 1000);
         let now = Instant::now();
         let c = [check("a", 1)];
         for _ in 0..10 {
             l.spend(&c, now);
         }
-        let _ = grant(&l, &c, 5, now);
+        let _ = grant(&l, &c, tokens, now);
+        (l, now, c)
+    }
+
+    #[test]
+    fn tokens_given_back_after_their_lease_ended_are_owed_not_lost() {
+        let (l, now, c) = hot(5);
         // A request takes a token, then waits for Redis on another tier...
         let t = l.spend(&c, now);
         assert!(t.all());
@@ -1076,13 +1082,7 @@ mod tests {
 
     #[test]
     fn a_return_whose_call_cannot_have_run_is_owed_again() {
-        let l = Leases::new(Duration::from_millis(100), 1000);
-        let now = Instant::now();
-        let c = [check("a", 1)];
-        for _ in 0..10 {
-            l.spend(&c, now);
-        }
-        let _ = grant(&l, &c, 5, now);
+        let (l, now, _) = hot(5);
         let later = now + Duration::from_millis(150);
         assert!(l.due(later));
         let asks = l.asks(&[], later);
