@@ -212,10 +212,7 @@ impl Rule {
 
 impl Policy {
     pub fn new(config: Arc<Config>) -> Self {
-        let p = config
-            .redis
-            .as_ref()
-            .map_or("rl", |r| r.key_prefix.as_str());
+        let p = config.key_prefix();
         let ip_rule = config
             .ip_tier
             .as_ref()

@@ -23,12 +23,8 @@ pub fn usage(
     at: Option<&str>,
     format: &str,
 ) -> Result<String, (u8, String)> {
-    let period = crate::usage::parse_period(period).map_err(|e| (2, e))?;
-    let format = crate::usage::Format::parse(format).map_err(|e| (2, e))?;
-    let at = match at {
-        Some(a) => crate::usage::parse_at(a, config.limiter.quota_time_zone).map_err(|e| (2, e))?,
-        None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
-    };
+    let q = crate::usage::Question::parse(period, at, format, config.limiter.quota_time_zone)
+        .map_err(|e| (2, e))?;
     let settings = match (config.limiter.backend, &config.redis) {
         (Backend::Redis, Some(s)) => s,
         _ => {
@@ -44,9 +40,9 @@ pub fn usage(
         .map_err(|e| (1, e.to_string()))?;
     let redis = RedisBackend::from_settings(settings, None).map_err(|e| (1, e.to_string()))?;
     let report = rt
-        .block_on(crate::usage::collect(&redis, config, period, at))
+        .block_on(crate::usage::collect(&redis, config, &q))
         .map_err(|e| (1, format!("cannot read Redis: {e}")))?;
-    Ok(crate::usage::render(&report, format))
+    Ok(crate::usage::render(&report, q.format))
 }
 
 /// What to show or reset.

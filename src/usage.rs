@@ -65,6 +65,30 @@ impl Format {
     }
 }
 
+/// What `gateway usage` and `GET /usage` are asked: a period (the one
+/// `at` falls in) and a format.
+#[derive(Debug, Clone, Copy)]
+pub struct Question {
+    pub period: Period,
+    pub at: Micros,
+    pub format: Format,
+}
+
+impl Question {
+    /// From the words of a command line or a query: `at` is read in
+    /// `zone`, and defaults to now.
+    pub fn parse(period: &str, at: Option<&str>, format: &str, zone: Tz) -> Result<Self, String> {
+        Ok(Question {
+            period: parse_period(period)?,
+            format: Format::parse(format)?,
+            at: match at {
+                Some(a) => parse_at(a, zone)?,
+                None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
+            },
+        })
+    }
+}
+
 pub fn parse_period(s: &str) -> Result<Period, String> {
     Period::ALL
         .iter()
@@ -139,7 +163,7 @@ pub fn rows(
     span: Span,
     found: Vec<(String, Option<String>)>,
 ) -> Vec<Row> {
-    let prefix = format!("{}k:", period_prefix(&config_prefix(config), period, span));
+    let prefix = format!("{}k:", period_prefix(config.key_prefix(), period, span));
     let mut rows: Vec<Row> = found
         .into_iter()
         .filter_map(|(key, value)| {
@@ -153,24 +177,16 @@ pub fn rows(
     rows
 }
 
-fn config_prefix(config: &Config) -> String {
-    config
-        .redis
-        .as_ref()
-        .map_or_else(|| "rl".to_string(), |r| r.key_prefix.clone())
-}
-
 /// Reads a period's usage from Redis.
 pub async fn collect(
     redis: &RedisBackend,
     config: &Config,
-    period: Period,
-    at: Micros,
+    q: &Question,
 ) -> Result<Report, String> {
-    let zone = config.limiter.quota_time_zone;
-    let span = calendar::span(period, zone, at);
+    let (zone, period) = (config.limiter.quota_time_zone, q.period);
+    let span = calendar::span(period, zone, q.at);
     let found = redis
-        .scan_values(&pattern(&config_prefix(config), period, span))
+        .scan_values(&pattern(config.key_prefix(), period, span))
         .await
         .map_err(|e| redis.redact(&e.to_string()))?;
     Ok(Report {

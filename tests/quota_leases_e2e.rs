@@ -19,14 +19,17 @@ use support::{
 /// far above it; keys f1..f5 on a burst of 20 at 10/s with a daily quota of
 /// 50 and a monthly one of 200.
 fn config(redis_url: &str, up: &UpstreamGuard, period_ms: u64, redis_extra: &str) -> String {
+    let key = |id: &str, plan: &str| {
+        format!("[[api_keys]]\nid = \"{id}\"\nkey = \"{id}-secret\"\nplan = \"{plan}\"\n\n")
+    };
     let keys: String = ["m1", "m2", "m3", "m4"]
         .iter()
-        .map(|k| {
-            format!("[[api_keys]]\nid = \"{k}\"\nkey = \"{k}-secret\"\nplan = \"metered\"\n\n")
-        })
-        .chain(["f1", "f2", "f3", "f4", "f5"].iter().map(|k| {
-            format!("[[api_keys]]\nid = \"{k}\"\nkey = \"{k}-secret\"\nplan = \"free\"\n\n")
-        }))
+        .map(|k| key(k, "metered"))
+        .chain(
+            ["f1", "f2", "f3", "f4", "f5"]
+                .iter()
+                .map(|k| key(k, "free")),
+        )
         .collect();
     format!(
         r#"

@@ -118,7 +118,12 @@ impl Config {
                 .any(|k| k.quotas.as_ref().is_some_and(|q| !q.is_empty()))
     }
 
-    /// What `gateway check` prints: the effective values, never a secret.
+    /// What Redis keys and bucket names start with: `redis.key_prefix`,
+    /// "rl" without a `[redis]` section.
+    pub fn key_prefix(&self) -> &str {
+        self.redis.as_ref().map_or("rl", |r| r.key_prefix.as_str())
+    }
+
     /// What loads but may not do what its author meant: `check` prints
     /// each as a warning, `run` logs it.
     pub fn warnings(&self) -> Vec<String> {
@@ -162,6 +167,7 @@ impl Config {
         out
     }
 
+    /// What `gateway check` prints: the effective values, never a secret.
     pub fn summary(&self) -> String {
         let mut s = String::new();
         let srv = &self.server;

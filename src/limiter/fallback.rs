@@ -269,12 +269,11 @@ impl Fallback {
         }
         let warning = match redis.persistence().await {
             Ok(Persistence::Aof) => None,
-            Ok(p @ Persistence::Snapshots(_)) => Some(match p.snapshot_window() {
-                Some((least, most)) => format!(
-                    "quotas are configured and Redis persists only by RDB snapshots (save \"{}\"): a crash loses the counts written since the last snapshot, {least} to {most} s of every customer's usage; run it with appendonly yes",
-                    match &p { Persistence::Snapshots(s) => s.as_str(), _ => "" }
+            Ok(p @ Persistence::Snapshots(_)) => Some(match (&p, p.snapshot_window()) {
+                (Persistence::Snapshots(save), Some((least, most))) => format!(
+                    "quotas are configured and Redis persists only by RDB snapshots (save \"{save}\"): a crash loses the counts written since the last snapshot, {least} to {most} s of every customer's usage; run it with appendonly yes"
                 ),
-                None => "quotas are configured and Redis persists only by RDB snapshots: a crash loses the counts written since the last snapshot; run it with appendonly yes".to_string(),
+                _ => "quotas are configured and Redis persists only by RDB snapshots: a crash loses the counts written since the last snapshot; run it with appendonly yes".to_string(),
             }),
             Ok(Persistence::Nothing) => Some(
                 "quotas are configured and Redis persists nothing (no AOF, no RDB snapshots): a Redis restart starts every quota's period from zero; run it with appendonly yes".to_string(),

@@ -76,6 +76,18 @@ pub struct Ask {
     pub until: i64,
 }
 
+impl Ask {
+    /// Owed tokens given back, nothing asked for.
+    fn back(c: &Check, o: Owed) -> Self {
+        Ask {
+            check: c.clone(),
+            want: 0,
+            ret: o.tokens,
+            until: o.until,
+        }
+    }
+}
+
 /// What a request took from this replica's leases (`Leases::spend`).
 #[derive(Debug)]
 pub struct Taken {
@@ -498,42 +510,41 @@ impl Leases {
                 self.ask_for(c, now, &mut asks);
             }
         }
-        let owing: Vec<Check> = std::mem::take(&mut *self.owing.lock())
-            .into_values()
-            .collect();
+        let owing = self.take_owing();
         for c in &owing {
             if seen.insert(c.key.as_str()) {
                 self.ask_for(c, now, &mut asks);
             }
         }
-        Asks {
-            asks,
-            replicas: self.replicas.load(Ordering::Relaxed) as u64,
-            min: MIN_GRANT,
-        }
+        self.sized(asks)
     }
 
     /// Only the owed tokens, with no new lease asked for: what the sweeper
     /// and a release send (a bucket nobody sends requests for any more
     /// must not be leased again on its old demand).
     pub fn returns(&self, now: Instant) -> Asks {
-        let owing: Vec<Check> = std::mem::take(&mut *self.owing.lock())
-            .into_values()
-            .collect();
         let mut asks = Vec::new();
-        for c in &owing {
+        for c in self.take_owing() {
             let mut shard = self.shard(&c.key).lock();
             let Some(e) = shard.get_mut(&c.key) else {
                 continue;
             };
             e.settle(now);
-            asks.extend(e.owed.drain(..).map(|o| Ask {
-                check: c.clone(),
-                want: 0,
-                ret: o.tokens,
-                until: o.until,
-            }));
+            asks.extend(e.owed.drain(..).map(|o| Ask::back(&c, o)));
         }
+        self.sized(asks)
+    }
+
+    /// The buckets with owed tokens, taken: the call being made carries
+    /// them (a failed one owes them again: `failed`).
+    fn take_owing(&self) -> Vec<Check> {
+        std::mem::take(&mut *self.owing.lock())
+            .into_values()
+            .collect()
+    }
+
+    /// A call's asks, with how grants are sized now.
+    fn sized(&self, asks: Vec<Ask>) -> Asks {
         Asks {
             asks,
             replicas: self.replicas.load(Ordering::Relaxed) as u64,
@@ -576,12 +587,7 @@ impl Leases {
                 until: first.map_or(e.until, |o| o.until),
             });
         }
-        out.extend(owed.iter().skip(1).map(|o| Ask {
-            check: c.clone(),
-            want: 0,
-            ret: o.tokens,
-            until: o.until,
-        }));
+        out.extend(owed.iter().skip(1).map(|o| Ask::back(c, *o)));
     }
 
     /// Applies a call's grants (one per ask, in order). `sent`: when the
@@ -756,23 +762,7 @@ impl Leases {
     /// this every quarter period, so an idle bucket's lease goes back
     /// within a period and a quarter of its grant.
     pub fn due(&self, now: Instant) -> bool {
-        let leased: Vec<Check> = self.leased.lock().values().cloned().collect();
-        for c in leased {
-            let mut shard = self.shard(&c.key).lock();
-            let Some(e) = shard.get_mut(&c.key) else {
-                continue;
-            };
-            e.settle(now);
-            let (owes, live) = (!e.owed.is_empty(), e.tokens > 0);
-            drop(shard);
-            if owes {
-                self.owing.lock().insert(c.key.clone(), c.clone());
-            }
-            if !live {
-                self.leased.lock().remove(&c.key);
-            }
-        }
-        !self.owing.lock().is_empty()
+        self.end_leases(Some(now))
     }
 
     /// Ends every lease now (a reload: the old rules' leases go back
@@ -782,24 +772,36 @@ impl Leases {
         if stop {
             self.closed.store(true, Ordering::Release);
         }
-        let leased: Vec<Check> = std::mem::take(&mut *self.leased.lock())
-            .into_values()
-            .collect();
+        self.end_leases(None)
+    }
+
+    /// Ends the live leases that expired by `now` (all of them: `None`),
+    /// owing their tokens; a bucket left with no live lease leaves
+    /// `leased`.
+    fn end_leases(&self, now: Option<Instant>) -> bool {
+        let leased: Vec<Check> = self.leased.lock().values().cloned().collect();
         for c in leased {
             let mut shard = self.shard(&c.key).lock();
-            let Some(e) = shard.get_mut(&c.key) else {
-                continue;
+            let (owes, live) = match shard.get_mut(&c.key) {
+                Some(e) => {
+                    match now {
+                        Some(now) => e.settle(now),
+                        None if e.tokens > 0 => e.end_lease(),
+                        None => {}
+                    }
+                    (!e.owed.is_empty(), e.tokens > 0)
+                }
+                None => (false, false),
             };
-            if e.tokens > 0 {
-                e.end_lease();
-            }
-            let owes = !e.owed.is_empty();
             drop(shard);
             if owes {
                 self.owing.lock().insert(c.key.clone(), c.clone());
             }
+            if !live {
+                self.leased.lock().remove(&c.key);
+            }
         }
-        !self.owing.lock().is_empty()
+        self.owing()
     }
 
     /// Whether tokens are owed and wait for a call.

@@ -141,19 +141,17 @@ async fn usage(
         400,
         "name a period: period=minute|hour|day|week|month".to_string(),
     ))?;
-    let period = crate::usage::parse_period(&period).map_err(|e| (400, e))?;
-    let format = crate::usage::Format::parse(&format).map_err(|e| (400, e))?;
-    let at = match at {
-        Some(a) => {
-            crate::usage::parse_at(&a, config.limiter.quota_time_zone).map_err(|e| (400, e))?
-        }
-        None => crate::clock::Clock::now_us(&crate::clock::SystemClock),
-    };
+    let zone = config.limiter.quota_time_zone;
+    let q = crate::usage::Question::parse(&period, at.as_deref(), &format, zone)
+        .map_err(|e| (400, e))?;
     let Some(redis) = limiter.redis() else {
         return Err((409, "usage is read from Redis, and limiter.backend is \"local\": GET /limits?key=ID&quota=PERIOD".into()));
     };
-    let report = crate::usage::collect(redis, config, period, at)
+    let report = crate::usage::collect(redis, config, &q)
         .await
         .map_err(|e| (503, format!("cannot read Redis: {e}")))?;
-    Ok((format.content_type(), crate::usage::render(&report, format)))
+    Ok((
+        q.format.content_type(),
+        crate::usage::render(&report, q.format),
+    ))
 }

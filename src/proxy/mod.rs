@@ -176,14 +176,17 @@ impl Gateway {
         }
         // The longest the upstream can be working on the request, as far
         // as the gateway knows: a slot whose client left is held no longer.
-        let read_timeout = route.timeout_ms.map(Duration::from_millis).or_else(|| {
-            live.policy
-                .config
-                .upstreams
-                .iter()
-                .find(|u| u.name == route.upstream)
-                .map(|u| Duration::from_millis(u.read_timeout_ms))
-        });
+        // Looked up only for a slot taken (most routes have no cap).
+        let read_timeout = || {
+            route.timeout_ms.map(Duration::from_millis).or_else(|| {
+                live.policy
+                    .config
+                    .upstreams
+                    .iter()
+                    .find(|u| u.name == route.upstream)
+                    .map(|u| Duration::from_millis(u.read_timeout_ms))
+            })
+        };
         gates.set_replicas(self.limiter.replicas());
         let caps = [
             ("route", route.name.as_str(), gates.route(i)),
@@ -202,7 +205,7 @@ impl Gateway {
             };
             match acquired {
                 Some(Ok(mut slot)) => {
-                    if let Some(t) = read_timeout {
+                    if let Some(t) = read_timeout() {
                         slot.set_timeout(t);
                     }
                     match kind {

@@ -294,10 +294,7 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
         local,
         config.limiter.on_redis_failure,
         config.limiter.instances,
-        config
-            .redis
-            .as_ref()
-            .map_or("rl", |r| r.key_prefix.as_str()),
+        config.key_prefix(),
         config.limiter.local_max_entries,
         Duration::from_millis(config.server.startup_redis_wait_ms),
     ))
