@@ -40,6 +40,31 @@ struct Prober {
 #[async_trait]
 impl BackgroundService for Prober {
     async fn start(&self, mut shutdown: ShutdownWatch) {
+        // Pingora drops this runtime's tasks when it stops it, and waits
+        // (graceful_shutdown_timeout_seconds, at least 1 s) only for
+        // blocking ones: the leases go back from a thread and a runtime of
+        // their own, within that second. The thread is started now and
+        // waits: with no grace period the runtime can stop before this
+        // task is polled again, and then its dropped sender wakes the
+        // thread (started only at shutdown, it was sometimes never
+        // started, and a stop stranded the leases).
+        let (stopping, stop) = std::sync::mpsc::channel::<()>();
+        let limiter = self.limiter.clone();
+        let within = self
+            .grace
+            .clamp(Duration::from_millis(200), Duration::from_millis(800));
+        let release = tokio::task::spawn_blocking(move || {
+            let _ = stop.recv();
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(limiter.release_leases(true, within)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "limiter: cannot give leases back at shutdown")
+                }
+            }
+        });
         let work = async {
             self.limiter.start(self.startup_wait).await;
             self.limiter.clone().watch(self.interval).await;
@@ -48,26 +73,7 @@ impl BackgroundService for Prober {
             _ = work => {}
             _ = shutdown.changed() => {}
         }
-        // Pingora drops this runtime's tasks when it stops it, and waits
-        // (graceful_shutdown_timeout_seconds, at least 1 s) only for
-        // blocking ones: the leases go back from a thread and a runtime of
-        // their own, within that second.
-        let limiter = self.limiter.clone();
-        let within = self
-            .grace
-            .clamp(Duration::from_millis(200), Duration::from_millis(800));
-        let release =
-            tokio::task::spawn_blocking(
-                move || match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt.block_on(limiter.release_leases(true, within)),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "limiter: cannot give leases back at shutdown")
-                    }
-                },
-            );
+        let _ = stopping.send(());
         let _ = release.await;
     }
 }
