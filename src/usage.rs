@@ -11,6 +11,7 @@
 //! replica set's leases are back (within a lease period and a quarter of
 //! the last request; at once after a graceful stop or a reload).
 
+use std::collections::HashMap;
 use std::fmt::Write;
 
 use chrono::{DateTime, NaiveDate, NaiveTime, TimeZone, Utc};
@@ -156,19 +157,22 @@ fn limit_of(config: &Config, id: &str, period: Period) -> Option<u64> {
     quotas.iter().find(|q| q.period == period).map(|q| q.limit)
 }
 
-/// The rows of a period from what a SCAN found.
+/// The rows of a period from what a SCAN found, less what dead holders'
+/// expired leases give back (`reclaimable`, by bucket).
 pub fn rows(
     config: &Config,
     period: Period,
     span: Span,
     found: Vec<(String, Option<String>)>,
+    reclaimable: &HashMap<String, u64>,
 ) -> Vec<Row> {
     let prefix = format!("{}k:", period_prefix(config.key_prefix(), period, span));
     let mut rows: Vec<Row> = found
         .into_iter()
         .filter_map(|(key, value)| {
+            let back = reclaimable.get(&key).copied().unwrap_or(0);
             let id = unescape(key.strip_prefix(&prefix)?)?;
-            let used = count_of(&value?, span.end)?;
+            let used = count_of(&value?, span.end)?.saturating_sub(back);
             let limit = limit_of(config, &id, period);
             Some(Row { id, used, limit })
         })
@@ -185,15 +189,15 @@ pub async fn collect(
 ) -> Result<Report, String> {
     let (zone, period) = (config.limiter.quota_time_zone, q.period);
     let span = calendar::span(period, zone, q.at);
-    let found = redis
-        .scan_values(&pattern(config.key_prefix(), period, span))
-        .await
-        .map_err(|e| redis.redact(&e.to_string()))?;
+    let pattern = pattern(config.key_prefix(), period, span);
+    let redact = |e: crate::limiter::LimiterError| redis.redact(&e.to_string());
+    let found = redis.scan_values(&pattern).await.map_err(redact)?;
+    let back = redis.reclaimable(&pattern).await.map_err(redact)?;
     Ok(Report {
         period,
         span,
         zone,
-        rows: rows(config, period, span, found),
+        rows: rows(config, period, span, found, &back),
     })
 }
 

@@ -619,20 +619,56 @@ fn malformed_calls_change_nothing() {
     }
 }
 
-/// The Rust model of one `limiter.lua` call with leases: returns first,
-/// then the requests in order (all or nothing each), then the grants.
+/// The Rust model of one `limiter.lua` call with leases: quota ledgers
+/// read where they can matter (expired holdings reclaimed), spending
+/// reported, returns, then the requests in order (all or nothing each),
+/// then the grants.
 fn model_call(
     state: &mut std::collections::HashMap<String, Option<State>>,
+    ledgers: &mut std::collections::HashMap<String, lease::Ledger>,
+    reclaimed: &mut u64,
     now: i64,
     requests: &[&[Check]],
     asks: &Asks,
 ) -> (Vec<Vec<Decision>>, Vec<Grant>) {
+    let mut buckets: Vec<&Check> = requests.iter().flat_map(|r| r.iter()).collect();
+    buckets.extend(asks.asks.iter().map(|a| &a.check));
+    let mut seen = std::collections::HashSet::new();
+    for c in buckets {
+        if !seen.insert(c.key.clone()) {
+            continue;
+        }
+        let cost: u64 = requests
+            .iter()
+            .flat_map(|r| r.iter())
+            .filter(|t| t.key == c.key)
+            .map(|t| t.cost)
+            .sum();
+        let leased = asks.asks.iter().any(|a| a.check.key == c.key);
+        let s = state.entry(c.key.clone()).or_default();
+        if lease::reads_ledger(&c.algorithm, s.as_ref(), cost, leased) {
+            let l = ledgers.entry(c.key.clone()).or_default();
+            *reclaimed += lease::reclaim(&c.algorithm, l, s, now);
+        }
+    }
+    for a in &asks.asks {
+        let l = ledgers.entry(a.check.key.clone()).or_default();
+        let s = state.entry(a.check.key.clone()).or_default();
+        lease::report_spent(&a.check.algorithm, l, s, &asks.holder, a.spent);
+    }
     let back: Vec<u64> = asks
         .asks
         .iter()
         .map(|a| {
             let s = state.entry(a.check.key.clone()).or_default();
-            lease::give_back(&a.check.algorithm, s, now, a.ret, a.until).0
+            if !matches!(a.check.algorithm, Algorithm::Calendar { .. }) {
+                return lease::give_back(&a.check.algorithm, s, now, a.ret, a.until).0;
+            }
+            let l = ledgers.entry(a.check.key.clone()).or_default();
+            let ret = lease::returnable(l, &asks.holder, a.ret);
+            let back = lease::give_back(&a.check.algorithm, s, now, ret, a.until).0;
+            lease::settle_return(l, &asks.holder, back);
+            back
         })
         .collect();
     let mut verdicts = Vec::new();
@@ -664,6 +700,10 @@ fn model_call(
         .map(|(a, taken_back)| {
             let s = state.entry(a.check.key.clone()).or_default();
             let g = lease::grant(&a.check.algorithm, s, now, a.want, asks.replicas, asks.min).0;
+            if matches!(a.check.algorithm, Algorithm::Calendar { .. }) {
+                let l = ledgers.entry(a.check.key.clone()).or_default();
+                lease::hold(l, &asks.holder, g.tokens, now, asks.hold_us);
+            }
             Grant { taken_back, ..g }
         })
         .collect();
@@ -680,6 +720,8 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     let clock = Arc::new(ManualClock::new(T0));
     let redis = redis_backend(&server, &clock, Duration::from_secs(2));
     let mut model = std::collections::HashMap::new();
+    let mut ledgers = std::collections::HashMap::new();
+    let mut reclaimed = 0;
     let mut rng = fastrand::Rng::with_seed(0x1ea5e);
     let (mut granted, mut back, mut refused_back, mut nothing, mut rejected) = (0u64, 0, 0, 0, 0);
     // A quota's own: granted, taken back, refused back (another minute's).
@@ -729,9 +771,15 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                     want: rng.u64(0..80),
                     ret,
                     until: last.until - rng.i64(0..2) * rng.i64(1..3),
+                    // Spending reported, sometimes more than is held.
+                    spent: rng.u64(0..=last.tokens / 2 + 2) * (which == 6) as u64,
                 }],
                 replicas: rng.u64(1..5),
                 min: rng.u64(1..6),
+                // Two holders: a return names only what its own holds; a
+                // holding that outlives `hold` is reclaimed.
+                holder: ["conformance", "other"][rng.usize(0..2)].into(),
+                hold_us: 2_000_000,
             };
             if rng.bool() {
                 asks.asks.push(Ask {
@@ -739,11 +787,13 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                     want: rng.u64(0..30),
                     ret: 0,
                     until: 0,
+                    spent: 0,
                 });
             }
             let (verdicts, grants, at) = redis.decide_leasing(&refs, &asks).await.expect("redis");
             assert_eq!(at, now);
-            let (expected, model_grants) = model_call(&mut model, now, &refs, &asks);
+            let (expected, model_grants) =
+                model_call(&mut model, &mut ledgers, &mut reclaimed, now, &refs, &asks);
             let got: Vec<Vec<Decision>> = verdicts.into_iter().map(|v| v.decisions).collect();
             assert_eq!(got, expected, "round {round}: decisions differ ({alg:?})");
             assert_eq!(
@@ -770,8 +820,8 @@ async fn lease_grants_and_returns_agree_with_the_model() {
         "granted {granted}, taken back {back}, returns refused {refused_back}, nothing {nothing}, rejected {rejected}"
     );
     assert!(
-        quota[0] > 100 && quota[1] > 20 && quota[2] > 5,
-        "quotas: granted {}, taken back {}, returns refused {}",
+        quota[0] > 100 && quota[1] > 20 && quota[2] > 5 && reclaimed > 20,
+        "quotas: granted {}, taken back {}, returns refused {}, reclaimed {reclaimed}",
         quota[0],
         quota[1],
         quota[2]
@@ -794,24 +844,35 @@ fn malformed_leases_change_nothing() {
         argv.extend_from_slice(leases);
         server.cmd(&argv)
     };
-    let ok = eval(&["1", "2", "1", "1", "5", "0", "0"]);
+    let ok = eval(&["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "0"]);
     assert!(!ok.contains("limiter.lua"), "the valid call: {ok}");
     server.cmd(&["FLUSHALL"]);
     for (what, leases) in [
         (
             "a lease on a sliding log",
-            &["1", "2", "1", "2", "5", "0", "0"][..],
+            &["1", "2", "1", "h1", "1000", "2", "5", "0", "0", "0"][..],
         ),
         (
             "two leases announced, one sent",
-            &["2", "2", "1", "1", "5", "0", "0"],
+            &["2", "2", "1", "h1", "1000", "1", "5", "0", "0", "0"],
         ),
-        ("no replicas", &["1", "0", "1", "1", "5", "0", "0"]),
+        (
+            "no replicas",
+            &["1", "0", "1", "h1", "1000", "1", "5", "0", "0", "0"],
+        ),
         (
             "a fractional return",
-            &["1", "2", "1", "1", "5", "0.5", "0"],
+            &["1", "2", "1", "h1", "1000", "1", "5", "0.5", "0", "0"],
         ),
         ("a lease section cut short", &["1", "2"]),
+        (
+            "a holder that is not [0-9a-z]",
+            &["1", "2", "1", "h:1", "1000", "1", "5", "0", "0", "0"],
+        ),
+        (
+            "a negative spent",
+            &["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "-1"],
+        ),
     ] {
         let out = eval(leases);
         assert!(out.contains("limiter.lua:"), "{what}: {out}");

@@ -235,6 +235,50 @@ fn an_idle_replicas_lease_goes_back_within_a_period() {
     assert_eq!(through_a + first + rest, 50);
 }
 
+/// Acceptance 4: A holds a lease and is SIGKILLed. While the lease lives,
+/// at most its unspent tokens are missing; two lease periods after its
+/// grant Redis takes them back itself (A's spending was reported by its
+/// sweeper, every quarter period), and B admits the rest: 50 in all.
+#[test]
+fn a_killed_replicas_lease_comes_back_when_it_expires() {
+    let redis = aof_redis();
+    let up = UpstreamGuard::start();
+    let period_ms = 1000;
+    let cfg = config(&redis.url(), &up, period_ms, "");
+    let mut a = GatewayGuard::start(&cfg);
+    let b = GatewayGuard::start(&cfg);
+    let through_a = lease_on(&a, "m1");
+    // (Its spending is reported every quarter period: by now, all of it.)
+    std::thread::sleep(Duration::from_millis(period_ms / 2));
+    a.kill();
+    let during = until_refused(&b, "m1");
+    // What B could not have: A's unspent quota lease (the gauge counts the
+    // plan's burst lease too).
+    let missing = 50 - through_a - during;
+    std::thread::sleep(Duration::from_millis(2 * period_ms + 500));
+    // Before any request reads the ledger again, `used` and the usage
+    // export already leave the expired lease out.
+    let billed = used(&b, "m1", "quota-month");
+    let exported = b.admin_get("/usage?period=month&format=jsonl").text();
+    let after = until_refused(&b, "m1");
+    println!(
+        "FIGURES quota-kill: {through_a} through A, then SIGKILL; {during} through B while A's lease lived ({missing} missing), used {billed} once it expired; {after} more after: {} (bound 50); upstream saw {}",
+        through_a + during + after,
+        up.total()
+    );
+    assert_eq!(billed, through_a + during, "used: what was admitted");
+    let row: serde_json::Value = exported
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .find(|v: &serde_json::Value| v["key"] == "m1")
+        .unwrap_or_else(|| panic!("no row for m1: {exported}"));
+    assert_eq!(row["used"], billed, "usage export: {row}");
+    assert!(missing > 0, "A held a quota lease when killed");
+    assert_eq!(after, missing, "Redis gives it back whole");
+    assert_eq!(up.total(), 50);
+    assert_eq!(used(&b, "m1", "quota-month"), 50);
+}
+
 /// Six threads spraying a key over both replicas in turn for `secs`: the
 /// requests admitted.
 fn spray(gws: &[&GatewayGuard], key: &str, secs: u64) -> u64 {

@@ -29,6 +29,13 @@ pub fn bucket_name(rule_prefix: &str, identity: &str) -> String {
     k
 }
 
+/// A quota bucket's lease ledger (`limiter.lua`): its name is the
+/// bucket's in a hash tag, so it lives in the bucket's cluster slot (a
+/// bucket's name never holds a brace: `escape_into`).
+pub fn ledger_key(bucket: &str) -> String {
+    format!("{{{bucket}}}:leases")
+}
+
 fn fingerprint(alg: &Algorithm) -> String {
     match *alg {
         Algorithm::TokenBucket {

@@ -74,6 +74,9 @@ pub struct Ask {
     pub ret: u64,
     /// What that lease's grant answered (`Grant::until`).
     pub until: i64,
+    /// A quota's leased tokens spent since this replica last said so: Redis
+    /// takes back itself what a dead holder did not spend (`Ledger`).
+    pub spent: u64,
 }
 
 impl Ask {
@@ -84,6 +87,7 @@ impl Ask {
             want: 0,
             ret: o.tokens,
             until: o.until,
+            spent: 0,
         }
     }
 }
@@ -120,6 +124,10 @@ pub struct Asks {
     /// is left).
     pub replicas: u64,
     pub min: u64,
+    /// This replica's id in quota ledgers, and how long after a grant Redis
+    /// takes the unspent tokens of a holder that stopped reporting.
+    pub holder: std::sync::Arc<str>,
+    pub hold_us: u64,
 }
 
 impl Asks {
@@ -146,6 +154,8 @@ struct Entry {
     reset_generation: u64,
     /// Unspent tokens of ended leases, to give back with the next call.
     owed: Vec<Owed>,
+    /// A quota's leased tokens spent and not yet reported (`Ask::spent`).
+    unreported: u64,
     /// Tokens requests wanted in this period and in the previous one.
     demand: u64,
     demand_prev: u64,
@@ -206,7 +216,7 @@ impl Entry {
     }
 
     fn holds_any(&self) -> bool {
-        self.tokens > 0 || !self.owed.is_empty()
+        self.tokens > 0 || !self.owed.is_empty() || self.unreported > 0
     }
 
     fn new(algorithm: Algorithm, now: Instant) -> Self {
@@ -218,6 +228,7 @@ impl Entry {
             generation: 0,
             reset_generation: 0,
             owed: Vec::new(),
+            unreported: 0,
             demand: 0,
             demand_prev: 0,
             period_start: now,
@@ -331,7 +342,8 @@ pub struct Leases {
     /// Buckets holding a live lease: looked at by `due` for one that
     /// expired.
     leased: Mutex<HashMap<String, Check>>,
-    /// Buckets with owed tokens: every call carries them back.
+    /// Buckets with owed tokens or unreported quota spending: every call
+    /// carries them (and the sweeper sends them if none does).
     owing: Mutex<HashMap<String, Check>>,
     /// Set by `release` for a stop: nothing is leased or spent after it.
     closed: AtomicBool,
@@ -339,6 +351,9 @@ pub struct Leases {
     held: AtomicI64,
     replicas: AtomicU32,
     hasher: std::collections::hash_map::RandomState,
+    /// This process's id in quota ledgers: random, so a replica restarted
+    /// after a SIGKILL never takes over what the killed one held.
+    holder: std::sync::Arc<str>,
 }
 
 impl Leases {
@@ -354,6 +369,7 @@ impl Leases {
             held: AtomicI64::new(0),
             replicas: AtomicU32::new(1),
             hasher: Default::default(),
+            holder: format!("{:016x}", fastrand::u64(..)).into(),
         }
     }
 
@@ -431,14 +447,24 @@ impl Leases {
         taken
     }
 
-    /// The request was admitted: its leased tokens are spent.
+    /// The request was admitted: its leased tokens are spent. A quota's
+    /// spending is reported to Redis with the next call (the sweeper sends
+    /// one within a quarter period), so a holder that dies unreported for
+    /// at most that long.
     pub fn confirm(&self, checks: &[Check], taken: &Taken) {
-        let spent = checks
-            .iter()
-            .zip(&taken.decisions)
-            .filter(|(_, d)| d.is_some())
-            .map(|(c, _)| c.cost)
-            .sum();
+        let mut spent = 0;
+        for (c, d) in checks.iter().zip(&taken.decisions) {
+            if d.is_none() {
+                continue;
+            }
+            spent += c.cost;
+            if matches!(c.algorithm, Algorithm::Calendar { .. }) {
+                if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
+                    e.unreported += c.cost;
+                }
+                self.owing.lock().insert(c.key.clone(), c.clone());
+            }
+        }
         self.book(LeaseEvent::Spent, spent);
     }
 
@@ -530,7 +556,23 @@ impl Leases {
                 continue;
             };
             e.settle(now);
+            let first = asks.len();
             asks.extend(e.owed.drain(..).map(|o| Ask::back(&c, o)));
+            let spent = std::mem::take(&mut e.unreported);
+            match asks.get_mut(first) {
+                Some(a) => a.spent = spent,
+                None if spent > 0 => asks.push(Ask {
+                    spent,
+                    ..Ask::back(
+                        &c,
+                        Owed {
+                            tokens: 0,
+                            until: 0,
+                        },
+                    )
+                }),
+                None => {}
+            }
         }
         self.sized(asks)
     }
@@ -549,6 +591,10 @@ impl Leases {
             asks,
             replicas: self.replicas.load(Ordering::Relaxed) as u64,
             min: MIN_GRANT,
+            holder: self.holder.clone(),
+            // A holder returns what it did not spend within a period and a
+            // quarter of its grant (the sweeper); Redis waits two.
+            hold_us: 2 * self.period.as_micros() as u64,
         }
     }
 
@@ -579,12 +625,14 @@ impl Leases {
             self.leased.lock().remove(&c.key);
         }
         let first = owed.first().copied();
-        if asking || first.is_some() {
+        let spent = std::mem::take(&mut e.unreported);
+        if asking || first.is_some() || spent > 0 {
             out.push(Ask {
                 check: c.clone(),
                 want: if asking { want } else { 0 },
                 ret: first.map_or(0, |o| o.tokens),
                 until: first.map_or(e.until, |o| o.until),
+                spent,
             });
         }
         out.extend(owed.iter().skip(1).map(|o| Ask::back(c, *o)));
@@ -665,33 +713,32 @@ impl Leases {
     /// A call carrying `asks` failed: its buckets may be asked for again.
     /// What it gave back is owed again when the call cannot have run
     /// (`ran`: false), else counted lost: it may have arrived, and a return
-    /// is never sent twice.
+    /// is never sent twice. So is spending it reported: told twice, it
+    /// would be charged twice.
     pub fn failed(&self, asks: &Asks, ran: bool) {
         for a in &asks.asks {
             let mut shard = self.shard(&a.check.key).lock();
-            let e = shard.get_mut(&a.check.key);
-            match e {
-                Some(e) if !ran => {
-                    e.asking = None;
-                    e.owe(a.ret, a.until);
-                    let owes = a.ret > 0;
-                    drop(shard);
-                    if owes {
-                        self.owing
-                            .lock()
-                            .insert(a.check.key.clone(), a.check.clone());
-                    }
-                }
+            let (owes, lost) = match shard.get_mut(&a.check.key) {
                 Some(e) => {
                     e.asking = None;
-                    drop(shard);
-                    self.book(LeaseEvent::Lost, a.ret);
+                    if !ran {
+                        e.unreported += a.spent;
+                        e.owe(a.ret, a.until);
+                    }
+                    (
+                        e.unreported > 0 || !e.owed.is_empty(),
+                        if ran { a.ret } else { 0 },
+                    )
                 }
-                None => {
-                    drop(shard);
-                    self.book(LeaseEvent::Lost, a.ret);
-                }
+                None => (false, a.ret),
+            };
+            drop(shard);
+            if owes {
+                self.owing
+                    .lock()
+                    .insert(a.check.key.clone(), a.check.clone());
             }
+            self.book(LeaseEvent::Lost, lost);
         }
     }
 
@@ -750,6 +797,8 @@ impl Leases {
             }
             let lost =
                 std::mem::take(&mut e.tokens) + e.owed.drain(..).map(|o| o.tokens).sum::<u64>();
+            // The reset took the bucket's ledger with it.
+            e.unreported = 0;
             e.generation += 1;
             e.reset_generation = e.generation;
             drop(shard);
@@ -988,9 +1037,11 @@ mod tests {
                 want: 10,
                 ret: 0,
                 until: 0,
+                spent: 0,
             }],
             replicas: 1,
             min: MIN_GRANT,
+            ..Asks::default()
         };
         let grant = Grant {
             tokens: 10,

@@ -36,10 +36,14 @@ then per shape: n, its number of tiers, and per tier two values: the index
 then per request: the index of its shape (requests of one client on one
          route share a shape, so a request costs one argument)
 then, optionally, leases (leases.rs): l, the number of them, r, the replicas
-         sharing the limit, and g0, the smallest lease worth granting; per
-         lease four values: k (a token bucket, fixed or sliding window, quota),
-         want (tokens asked for), ret (unspent tokens of an expired lease,
-         given back) and until (what its grant answered: see below)
+         sharing the limit, g0, the smallest lease worth granting, h, the
+         holder (the calling replica's random id, [0-9a-z] only) and hold,
+         how long after a quota grant Redis takes its unspent tokens back
+         itself (µs); per lease five values: k (a token bucket, fixed or
+         sliding window, quota), want (tokens asked for), ret (unspent
+         tokens of an expired lease, given back), until (what its grant
+         answered: see below) and spent (a quota's leased tokens spent since
+         the holder last said so; 0 elsewhere)
 
 A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
 set of parameters however many requests of the batch use it.
@@ -67,6 +71,21 @@ full, so the tokens come back exactly, and the return is refused after it.
 A bucket reset while the lease was out is told from its state only when its
 count or TAT is lower than the lease left it: a reset bucket spent past that
 point may take back a lease from before the reset (README).
+
+A quota's leases are also booked in a ledger beside its count: the hash
+`{<bucket>}:leases` (the bucket's own slot in a cluster), one field per holder,
+"out reclaim_at": tokens granted to it and neither reported spent nor given
+back, and when Redis takes them back itself. Each grant adds to `out` and
+moves reclaim_at to now + hold; `spent` takes from `out`; a return is taken
+back only up to `out` (so never twice). A holder that dies (SIGKILL) stops
+reporting: once reclaim_at passes, its `out` is given back to the count by
+the next call that reads the ledger: one that leases the bucket, or one
+that might be refused by it (the count plus the batch's cost there is over
+the limit). Tokens it spent after its last report are given back with them:
+the over-admission a killed replica can cause is what it spent in its last
+report interval (the README). A holder only cut off reports them when it is
+back, and spending beyond what it holds is charged to the count again.
+algorithms/lease.rs is the model.
 ]]
 
 -- How long a quota period's count is kept past the period's end: at least
@@ -307,22 +326,28 @@ do
   end
   lease_at = a + m
 end
-local nl, reps, g0 = 0, 1, 1
-local lk, lwant, lret, luntil = {}, {}, {}, {}
+local nl, reps, g0, holder, hold = 0, 1, 1, nil, 0
+local lk, lwant, lret, luntil, lspent = {}, {}, {}, {}, {}
+local leased = {}
 if lease_at <= na then
   nl, reps, g0 = tonum(ARGV[lease_at]), tonum(ARGV[lease_at + 1]), tonum(ARGV[lease_at + 2])
+  holder, hold = ARGV[lease_at + 3], tonum(ARGV[lease_at + 4])
   if not whole(nl, 0, na) or not whole(reps, 1, 2 ^ 31) or not whole(g0, 1, 2 ^ 40)
-      or lease_at + 2 + 4 * nl ~= na then
+      or not (holder and match(holder, '^[0-9a-z]+$')) or not whole(hold, 0, 2 ^ 40)
+      or lease_at + 4 + 5 * nl ~= na then
     return bad('expected leases after the requests')
   end
   for i = 1, nl do
-    local b = lease_at + 4 * i - 1
+    local b = lease_at + 5 * i
     local k, want, ret, til = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
+    local spent = tonum(ARGV[b + 4])
     if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
-        or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53) then
-      return bad('lease ' .. i .. ' is not a token bucket, window or quota with want, ret, until')
+        or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53)
+        or not whole(spent, 0, 2 ^ 40) then
+      return bad('lease ' .. i .. ' is not a token bucket, window or quota with want, ret, until, spent')
     end
-    lk[i], lwant[i], lret[i], luntil[i] = k, want, ret, til
+    lk[i], lwant[i], lret[i], luntil[i], lspent[i] = k, want, ret, til, spent
+    leased[k] = true
   end
 end
 
@@ -349,12 +374,80 @@ local function touch(k, ttl)
   ttl_of[k] = ttl
 end
 
+-- Quota ledgers (see the top): read for a bucket this call leases, or one
+-- its requests might find short; expired holdings are given back first.
+local ledgers, lchanged = {}, {}
+do
+  local cost = {}
+  for r = 1, m do
+    local q = shape[r]
+    for j = start[q] + 1, start[q] + len[q] do
+      local k = refs[j]
+      if k < 0 then k = -k end
+      if kinds[k] == 6 then cost[k] = (cost[k] or 0) + costs[j] end
+    end
+  end
+  for k = 1, nk do
+    local s = state[k]
+    if kinds[k] == 6 and (leased[k]
+        or (cost[k] and s and s[1] == ws[k] and s[2] + cost[k] > p1s[k])) then
+      local l = {}
+      local raw = call('HGETALL', '{' .. names[k] .. '}:leases')
+      for j = 1, #raw, 2 do
+        local o, at = match(raw[j + 1], '^(%d+) (%-?%d+)$')
+        if o then l[raw[j]] = {tonum(o), tonum(at)} end
+      end
+      for h, e in pairs(l) do
+        if e[2] <= now then
+          if s and s[1] == ws[k] then
+            local back = e[1]
+            if back > s[2] then back = s[2] end
+            s = {s[1], s[2] - back}
+            state[k] = s
+            touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
+          end
+          l[h] = nil
+          lchanged[k] = true
+        end
+      end
+      ledgers[k] = l
+    end
+  end
+end
+
+-- A quota's leased tokens its holder spent: no longer Redis's to take back.
+-- Spending beyond what it holds is a late report (Redis took those tokens
+-- back while the holder was cut off): charged to the count again, as the
+-- fallback's debts are.
+for i = 1, nl do
+  local k, sp = lk[i], lspent[i]
+  if kinds[k] == 6 and sp > 0 then
+    local e = ledgers[k][holder]
+    if e then
+      local own = sp
+      if own > e[1] then own = e[1] end
+      e[1], sp = e[1] - own, sp - own
+      lchanged[k] = true
+    end
+    local s = state[k]
+    if sp > 0 and s and s[1] == ws[k] then
+      state[k] = {s[1], s[2] + sp}
+      touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
+    end
+  end
+end
+
 -- Unspent tokens of expired leases, taken back where that is exact
--- (algorithms/lease.rs).
+-- (algorithms/lease.rs): a quota's only up to what its ledger holds.
 local lback = {}
 for i = 1, nl do
   local k, ret, til, s = lk[i], lret[i], luntil[i], state[lk[i]]
   lback[i] = 0
+  if kinds[k] == 6 then
+    local e = ledgers[k][holder]
+    if not e then ret = 0
+    elseif ret > e[1] then ret = e[1] end
+  end
   if ret > 0 and s then
     local kind = kinds[k]
     if kind == 1 then
@@ -378,6 +471,9 @@ for i = 1, nl do
         state[k] = {s[1], s[2] - ret}
         touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
         lback[i] = ret
+        local e = ledgers[k][holder]
+        e[1] = e[1] - ret
+        lchanged[k] = true
       end
     end
   end
@@ -509,6 +605,13 @@ for i = 1, nl do
       state[k] = new
       touch(k, ttl)
       granted = g
+      if kind == 6 then
+        local l = ledgers[k]
+        local e = l[holder] or {0, 0}
+        e[1], e[2] = e[1] + g, now + hold
+        l[holder] = e
+        lchanged[k] = true
+      end
     end
   end
   out[no + 1], out[no + 2], out[no + 3] = granted, til, lback[i]
@@ -518,6 +621,23 @@ end
 for j = 1, ndirty do
   local ki = dirty[j]
   call('SET', names[ki], encode(kinds[ki], state[ki]), 'PX', max(min_px, ceil(ttl_of[ki] / 1000)))
+end
+-- A ledger is rewritten whole (a field per holder: a few) and kept as long
+-- as its count; holdings settled to 0 leave it.
+for k, _ in pairs(lchanged) do
+  local key = '{' .. names[k] .. '}:leases'
+  call('DEL', key)
+  local args, n = {}, 0
+  for h, e in pairs(ledgers[k]) do
+    if e[1] > 0 then
+      args[n + 1], args[n + 2] = h, format('%d %d', e[1], e[2])
+      n = n + 2
+    end
+  end
+  if n > 0 then
+    call('HSET', key, unpack(args))
+    call('PEXPIRE', key, max(min_px, ceil((max(0, ws[k] - now) + QUOTA_KEEP_US) / 1000)))
+  end
 end
 out[no + 1] = now
 return out

@@ -592,6 +592,14 @@ impl GatewayGuard {
         (status, started.elapsed())
     }
 
+    /// SIGKILL: gone at once, with nothing given back.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(child.id(), "KILL");
+            reap(&mut child, Duration::from_secs(10));
+        }
+    }
+
     /// SIGINT (fast shutdown), then waits.
     pub fn stop_now(&mut self) {
         if let Some(mut child) = self.child.take() {

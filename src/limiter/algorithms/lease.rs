@@ -159,6 +159,137 @@ fn window_of(now: Micros, w: i64, s: Option<&State>) -> i64 {
     super::window_index(now, w, stored)
 }
 
+/// A quota's lease ledger, per holder (a replica's random id): tokens
+/// granted to it and neither reported spent nor given back, and when Redis
+/// takes them back itself. A holder that dies stops reporting; once its
+/// time is up what it held goes back to the count (`reclaim`). A return is
+/// taken back only up to what the holder holds, so never twice.
+pub type Ledger = std::collections::BTreeMap<String, Held>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub out: u64,
+    pub reclaim_at: Micros,
+}
+
+/// Whether a call reads a quota's ledger (and so reclaims what is due): it
+/// leases the bucket, or its requests there (`cost` in all) might find it
+/// short. Elsewhere a reclaim could change no decision, and waits.
+pub fn reads_ledger(alg: &Algorithm, state: Option<&State>, cost: u64, leased: bool) -> bool {
+    let Algorithm::Calendar { limit, end, .. } = *alg else {
+        return false;
+    };
+    leased
+        || (cost > 0
+            && matches!(state, Some(State::Window { window, count })
+                if *window == end && count + cost > limit))
+}
+
+/// Gives the holdings whose time is up back to the count (never below
+/// zero); returns the tokens given back.
+pub fn reclaim(
+    alg: &Algorithm,
+    ledger: &mut Ledger,
+    state: &mut Option<State>,
+    now: Micros,
+) -> u64 {
+    let Algorithm::Calendar { end, .. } = *alg else {
+        return 0;
+    };
+    let mut back = 0;
+    ledger.retain(|_, h| {
+        if h.reclaim_at > now {
+            return true;
+        }
+        if let Some(State::Window { window, count }) = state {
+            if *window == end {
+                let b = h.out.min(*count);
+                *count -= b;
+                back += b;
+            }
+        }
+        false
+    });
+    back
+}
+
+/// A ledger as Redis holds it: field = holder, value = "out reclaim_at"
+/// (a field that does not read so is left out, as `limiter.lua` does).
+pub fn parse_ledger(fields: Vec<(String, String)>) -> Ledger {
+    fields
+        .into_iter()
+        .filter_map(|(holder, v)| {
+            let (out, at) = v.split_once(' ')?;
+            let held = Held {
+                out: out.parse().ok()?,
+                reclaim_at: at.parse().ok()?,
+            };
+            Some((holder, held))
+        })
+        .collect()
+}
+
+/// What a ledger gives back at `now` (holdings whose time is up).
+pub fn due(ledger: &Ledger, now: Micros) -> u64 {
+    ledger
+        .values()
+        .filter(|h| h.reclaim_at <= now)
+        .map(|h| h.out)
+        .sum()
+}
+
+/// A holder says it spent `spent` of its leased tokens. Beyond what it
+/// holds, the report is late (Redis took those tokens back while the holder
+/// was cut off): they are charged to the count again.
+pub fn report_spent(
+    alg: &Algorithm,
+    ledger: &mut Ledger,
+    state: &mut Option<State>,
+    holder: &str,
+    spent: u64,
+) {
+    let Algorithm::Calendar { end, .. } = *alg else {
+        return;
+    };
+    let mut late = spent;
+    if let Some(h) = ledger.get_mut(holder) {
+        let own = late.min(h.out);
+        h.out -= own;
+        late -= own;
+    }
+    if let Some(State::Window { window, count }) = state {
+        if *window == end {
+            *count += late;
+        }
+    }
+}
+
+/// A quota return bounded by what its holder holds (`give_back` then takes
+/// back what is exact, and `settle_return` books it).
+pub fn returnable(ledger: &Ledger, holder: &str, ret: u64) -> u64 {
+    ledger.get(holder).map_or(0, |h| ret.min(h.out))
+}
+
+pub fn settle_return(ledger: &mut Ledger, holder: &str, back: u64) {
+    if let Some(h) = ledger.get_mut(holder) {
+        h.out -= back.min(h.out);
+    }
+}
+
+/// A quota grant booked to its holder, reclaimed `hold` after now unless
+/// spent or given back first.
+pub fn hold(ledger: &mut Ledger, holder: &str, granted: u64, now: Micros, hold: u64) {
+    if granted == 0 {
+        return;
+    }
+    let h = ledger.entry(holder.to_string()).or_insert(Held {
+        out: 0,
+        reclaim_at: 0,
+    });
+    h.out += granted;
+    h.reclaim_at = now + hold as Micros;
+}
+
 /// A lease granted to one replica: tokens taken, and what a return of
 /// them must name (`give_back`): the window they count in, or for a token
 /// bucket the floor of its TAT without the grant.
@@ -320,6 +451,45 @@ mod tests {
             end: end + 3_600_000_000,
         };
         assert_eq!(available(&next, s.as_ref(), end), 100);
+    }
+
+    #[test]
+    fn a_dead_holders_quota_lease_comes_back_when_its_time_is_up() {
+        let end = NOW + 3_600_000_000;
+        let q = Algorithm::Calendar {
+            limit: 100,
+            period: crate::calendar::Period::Hour,
+            start: NOW - 10,
+            end,
+        };
+        let (mut s, mut l) = (None, Ledger::new());
+        let (a, _) = grant(&q, &mut s, NOW, 30, 2, 4);
+        hold(&mut l, "a", a.tokens, NOW, 200);
+        let (b, _) = grant(&q, &mut s, NOW, 20, 2, 4);
+        hold(&mut l, "b", b.tokens, NOW, 200);
+        assert_eq!(available(&q, s.as_ref(), NOW), 50);
+        // A spends 12 and says so, then dies; B gives its 20 back.
+        report_spent(&q, &mut l, &mut s, "a", 12);
+        let r = returnable(&l, "b", 25);
+        assert_eq!(r, 20, "never more than B holds");
+        let (back, _) = give_back(&q, &mut s, NOW + 5, r, b.until);
+        settle_return(&mut l, "b", back);
+        assert_eq!(available(&q, s.as_ref(), NOW), 70);
+        // Before A's time is up nothing comes back; after, its 18.
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 199), 0);
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200), 18);
+        assert_eq!(available(&q, s.as_ref(), NOW), 88);
+        assert!(l.is_empty(), "both holdings settled: {l:?}");
+        // A was only cut off: its late return takes back nothing, and the
+        // 3 it spent unreported are charged again.
+        assert_eq!(returnable(&l, "a", 15), 0);
+        report_spent(&q, &mut l, &mut s, "a", 3);
+        assert_eq!(available(&q, s.as_ref(), NOW), 85);
+        // The ledger is read only where it can change a decision.
+        assert!(reads_ledger(&q, s.as_ref(), 0, true));
+        assert!(!reads_ledger(&q, s.as_ref(), 85, false));
+        assert!(reads_ledger(&q, s.as_ref(), 86, false));
+        assert!(!reads_ledger(&q, None, 500, false));
     }
 
     #[test]

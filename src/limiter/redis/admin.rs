@@ -14,7 +14,8 @@ use redis::aio::ConnectionManager;
 
 use super::{query, redis_err, Conn, RedisBackend, SlotMap};
 use crate::config::Algorithm;
-use crate::limiter::algorithms::{self, Micros, Snapshot, State};
+use crate::limiter::algorithms::{self, lease, Micros, Snapshot, State};
+use crate::limiter::keys::ledger_key;
 use crate::limiter::{Check, LimiterError};
 
 /// Stream entries kept: far more than a second of resets.
@@ -56,8 +57,14 @@ impl RedisBackend {
             let mut conn = self.admin_connection().await?;
             let mut deleted = 0;
             // One key per DEL: in a cluster the buckets live in many slots.
+            // A quota's lease ledger goes with it (its bucket's slot): left
+            // behind, a dead holder's tokens would be given back to the new
+            // count.
             for k in keys {
                 deleted += query::<usize>(&mut conn, redis::cmd("DEL").arg(*k))
+                    .await
+                    .map_err(redis_err)?;
+                query::<usize>(&mut conn, redis::cmd("DEL").arg(ledger_key(k)))
                     .await
                     .map_err(redis_err)?;
             }
@@ -171,10 +178,19 @@ impl RedisBackend {
         &self,
         pattern: &str,
     ) -> Result<Vec<(String, Option<String>)>, LimiterError> {
+        self.scan_values_as(pattern, "GET").await
+    }
+
+    /// `scan_values`, each key read with `read` (GET, HGETALL).
+    async fn scan_values_as<T: redis::FromRedisValue>(
+        &self,
+        pattern: &str,
+        read: &'static str,
+    ) -> Result<Vec<(String, T)>, LimiterError> {
         let mut conn = self.admin_connection().await?;
         let mut out = Vec::new();
         match &mut conn {
-            Conn::Single(c) => scan_node(c, pattern, true, &mut out).await?,
+            Conn::Single(c) => scan_node(c, pattern, true, read, &mut out).await?,
             Conn::Cluster(c) => {
                 let reply: redis::Value = redis::cmd("CLUSTER")
                     .arg("SLOTS")
@@ -188,11 +204,34 @@ impl RedisBackend {
                     let Conn::Single(mut node) = self.inner.node_connection(&addr)? else {
                         continue;
                     };
-                    scan_node(&mut node, pattern, false, &mut out).await?;
+                    scan_node(&mut node, pattern, false, read, &mut out).await?;
                 }
             }
         }
         Ok(out)
+    }
+
+    /// The quota lease ledgers of the buckets `pattern` matches, what each
+    /// gives back now (holdings of dead holders whose time is up: the next
+    /// call that reads the ledger takes them back), by bucket name.
+    pub async fn reclaimable(
+        &self,
+        pattern: &str,
+    ) -> Result<std::collections::HashMap<String, u64>, LimiterError> {
+        let found = self.scan_values_as(&ledger_key(pattern), "HGETALL").await?;
+        let mut conn = self.admin_connection().await?;
+        let (s, us): (i64, i64) = query(&mut conn, &redis::cmd("TIME"))
+            .await
+            .map_err(redis_err)?;
+        let now = s * 1_000_000 + us;
+        Ok(found
+            .into_iter()
+            .filter_map(|(key, fields): (String, Vec<(String, String)>)| {
+                let bucket = key.strip_prefix('{')?.strip_suffix("}:leases")?;
+                let due = lease::due(&lease::parse_ledger(fields), now);
+                (due > 0).then(|| (bucket.to_string(), due))
+            })
+            .collect())
     }
 
     /// The probe's connection, made first if this process has no probe
@@ -204,13 +243,14 @@ impl RedisBackend {
 }
 
 /// One node's keys matching `pattern`, a thousand a page; their values by
-/// MGET where the keys may span slots (`one_node`: not a cluster), else by
-/// a pipeline of GETs.
-async fn scan_node(
+/// MGET where the keys may span slots (`one_node`: not a cluster) and are
+/// strings, else by a pipeline of `read`s.
+async fn scan_node<T: redis::FromRedisValue>(
     c: &mut ConnectionManager,
     pattern: &str,
     one_node: bool,
-    out: &mut Vec<(String, Option<String>)>,
+    read: &'static str,
+    out: &mut Vec<(String, T)>,
 ) -> Result<(), LimiterError> {
     let mut cursor: u64 = 0;
     loop {
@@ -224,12 +264,12 @@ async fn scan_node(
             .await
             .map_err(redis_err)?;
         if !keys.is_empty() {
-            let values: Vec<Option<String>> = if one_node {
+            let values: Vec<T> = if one_node && read == "GET" {
                 redis::cmd("MGET").arg(&keys).query_async(c).await
             } else {
                 let mut pipe = redis::pipe();
                 for k in &keys {
-                    pipe.cmd("GET").arg(k);
+                    pipe.cmd(read).arg(k);
                 }
                 pipe.query_async(c).await
             }
@@ -294,7 +334,18 @@ async fn read_state(
     let raw: Option<String> = query(conn, redis::cmd("GET").arg(&c.key))
         .await
         .map_err(redis_err)?;
-    Ok(raw.and_then(|r| parse_state(&c.algorithm, &r)))
+    let mut state = raw.and_then(|r| parse_state(&c.algorithm, &r));
+    if matches!(c.algorithm, Algorithm::Calendar { .. }) && state.is_some() {
+        // A dead holder's lease whose time is up counts as given back, as
+        // the next call that reads the ledger will make it.
+        let fields: Vec<(String, String)> =
+            query(conn, redis::cmd("HGETALL").arg(ledger_key(&c.key)))
+                .await
+                .map_err(redis_err)?;
+        let mut ledger = lease::parse_ledger(fields);
+        lease::reclaim(&c.algorithm, &mut ledger, &mut state, now);
+    }
+    Ok(state)
 }
 
 fn parse_state(alg: &Algorithm, raw: &str) -> Option<State> {

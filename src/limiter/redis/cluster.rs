@@ -179,7 +179,7 @@ impl Inner {
         let mut group_asks: Vec<Asks> = (0..groups.len())
             .map(|_| Asks {
                 asks: Vec::new(),
-                ..*asks
+                ..asks.clone()
             })
             .collect();
         for (a, g) in asks.asks.iter().zip(ask_groups) {

@@ -112,12 +112,17 @@ pub(super) async fn run_script(
         cmd.arg(q);
     }
     if !asks.is_empty() {
-        cmd.arg(asks.asks.len()).arg(asks.replicas).arg(asks.min);
+        cmd.arg(asks.asks.len())
+            .arg(asks.replicas)
+            .arg(asks.min)
+            .arg(&*asks.holder)
+            .arg(asks.hold_us);
         for a in &asks.asks {
             cmd.arg(index[a.check.key.as_str()])
                 .arg(a.want)
                 .arg(a.ret)
-                .arg(a.until);
+                .arg(a.until)
+                .arg(a.spent);
         }
     }
     let reply: Vec<i64> = match send(conn, &cmd, asking).await {
