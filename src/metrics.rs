@@ -164,6 +164,10 @@ pub fn install() {
             "Requests the rate tiers admitted and an in-flight cap refused, by kind, name and reason: queue_full, queue_timeout, displaced (a higher-priority plan took its place in the queue) answered 503; per_client (max_in_flight_per_client) answered 429; client_left (its client left while it waited: dropped, never sent upstream). Every reason of every cap is present at 0 from the first scrape"
         );
         describe_counter!(
+            "gateway_refunds_total",
+            "Admissions given back to the rate tiers (every tier that admitted the request): an in-flight cap refused it, or its client left while it waited, so it never reached the upstream and is not charged"
+        );
+        describe_counter!(
             "gateway_in_flight_held_total",
             "Requests whose client left after they were sent and before the upstream answered: their slot stayed taken until the upstream would have answered (the longest recent round trip, at most the read timeout), so the upstream never holds more than the cap"
         );
@@ -242,7 +246,11 @@ pub fn redis_probe(ok: bool) {
     counter!("gateway_redis_probes_total", "result" => result).increment(1);
 }
 
-/// How long this replica has been on its fallback (zero: not on it).
+/// An admission given back (`Fallback::refund`).
+pub fn refunded() {
+    counter!("gateway_refunds_total").increment(1);
+}
+
 /// A request an in-flight cap refused (`proxy::take_slots`).
 pub fn in_flight_refused(kind: &'static str, name: &str, reason: &'static str) {
     counter!(
@@ -256,6 +264,7 @@ pub fn in_flight_refused(kind: &'static str, name: &str, reason: &'static str) {
 
 /// The in-flight caps as of a scrape.
 pub fn in_flight(gates: &crate::inflight::Gates) {
+    counter!("gateway_refunds_total").increment(0);
     for route in gates.per_client_routes() {
         counter!(
             "gateway_in_flight_refusals_total",

@@ -655,3 +655,98 @@ upstream = "up"
     assert_eq!(ok, 2, "{got:?}");
     assert!(up.stats()["max_in_flight"].as_u64().unwrap() <= 2);
 }
+
+/// #35: the rate-limit tokens of a request the in-flight caps refuse, or
+/// drop because its client left while queued, are given back, as a
+/// rejection by another tier is: a key's quota `used` is what reached the
+/// upstream. On the local backend and on Redis with leases (where most
+/// tiers are decided on a lease).
+#[test]
+fn a_request_that_never_reaches_the_upstream_is_not_charged() {
+    for backend in ["local", "redis"] {
+        let redis = support::RedisGuard::start();
+        let up = UpstreamGuard::start_with(&["--service-ms", "400", "--threads", "2"]);
+        let limiter = match backend {
+            "local" => "[limiter]\nbackend = \"local\"".to_string(),
+            _ => format!(
+                "[limiter]\nbackend = \"redis\"\n\n[redis]\nurls = [\"{}\"]",
+                redis.url()
+            ),
+        };
+        let gw = GatewayGuard::start(&format!(
+            r#"
+{SERVER_2_THREADS}
+
+{limiter}
+
+[plans.metered]
+capacity = 1000
+refill_per_sec = 1000
+quotas = [{{ limit = 1000, period = "month" }}]
+
+[[api_keys]]
+id = "k1"
+key = "k1-secret"
+plan = "metered"
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+max_in_flight = 1
+queue = 1
+queue_timeout_ms = 10000
+
+[[routes]]
+name = "r"
+path_prefix = "/"
+upstream = "up"
+"#,
+            up.addr
+        ));
+        let key = [("x-api-key", "k1-secret")];
+        // One in flight; one queued whose client leaves; then three at
+        // once while the first is still upstream: one queues, two are
+        // refused (queue_full). However the timing falls, what is charged
+        // must be what the upstream received.
+        let first = {
+            let addr = gw.addr;
+            std::thread::spawn(move || at_once(addr, 1, "/first", &[("x-api-key", "k1-secret")]))
+        };
+        wait_for("one in flight", Duration::from_secs(5), || {
+            (gauge(&gw, "gateway_in_flight", "upstream", "up") == 1.0).then_some(())
+        });
+        let mut c = std::net::TcpStream::connect(gw.addr).expect("connect");
+        c.write_all(b"GET /gone HTTP/1.1\r\nHost: x\r\nx-api-key: k1-secret\r\n\r\n")
+            .expect("send");
+        std::thread::sleep(Duration::from_millis(100));
+        drop(c);
+        let burst = at_once(gw.addr, 3, "/burst", &key);
+        let first = first.join().unwrap();
+        wait_for("every slot given back", Duration::from_secs(5), || {
+            (gauge(&gw, "gateway_in_flight", "upstream", "up") == 0.0).then_some(())
+        });
+        // Leases settle within a period and a quarter (100 ms by default).
+        std::thread::sleep(Duration::from_millis(500));
+        let v = gw.admin_get("/limits?key=k1").json();
+        let used = v["buckets"]
+            .as_array()
+            .and_then(|l| l.iter().find(|b| b["tier"] == "quota-month"))
+            .and_then(|b| b["used"].as_u64())
+            .unwrap_or_else(|| panic!("no quota used in {v}"));
+        let refunds = gw.metric("gateway_refunds_total");
+        let refused = count(&burst, 503, "");
+        println!(
+            "FIGURES refunds ({backend}): first {:?}, burst {:?}; upstream received {}, quota used {used}, refunds {refunds}",
+            first.iter().map(|r| r.0).collect::<Vec<_>>(),
+            burst.iter().map(|r| r.0).collect::<Vec<_>>(),
+            up.total()
+        );
+        assert!(refused >= 1, "{backend}: some were refused: {burst:?}");
+        assert!(refunds >= refused as f64, "{backend}: refunds {refunds}");
+        assert_eq!(
+            used,
+            up.total(),
+            "{backend}: charged only what reached the upstream"
+        );
+    }
+}

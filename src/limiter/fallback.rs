@@ -557,6 +557,35 @@ impl Fallback {
 
     /// Redis failed: this replica's share, locally, with the admissions
     /// recorded for failback.
+    /// Gives back an admission (`Outcome::Decided`) whose request then
+    /// never reached the upstream: the in-flight caps refused it, or its
+    /// client left while it was queued. Where it was decided says how: in
+    /// Redis (`refund.lua`), in the local backend, or on the fallback's
+    /// shares, whose debt is then not charged at failback either.
+    pub fn refund(&self, outcome: &Outcome) {
+        let Outcome::Decided {
+            verdict,
+            backend,
+            checks,
+        } = outcome
+        else {
+            return;
+        };
+        metrics::refunded();
+        match (backend, &self.redis) {
+            (FallbackState::Redis, Some(redis)) => redis.refund(checks, verdict),
+            (FallbackState::Redis, None) => {}
+            (FallbackState::Local, redis) => {
+                self.local
+                    .refund_at(checks, &verdict.decisions, verdict.now_us);
+                if redis.is_some() {
+                    self.ledger
+                        .unrecord(checks, &verdict.decisions, verdict.now_us);
+                }
+            }
+        }
+    }
+
     async fn fallback_outcome(&self, checks: &[Check]) -> Outcome {
         let n = self.fallback_replicas();
         let shares: Arc<[Check]> = checks

@@ -65,6 +65,20 @@ impl Ledger {
         }
     }
 
+    /// Takes back what `record` recorded for a request that was then
+    /// refused or dropped before it reached the upstream.
+    /// `checks` may be the shares: a debt is kept under its shared rule.
+    pub fn unrecord(&self, checks: &[Check], decisions: &[Decision], now: Micros) {
+        for (c, d) in checks.iter().zip(decisions) {
+            if !d.allowed {
+                continue;
+            }
+            if let Some((shared, debt)) = self.shard(&c.key).lock().get_mut(&c.key) {
+                outage::unrecord(&shared.algorithm, debt, now, c.cost);
+            }
+        }
+    }
+
     /// Drops a bucket's debt (it was reset: nothing is owed to it).
     pub fn forget(&self, key: &str) {
         self.shard(key).lock().swap_remove(key);

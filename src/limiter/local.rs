@@ -62,6 +62,23 @@ impl LocalBackend {
         self.len() == 0
     }
 
+    /// Gives back the admission `decide_at(checks, at)` made of each tier
+    /// that admitted (`algorithms::refund`); whether every one was.
+    pub fn refund_at(&self, checks: &[Check], decisions: &[algorithms::Decision], at: i64) -> bool {
+        let mut all = true;
+        for (c, d) in checks.iter().zip(decisions) {
+            if !d.allowed {
+                continue;
+            }
+            let mut shard = self.shards[self.shard_of(&c.key)].lock();
+            all &= match shard.get_mut(&c.key) {
+                Some(e) => algorithms::refund(&c.algorithm, &mut e.state, at, c.cost),
+                None => false,
+            };
+        }
+        all
+    }
+
     /// Decides at an explicit time (the conformance suite drives this).
     pub fn decide_at(&self, checks: &[Check], now: i64) -> Verdict {
         // Lock every shard involved, in index order, so concurrent requests

@@ -1,8 +1,10 @@
 --[[ refund.lua: give back one admission that limiter.lua committed.
 
-Used only in Redis Cluster mode, where a request's tiers live in different
-slots and are reserved one key at a time: if any enforcing tier then rejects,
-the tiers that admitted are refunded so a rejected request charges no tier.
+Used in Redis Cluster mode, where a request's tiers live in different slots
+and are reserved one key at a time: if any enforcing tier then rejects, the
+tiers that admitted are refunded so a rejected request charges no tier. And
+for a request the rate tiers admitted that the in-flight caps then refused,
+or whose client left while it was queued: it never reached the upstream.
 
 KEYS[1]  the bucket
 ARGV     kind p1 p2 (as for limiter.lua), now (the `now` the reservation
@@ -46,6 +48,16 @@ if kind == 3 or kind == 4 then
     if tonumber(a) ~= n or tonumber(c) < cost then return 0 end
     redis.call('SET', key, string.format('%d %d %d', n, tonumber(b), tonumber(c) - cost), 'KEEPTTL')
   end
+  return 1
+end
+
+if kind == 6 then
+  -- A quota's period is its own key; p2 is its end.
+  local v = redis.call('GET', key)
+  if not v then return 0 end
+  local a, b = string.match(v, '^(%-?%d+) (%d+)$')
+  if tonumber(a) ~= p2 or tonumber(b) < cost then return 0 end
+  redis.call('SET', key, string.format('%d %d', tonumber(a), tonumber(b) - cost), 'KEEPTTL')
   return 1
 end
 

@@ -133,8 +133,20 @@ impl Gateway {
     /// in-flight slots (`Ok(false)`), or is answered their refusal; a
     /// request whose client left while it waited for a slot is dropped
     /// (never sent).
-    async fn admit(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        match self.take_slots(session, ctx).await {
+    /// Either way it never reaches the upstream, so what the rate tiers
+    /// charged it (`charged`) is given back, as a rejection by another tier
+    /// charges none.
+    async fn admit(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        charged: Option<&crate::limiter::Outcome>,
+    ) -> Result<bool> {
+        let slots = self.take_slots(session, ctx).await;
+        if let (false, Some(outcome)) = (matches!(slots, Slots::Taken), charged) {
+            self.limiter.refund(outcome);
+        }
+        match slots {
             Slots::Taken => Ok(false),
             Slots::Refused(refused) => self.reply(session, ctx, refused).await,
             Slots::ClientLeft => Err(Error::explain(
@@ -442,7 +454,7 @@ impl ProxyHttp for Gateway {
             ctx.plan = Some(plan);
             return match preflight {
                 Some(h) => self.send(session, ctx, responses::preflight(h)).await,
-                None => self.admit(session, ctx).await,
+                None => self.admit(session, ctx, None).await,
             };
         }
         let outcome = self.limiter.decide(&plan.checks).await;
@@ -464,7 +476,7 @@ impl ProxyHttp for Gateway {
                 if delay > Duration::ZERO {
                     tokio::time::sleep(delay).await;
                 }
-                self.admit(session, ctx).await
+                self.admit(session, ctx, Some(&outcome)).await
             }
             Conclusion::Reject {
                 headers,

@@ -259,6 +259,53 @@ pub fn commit(state: &mut Option<State>, update: &Update) {
 /// The window of `w` microseconds that `now` falls in, never before the
 /// stored one: time never moves a bucket backwards (a stale clock stays in
 /// the newer window). `limiter.lua`'s `window_index`.
+/// Gives back one admission of `cost` decided at `at` (a request admitted
+/// and then refused or dropped before it reached the upstream): what
+/// `refund.lua` does in Redis. A token or leaky bucket's TAT moves back; a
+/// window's count is taken back only in the window it counted in (a
+/// quota's: its period), and only from a count that holds it; a log loses
+/// entries stamped `at`. Returns whether anything was given back.
+pub fn refund(alg: &Algorithm, state: &mut Option<State>, at: Micros, cost: u64) -> bool {
+    let Some(s) = state.as_mut() else {
+        return false;
+    };
+    match (*alg, s) {
+        (Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. }, State::Gcra { tat }) => {
+            *tat -= cost as f64 * gcra_interval(alg).unwrap_or(0.0);
+            true
+        }
+        (Algorithm::FixedWindow { window_secs, .. }, State::Window { window, count })
+            if *window == at.div_euclid(window_secs as i64 * 1_000_000) && *count >= cost =>
+        {
+            *count -= cost;
+            true
+        }
+        (Algorithm::Calendar { end, .. }, State::Window { window, count })
+            if *window == end && *count >= cost =>
+        {
+            *count -= cost;
+            true
+        }
+        (Algorithm::SlidingWindow { window_secs, .. }, State::Sliding { window, cur, .. })
+            if *window == at.div_euclid(window_secs as i64 * 1_000_000) && *cur >= cost =>
+        {
+            *cur -= cost;
+            true
+        }
+        (Algorithm::SlidingLog { .. }, State::Log(log)) => {
+            let before = log.len();
+            let mut left = cost;
+            log.retain(|&t| {
+                let drop = t == at && left > 0;
+                left -= drop as u64;
+                !drop
+            });
+            log.len() < before
+        }
+        _ => false,
+    }
+}
+
 pub(crate) fn window_index(now: Micros, w: i64, stored: Option<i64>) -> i64 {
     let n = now.div_euclid(w);
     stored.map_or(n, |s| n.max(s))

@@ -242,6 +242,46 @@ pub fn record(shared: &Algorithm, debt: &mut Option<Debt>, now: Micros, cost: u6
     }
 }
 
+/// Takes one admission of `cost` recorded at `at` back out of a debt (the
+/// request was refused or dropped before it reached the upstream): it is
+/// not charged at failback. Where the debt has moved on (a new window) or
+/// does not hold it, nothing changes.
+pub fn unrecord(shared: &Algorithm, debt: &mut Option<Debt>, at: Micros, cost: u64) {
+    let window_of = |secs: u64| at.div_euclid(secs as i64 * 1_000_000);
+    match (*shared, debt.as_mut()) {
+        (_, Some(Debt::Gcra { count, tat })) if *count >= cost => {
+            *count -= cost;
+            *tat -= cost as f64 * gcra_interval(shared).unwrap_or(0.0);
+        }
+        (Algorithm::Calendar { end, .. }, Some(Debt::Window { window, count }))
+            if *window == end && *count >= cost =>
+        {
+            *count -= cost
+        }
+        (Algorithm::FixedWindow { window_secs, .. }, Some(Debt::Window { window, count }))
+            if *window == window_of(window_secs) && *count >= cost =>
+        {
+            *count -= cost
+        }
+        (Algorithm::SlidingWindow { window_secs, .. }, Some(Debt::Sliding { window, cur, .. }))
+            if *window == window_of(window_secs) && *cur >= cost =>
+        {
+            *cur -= cost
+        }
+        (Algorithm::SlidingLog { .. }, Some(Debt::Log(log))) => {
+            for _ in 0..cost {
+                match log.iter().rposition(|&t| t == at) {
+                    Some(i) => {
+                        log.remove(i);
+                    }
+                    None => break,
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Two debts of one bucket as one: `earlier`'s admissions all came before
 /// `later`'s (a debt put back after a failed charge, and what was admitted
 /// since). Exact for GCRA: replaying `later`'s admissions onto `earlier`'s
@@ -691,6 +731,42 @@ mod tests {
 
     /// A quota admitted on the fallback owes its own period: charged back to
     /// that period's count (while it is kept), never to the next one.
+    #[test]
+    fn an_unrecorded_admission_is_not_charged() {
+        let algs = [
+            Algorithm::TokenBucket {
+                capacity: 10,
+                refill_per_sec: 1.0,
+            },
+            Algorithm::FixedWindow {
+                limit: 10,
+                window_secs: 60,
+            },
+            Algorithm::SlidingWindow {
+                limit: 10,
+                window_secs: 60,
+            },
+            Algorithm::SlidingLog {
+                limit: 10,
+                window_secs: 60,
+            },
+        ];
+        for alg in algs {
+            let (mut a, mut b) = (None, None);
+            record(&alg, &mut a, T0, 1);
+            record(&alg, &mut b, T0, 1);
+            record(&alg, &mut a, T0 + 5, 2);
+            unrecord(&alg, &mut a, T0 + 5, 2);
+            match (a.unwrap(), b.unwrap()) {
+                (Debt::Gcra { count: ca, tat: ta }, Debt::Gcra { count: cb, tat: tb }) => {
+                    assert_eq!(ca, cb);
+                    assert!((ta - tb).abs() < 1e-6, "{ta} {tb}");
+                }
+                (x, y) => assert_eq!(format!("{x:?}"), format!("{y:?}"), "{alg:?}"),
+            }
+        }
+    }
+
     #[test]
     fn quota_debts_count_in_their_own_period() {
         let (start, end) = (T0, T0 + 86_400_000_000);

@@ -327,3 +327,66 @@ proptest! {
         }
     }
 }
+
+/// A refund is the admission undone: for every algorithm, a bucket that
+/// admitted a request and gave it back decides the next request exactly
+/// as if it had never come; a window's refund after its window moved on,
+/// or a quota's of another period, gives nothing back.
+#[test]
+fn a_refund_undoes_one_admission() {
+    let quota = Algorithm::Calendar {
+        limit: 3,
+        period: crate::calendar::Period::Hour,
+        start: T0,
+        end: T0 + 3600 * S,
+    };
+    let algs = [
+        tb(3, 1.0),
+        Algorithm::LeakyBucket {
+            rate_per_sec: 1.0,
+            max_delay_ms: 2000,
+        },
+        Algorithm::FixedWindow {
+            limit: 3,
+            window_secs: 60,
+        },
+        Algorithm::SlidingWindow {
+            limit: 3,
+            window_secs: 60,
+        },
+        Algorithm::SlidingLog {
+            limit: 3,
+            window_secs: 60,
+        },
+        quota,
+    ];
+    for alg in algs {
+        let mut with = Bucket::new(alg);
+        let mut without = Bucket::new(alg);
+        with.hit(T0);
+        without.hit(T0);
+        let refunded = with.hit(T0 + 1);
+        assert!(refunded.allowed, "{alg:?}");
+        assert!(refund(&alg, &mut with.state, T0 + 1, 1), "{alg:?}");
+        for t in [T0 + 2, T0 + 3, T0 + 4, T0 + 5] {
+            assert_eq!(with.hit(t), without.hit(t), "{alg:?} at {t}");
+        }
+    }
+    // Windows: not once their window has gone.
+    for alg in [algs[2], algs[3]] {
+        let mut b = Bucket::new(alg);
+        b.hit(T0);
+        b.hit(T0 + 61 * S);
+        assert!(!refund(&alg, &mut b.state, T0, 1), "{alg:?}");
+    }
+    let mut b = Bucket::new(quota);
+    b.hit(T0);
+    let next = Algorithm::Calendar {
+        limit: 3,
+        period: crate::calendar::Period::Hour,
+        start: T0 + 3600 * S,
+        end: T0 + 7200 * S,
+    };
+    assert!(!refund(&next, &mut b.state, T0, 1), "another period's");
+    assert!(!refund(&quota, &mut None, T0, 1), "an empty bucket");
+}

@@ -309,6 +309,23 @@ impl RedisBackend {
     /// Decides several requests in one call with lease requests: the
     /// verdicts, one grant per ask, and Redis's time (for the conformance
     /// suite, which holds this to `algorithms::lease`).
+    /// Gives back a request's admission on every tier that admitted it
+    /// (`refund.lua`, each in a task of its own): the in-flight caps
+    /// refused it, or its client left while it was queued. Tiers decided
+    /// on a lease are given back to the bucket (Redis debited their tokens
+    /// with the lease). A refund not made leaves the client charged.
+    pub fn refund(&self, checks: &[Check], verdict: &Verdict) {
+        let Ok(conn) = self.inner.connection() else {
+            return;
+        };
+        for (c, d) in checks.iter().zip(&verdict.decisions) {
+            if d.allowed {
+                // Detached: nobody waits for a refund.
+                drop(self.inner.refund_one(&conn, c, verdict.now_us, d.remaining));
+            }
+        }
+    }
+
     pub async fn decide_leasing(
         &self,
         requests: &[&[Check]],
