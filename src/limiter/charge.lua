@@ -3,7 +3,10 @@ fallback during a Redis outage to the shared buckets, so a client does not
 get its local shares and then a full shared bucket on top.
 
 KEYS     the buckets to charge (built by keys.rs; never a secret)
-ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME
+ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME,
+         or "d<deadline>": Redis's TIME, and past that deadline the call
+         writes nothing and fails with "late" (a charge the gateway gave up
+         on is charged again: run late as well, it would charge twice)
 ARGV[2]  this replica's id: a log entry is named by its time, this id and
          its rank among entries of the same time, so two replicas' entries
          stay apart and charging the same debt twice adds nothing
@@ -38,12 +41,16 @@ local call, tonum = redis.call, tonumber
 local now
 -- As in limiter.lua: keys of a caller naming `now` live at least a minute.
 local min_px = 1
-if ARGV[1] ~= '' then
+if ARGV[1] ~= '' and string.sub(ARGV[1], 1, 1) ~= 'd' then
   now = tonum(ARGV[1])
   min_px = 60000
 else
   local t = call('TIME')
   now = tonum(t[1]) * 1000000 + tonum(t[2])
+  local deadline = tonum(string.sub(ARGV[1], 2))
+  if deadline and now > deadline then
+    return redis.error_reply(format('charge.lua: late by %d us: nothing written', now - deadline))
+  end
 end
 -- As in limiter.lua: a quota period's count is kept this long past its end
 -- (the gateway builds the script with limiter.quota_retention_days).

@@ -713,21 +713,27 @@ impl Leases {
     /// A call carrying `asks` failed: its buckets may be asked for again.
     /// What it gave back is owed again when the call cannot have run
     /// (`ran`: false), else counted lost: it may have arrived, and a return
-    /// is never sent twice. So is spending it reported: told twice, it
-    /// would be charged twice.
+    /// is never sent twice. A quota's are sent again either way: Redis
+    /// takes a return back only up to what its ledger holds for this
+    /// replica, and a call that ran late wrote nothing (`Fence`), so a
+    /// Redis stall does not swallow the spending it reported. (A call that
+    /// ran in time and whose answer was lost has its spending told twice:
+    /// the quota then bills that call's spending twice. Not telling it
+    /// again would give it back with the lease on every stall instead.)
     pub fn failed(&self, asks: &Asks, ran: bool) {
         for a in &asks.asks {
+            let again = !ran || matches!(a.check.algorithm, Algorithm::Calendar { .. });
             let mut shard = self.shard(&a.check.key).lock();
             let (owes, lost) = match shard.get_mut(&a.check.key) {
                 Some(e) => {
                     e.asking = None;
-                    if !ran {
+                    if again {
                         e.unreported += a.spent;
                         e.owe(a.ret, a.until);
                     }
                     (
                         e.unreported > 0 || !e.owed.is_empty(),
-                        if ran { a.ret } else { 0 },
+                        if again { 0 } else { a.ret },
                     )
                 }
                 None => (false, a.ret),

@@ -9,7 +9,11 @@ batch decides exactly what the same requests sent one by one at the same
 instant would.
 
 KEYS     the distinct buckets of the batch (built by keys.rs; never a secret)
-ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME
+ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME,
+         or "d<deadline>": Redis's TIME, and past that deadline (µs on
+         Redis's clock) the call writes nothing and fails with "late": its
+         caller may have given up on it and decided it elsewhere (a Redis
+         that stalled runs the calls queued meanwhile: redis/script.rs)
 ARGV[2]  m, the number of requests
 ARGV[3]  s, the number of request shapes
 ARGV[4]  x, the number of further buckets named in ARGV[5 .. 4 + x]: in
@@ -239,12 +243,16 @@ local now
 -- needs. (A state kept past its time reads as an empty bucket: no decision
 -- changes.)
 local min_px = 1
-if ARGV[1] ~= '' then
+if ARGV[1] ~= '' and string.sub(ARGV[1], 1, 1) ~= 'd' then
   now = tonum(ARGV[1])
   min_px = 60000
 else
   local t = call('TIME')
   now = tonum(t[1]) * 1000000 + tonum(t[2])
+  local deadline = tonum(string.sub(ARGV[1], 2))
+  if deadline and now > deadline then
+    return redis.error_reply(format('limiter.lua: late by %d us: nothing written', now - deadline))
+  end
 end
 
 local function bad(why)

@@ -158,6 +158,10 @@ pub enum LimiterError {
         reason: &'static str,
         detail: String,
     },
+    /// Redis ran the call past its deadline (`redis/script.rs`, `Fence`),
+    /// writing nothing: its caller may have given up on it.
+    #[error("redis ran the call {0} us past its deadline; nothing was written")]
+    Late(u64),
     #[error("redis is not connected")]
     NotConnected,
     #[error("redis error: {0}")]
@@ -192,6 +196,7 @@ impl LimiterError {
         !matches!(
             self,
             LimiterError::NotConnected
+                | LimiterError::Late(_)
                 | LimiterError::Refused { .. }
                 | LimiterError::CrossSlot
                 | LimiterError::Misplaced(..)
@@ -201,7 +206,7 @@ impl LimiterError {
     /// The closed label `gateway_redis_errors_total{reason}` counts this under.
     pub fn reason(&self) -> &'static str {
         match self {
-            LimiterError::Timeout(_) | LimiterError::Abandoned => "timeout",
+            LimiterError::Timeout(_) | LimiterError::Late(_) | LimiterError::Abandoned => "timeout",
             LimiterError::NotConnected
             | LimiterError::Redis(_)
             | LimiterError::NoAnswer(_)

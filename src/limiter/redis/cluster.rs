@@ -208,27 +208,21 @@ impl Inner {
                         let parts: Vec<&[Check]> =
                             shares.iter().map(|(_, c)| c.as_slice()).collect();
                         let mut conn = conn?;
-                        let (script, clock) = (&self.script, self.clock.as_ref());
-                        let result =
-                            match run_script(script, clock, &mut conn, &parts, asks, *spans, false)
-                                .await
+                        let result = match run_script(self, &mut conn, &parts, asks, *spans, false)
+                            .await
+                        {
+                            // A master's own connection redirected: follow it
+                            // once, as the cluster client would (ASK: on the
+                            // node importing the slot, this call only).
+                            Err(LimiterError::Misplaced(code @ ("ASK" | "MOVED"), Some(to)))
+                                if matches!(conn, Conn::Single(_)) =>
                             {
-                                // A master's own connection redirected: follow it
-                                // once, as the cluster client would (ASK: on the
-                                // node importing the slot, this call only).
-                                Err(LimiterError::Misplaced(
-                                    code @ ("ASK" | "MOVED"),
-                                    Some(to),
-                                )) if matches!(conn, Conn::Single(_)) => {
-                                    let mut there = self.node_connection(&to)?;
-                                    let asking = code == "ASK";
-                                    run_script(
-                                        script, clock, &mut there, &parts, asks, *spans, asking,
-                                    )
-                                    .await
-                                }
-                                other => other,
-                            };
+                                let mut there = self.node_connection(&to)?;
+                                let asking = code == "ASK";
+                                run_script(self, &mut there, &parts, asks, *spans, asking).await
+                            }
+                            other => other,
+                        };
                         // A call that ran took its grants, whatever the batch's
                         // other calls did.
                         match (result, &self.leases) {

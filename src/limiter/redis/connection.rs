@@ -202,6 +202,10 @@ pub(super) const CLUSTER_REFUSALS: [&str; 7] = [
 
 pub(super) fn redis_err(e: redis::RedisError) -> LimiterError {
     let text = e.to_string();
+    if let Some(rest) = text.split(".lua: late by ").nth(1) {
+        let us = rest.split(' ').next().and_then(|n| n.parse().ok());
+        return LimiterError::Late(us.unwrap_or(0));
+    }
     let refused = |reason| LimiterError::Refused {
         reason,
         detail: text.clone(),

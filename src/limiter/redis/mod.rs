@@ -122,6 +122,8 @@ struct Inner {
     max_wait: Duration,
     /// Told when a call passes its budget unanswered.
     late: tokio::sync::Notify,
+    /// The deadline limiter.lua calls carry (`Fence`).
+    fence: script::Fence,
     /// Bumped when the breaker opens: calls in flight are abandoned.
     abandon: tokio::sync::watch::Sender<u64>,
     /// `None`: Redis's own TIME. Tests inject a clock to compare backends.
@@ -240,6 +242,7 @@ impl RedisBackend {
             budget,
             max_wait: (budget * 20).max(Duration::from_secs(1)),
             late: tokio::sync::Notify::new(),
+            fence: script::Fence::new(budget),
             abandon: tokio::sync::watch::channel(0).0,
             clock,
             secrets: ArcSwap::from_pointee(secrets),
@@ -332,16 +335,7 @@ impl RedisBackend {
         asks: &Asks,
     ) -> Result<(Vec<Verdict>, Vec<Grant>, Micros), LimiterError> {
         let mut conn = self.inner.connection()?;
-        run_script(
-            &self.inner.script,
-            self.inner.clock.as_ref(),
-            &mut conn,
-            requests,
-            asks,
-            false,
-            false,
-        )
-        .await
+        run_script(&self.inner, &mut conn, requests, asks, false, false).await
     }
 
     /// Checks that Redis takes writes and has the scripts: see `Inner::probe`.
@@ -465,9 +459,17 @@ impl RedisBackend {
         let mut written = 0;
         for (i, chunk) in debts.chunks(per_call).enumerate() {
             let mut inv = self.inner.charge.prepare_invoke();
-            match &self.inner.clock {
-                Some(clock) => inv.arg(clock.now_us()),
-                None => inv.arg(""),
+            // Fenced as limiter.lua's calls are (`Fence`): a charge that
+            // runs after this replica gave up on it would be charged again
+            // by the retry.
+            let budget = self.inner.upkeep_budget();
+            match (
+                &self.inner.clock,
+                self.inner.fence.deadline_in(budget.as_micros() as i64),
+            ) {
+                (Some(clock), _) => inv.arg(clock.now_us()),
+                (None, Some(deadline)) => inv.arg(format!("d{deadline}")),
+                (None, None) => inv.arg(""),
             };
             inv.arg(replica);
             for (c, debt) in chunk {
@@ -496,7 +498,7 @@ impl RedisBackend {
             };
             written += self
                 .inner
-                .by(Instant::now() + self.inner.upkeep_budget(), call)
+                .by(Instant::now() + budget, call)
                 .await
                 .map_err(|e| (i * per_call, e))?;
         }
@@ -562,15 +564,7 @@ impl Inner {
             let call = self.decide_clustered(&conn, requests, &asks);
             return self.answer(call, abandon).await;
         }
-        let call = run_script(
-            &self.script,
-            self.clock.as_ref(),
-            &mut conn,
-            requests,
-            &asks,
-            false,
-            false,
-        );
+        let call = run_script(self, &mut conn, requests, &asks, false, false);
         let result = self.answer(call, abandon).await;
         let Some(leases) = &self.leases else {
             return result.map(|(verdicts, ..)| verdicts);

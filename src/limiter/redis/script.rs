@@ -3,7 +3,59 @@
 //! sharing a shape), sent with EVALSHA (loaded on NOSCRIPT), and the reply
 //! read back into one verdict per request.
 
+use std::sync::atomic::Ordering;
+
 use super::*;
+use crate::clock::SystemClock;
+
+/// Fences a call off from the time after its caller may have given up on
+/// it: the call carries a deadline on Redis's clock, past which
+/// `limiter.lua` writes nothing (`LimiterError::Late`). A Redis that stalls
+/// then runs the calls queued meanwhile; the gateway decided their requests
+/// on its fallback and charges those at failback, so a late call that also
+/// charged them would charge them twice (a quota would bill requests nobody
+/// served). Redis's clock is read off each answer (`learn`), so no clock
+/// needs to agree with another.
+pub(super) struct Fence {
+    /// Redis's time less this host's, as last seen (`i64::MIN`: not yet).
+    offset_us: std::sync::atomic::AtomicI64,
+    /// How long after it is sent a call may still write: twice the budget,
+    /// the soonest its caller can have been abandoned (a late call, then
+    /// the watchdog's PING), so a Redis merely slow is not fenced off.
+    after_us: i64,
+}
+
+impl Fence {
+    pub(super) fn new(budget: Duration) -> Self {
+        Fence {
+            offset_us: std::sync::atomic::AtomicI64::new(i64::MIN),
+            after_us: 2 * budget.as_micros() as i64,
+        }
+    }
+
+    fn deadline(&self) -> Option<Micros> {
+        self.deadline_in(self.after_us)
+    }
+
+    /// A deadline `after_us` from now on Redis's clock, once it is known.
+    pub(super) fn deadline_in(&self, after_us: i64) -> Option<Micros> {
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        (offset != i64::MIN).then(|| SystemClock.now_us() + offset + after_us)
+    }
+
+    /// An answer stamped `now_us` by Redis arrived: the offset is at least
+    /// that (an answer is read after Redis stamped it). The largest seen is
+    /// kept, unless the clocks moved by more than a second (a jump).
+    fn learn(&self, now_us: Micros) {
+        let seen = now_us - SystemClock.now_us();
+        let _ = self
+            .offset_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                let keep = old != i64::MIN && seen <= old && old - seen < 1_000_000;
+                (!keep).then_some(seen)
+            });
+    }
+}
 
 /// One call of limiter.lua over a batch of requests, with lease requests
 /// (`asks`, empty when leases are off): EVALSHA, and on NOSCRIPT (after a
@@ -12,8 +64,7 @@ use super::*;
 /// `across_slots`: the buckets are in several slots of one cluster node
 /// (only one is declared as a key).
 pub(super) async fn run_script(
-    script: &redis::Script,
-    clock: Option<&Arc<dyn Clock>>,
+    inner: &Inner,
     conn: &mut Conn,
     requests: &[&[Check]],
     asks: &Asks,
@@ -25,6 +76,7 @@ pub(super) async fn run_script(
     // refer to it by index, so the script reads and writes it once. Requests
     // with the same tiers (one client on one route) share a shape, and a
     // request is sent as its shape's index.
+    let (script, clock, fence) = (&inner.script, inner.clock.as_ref(), &inner.fence);
     let tiers: usize = requests.iter().map(|r| r.len()).sum();
     let mut buckets: Vec<&Check> = Vec::with_capacity(tiers);
     let mut index: HashMap<&str, i64> = HashMap::with_capacity(tiers);
@@ -88,9 +140,10 @@ pub(super) async fn run_script(
     for c in &buckets[..declared] {
         cmd.arg(c.key.as_str());
     }
-    match clock {
-        Some(clock) => cmd.arg(clock.now_us()),
-        None => cmd.arg(""),
+    match (clock, fence.deadline()) {
+        (Some(clock), _) => cmd.arg(clock.now_us()),
+        (None, Some(deadline)) => cmd.arg(format!("d{deadline}")),
+        (None, None) => cmd.arg(""),
     };
     cmd.arg(requests.len())
         .arg(shapes.len())
@@ -155,6 +208,9 @@ pub(super) async fn run_script(
         )));
     }
     let now_us = reply[expected - 1];
+    if clock.is_none() {
+        fence.learn(now_us);
+    }
     let grants = reply[expected - 1 - 3 * asks.asks.len()..expected - 1]
         .chunks(3)
         .map(|g| Grant {
