@@ -2,15 +2,20 @@
 """The chaos soak: three gateway replicas sharing one Redis, sprayed with one
 API key's requests while a seeded schedule breaks Redis, the replicas' links
 to it, and the replicas themselves. Checks that the key's plan (capacity 50,
-refill 20/s) still holds across the whole run, that nothing answers 5xx, and
-how long each replica stays on its fallback after a fault heals.
+refill 20/s) still holds across the whole run, that nothing answers 5xx, how
+long each replica stays on its fallback after a fault heals, and that the
+plan's monthly quota (1,000,000: it never binds) ends with `used` equal to
+what the upstream received, but for what SIGKILLs explain (issue #36).
 
     chaos.py [--seeds 1,2,3 | --runs N --seed-base S] [--duration SECS]
              [--clients N] [--out DIR] [--bin-dir DIR]
              [--max-fallback-after-heal SECS] [--slack N]
+             [--faults KIND,... | --faults none] [--quota N] [--redis-dir DIR]
 
 Per run (one seed), on 127.0.0.1 and free ports only:
-  * redis-server (AOF, fsync always, in a temp dir, so a SIGKILL loses nothing);
+  * redis-server (AOF, fsync always, in a folder under --redis-dir, /dev/shm
+    by default, so a SIGKILL loses nothing and a busy disk's fsync is no
+    unplanned stall);
   * an upstream (this script, in a child process) that logs the arrival time
     of every request: the admitted count is what it received;
   * three tcp-forwarders to Redis and three gateways, each replica's
@@ -21,15 +26,35 @@ Per run (one seed), on 127.0.0.1 and free ports only:
   * a fault every 4-8 s, chosen by random.Random(seed) among redis-stall
     (SIGSTOP 2 s), redis-restart (SIGKILL, restart on the same port and AOF
     ~1 s later), blackhole (SIGSTOP one forwarder 3 s), replica-kill (SIGKILL
-    one gateway, restart it) and reload (rewrite one gateway's config in
-    place: the gateway polls its file). None in the last QUIET_TAIL_SECS.
+    one gateway, restart it ~1 s later), replica-term (SIGTERM one gateway,
+    wait for its PID to exit, at most TERM_WAIT_SECS, then restart it ~1 s
+    later) and reload (rewrite one gateway's config in place: the gateway
+    polls its file). None in the last QUIET_TAIL_SECS. --faults narrows the
+    kinds drawn from (still seeded);
+  * a ledger watcher reading the quota's count and lease ledger from Redis
+    every 50 ms (ledger.csv);
+  * at the end: the traffic stops, SETTLE_SECS later (two lease periods and
+    1.5 s: every lease back or due back) the quota's `used` is read from
+    every replica (/usage?period=month&format=jsonl and /limits?key=chaos)
+    and compared with the upstream's count.
 
 Outputs in --out (default loadtest/results/chaos-<timestamp>/): summary.json
 (every run), table.md (also printed), chaos.png, and seed-<S>/ per run:
-config/ and logs/, faults.json, arrivals.txt (the upstream's stamps),
+config/ and logs/, faults.json, arrivals.txt (the upstream's stamps), ledger.csv,
 responses.csv.gz (every response: time, replica, status, ms), per_second.csv,
 watcher.csv (/readyz samples), watcher-metrics.csv, metrics-gw*.txt (each
 gateway's /metrics at the end).
+
+The quota: used - upstream must lie within what the SIGKILLs explain:
+at least -sum over SIGKILLs of min(the tokens the killed replica left in the
+ledger, its 200s of the last two lease periods + its requests cut in
+flight) (Redis gives back with an unspent lease what was spent since the
+last report, a quarter period), at most +sum of its requests cut in flight
+(admitted by Redis, never forwarded); a SIGTERM explains nothing, and must
+leave nothing in the ledger. A difference is attributed: the drift (Redis's
+count - what the ledger holds - the upstream's count so far) is measured on
+the quiet stretches between disturbances (planned faults, and stays on the
+fallback no fault explains), so each disturbance gets its step.
 
 The figures: T (first to last request sent), admitted (requests the upstream
 received), the exact bound 50 + 20 T, the worst window overshoot (over every
@@ -42,7 +67,8 @@ Redis faults) were seen on Redis again (50 ms resolution). Stays on the
 fallback that no fault explains are listed too.
 
 Exit status: 0 when every run passed; 1 when a run had a 5xx, admitted more
-than bound + slack, had a gateway die on its own, or (with
+than bound + slack, had a gateway die on its own, ended with the quota's
+used off the upstream's count by more than the SIGKILLs explain, or (with
 --max-fallback-after-heal) left a replica on its fallback longer than that
 after a heal; 2 on bad usage or when the stack could not be set up; 130 on
 Ctrl-C. Every process it starts is stopped by PID, on every exit path.
@@ -74,16 +100,33 @@ CAPACITY = 50
 REFILL = 20.0
 REPLICAS = 3
 API_KEY = "chaos-soak-key-0001"
+KEY_ID = "chaos"
+# A monthly quota that never binds in a run: its `used` must end equal to
+# what the upstream received (issue #36), less what SIGKILLs explain.
+QUOTA_LIMIT = 1_000_000
+QUOTA_PERIOD = "month"
+LEASE_PERIOD_MS = 100  # limiter.leases.period_ms in the generated configs
+# Before `used` is read: traffic stopped, then two lease periods (Redis
+# takes a dead holder's unspent tokens back two periods after its grant)
+# and a second more (the live replicas' sweepers return theirs within a
+# period and a quarter).
+SETTLE_SECS = 2 * LEASE_PERIOD_MS / 1000.0 + 1.5
+LEDGER_EVERY = 0.05  # the quota's lease ledger, read from Redis straight
 
 # Faults: every 4-8 s (start to start), none in the run's last seconds so
 # that every replica has time to fail back before the run ends.
-FAULT_KINDS = ("redis-stall", "redis-restart", "blackhole", "replica-kill", "reload")
+FAULT_KINDS = ("redis-stall", "redis-restart", "blackhole", "replica-kill", "replica-term", "reload")
+# Faults aimed at one replica (the others hit Redis, so all three).
+REPLICA_FAULTS = ("blackhole", "replica-kill", "replica-term", "reload")
 FAULT_GAP_SECS = (4.0, 8.0)
 QUIET_TAIL_SECS = 10.0
 STALL_SECS = 2.0
 REDIS_DOWN_SECS = 1.0
 BLACKHOLE_SECS = 3.0
 REPLICA_DOWN_SECS = 1.0
+# A SIGTERMed gateway drains for GRACE_SECS and gives its leases back: it is
+# waited for (by PID) this long, then SIGKILLed (counted as a kill).
+TERM_WAIT_SECS = 6.0
 # The longest a fault is planned to last: a fault must heal before the
 # quiet tail begins, so none starts later than this before it.
 LONGEST_FAULT_SECS = 3.0
@@ -96,6 +139,10 @@ CLIENT_TIMEOUT = 5.0
 # killed replica costs a few errors per thread rather than a busy loop.
 CLIENT_SKIP_SECS = 0.05
 GRACE_SECS = 1  # server.grace_period_secs in the generated configs
+# The fallback's debts are charged at failback, within about this long of a
+# heal (the soak measures 0.3-0.4 s): a disturbance of the quota's drift
+# lasts until then.
+FAILBACK_MARGIN = 0.6
 # A local episode that starts this long after a fault's heal is not blamed
 # on that fault.
 EPISODE_BLAME_SECS = 1.0
@@ -164,6 +211,20 @@ class Proc:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
+
+    def term(self, timeout):
+        """SIGTERM, then wait for this PID to exit at most `timeout` s (a
+        fault: the graceful stop). Its exit code, or None when it had to be
+        SIGKILLed."""
+        self.killed_by_us = True
+        if self.paused:
+            self.resume()
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
 
     def first_line(self, timeout):
         """The first stdout line (capture_stdout only): the address it bound."""
@@ -316,6 +377,125 @@ def write_atomically(path, text):
     os.replace(tmp, path)
 
 
+class RedisError(Exception):
+    pass
+
+
+class Resp:
+    """A minimal Redis client (RESP2, pipelined commands) for reading the
+    quota's count and lease ledger straight from Redis, not through a
+    replica's forwarder. Any failure raises OSError or RedisError."""
+
+    def __init__(self, port, timeout=0.3):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.f = self.sock.makefile("rb")
+
+    def close(self):
+        for c in (self.f, self.sock):
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def pipeline(self, *cmds):
+        out = b""
+        for cmd in cmds:
+            out += b"*%d\r\n" % len(cmd)
+            for a in cmd:
+                a = str(a).encode()
+                out += b"$%d\r\n%s\r\n" % (len(a), a)
+        self.sock.sendall(out)
+        return [self._read() for _ in cmds]
+
+    def _read(self):
+        line = self.f.readline()
+        if not line.endswith(b"\r\n"):
+            raise OSError("redis: connection closed")
+        t, rest = line[:1], line[1:-2]
+        if t == b"+":
+            return rest.decode()
+        if t == b"-":
+            return RedisError(rest.decode())
+        if t == b":":
+            return int(rest)
+        if t == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            data = self.f.read(n + 2)
+            if len(data) != n + 2:
+                raise OSError("redis: connection closed")
+            return data[:-2].decode()
+        if t == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._read() for _ in range(n)]
+        raise OSError(f"redis: unexpected reply {line[:40]!r}")
+
+
+def quota_snapshot(conn, bucket):
+    """(Redis's now in µs, the quota's raw count or None, its ledger
+    {holder: (out, reclaim_at_us)}) in one round trip; bucket None: found
+    first by SCAN (the bucket exists from the key's first admitted request)."""
+    if bucket is None:
+        cursor = "0"
+        while True:
+            rep = conn.pipeline(["SCAN", cursor, "MATCH", f"*:quota:{QUOTA_PERIOD}:*:k:{KEY_ID}", "COUNT", 1000])[0]
+            if isinstance(rep, RedisError):
+                raise rep
+            cursor, keys = rep
+            if keys:
+                bucket = keys[0]
+                break
+            if cursor == "0":
+                return None, None, None, {}
+    now, raw, ledger = conn.pipeline(["TIME"], ["GET", bucket], ["HGETALL", "{" + bucket + "}:leases"])
+    for rep in (now, raw, ledger):
+        if isinstance(rep, RedisError):
+            raise rep
+    count = int(raw.split()[1]) if raw else None
+    holders = {}
+    for h, v in zip(ledger[::2], ledger[1::2]):
+        o, at = v.split()
+        holders[h] = (int(o), int(at))
+    return bucket, int(now[0]) * 1_000_000 + int(now[1]), count, holders
+
+
+class LedgerWatch(threading.Thread):
+    """Reads the quota's raw count and its lease ledger (one field per
+    holder: one per gateway process) from Redis every LEDGER_EVERY, so that
+    what a stopped replica left in the ledger, and when Redis took it back,
+    can be told afterwards (`holders_at_stops`)."""
+
+    def __init__(self, stack, t0):
+        super().__init__(name="ledger", daemon=True)
+        self.stack, self.t0 = stack, t0
+        self.bucket = None
+        self.samples = []  # (t, redis_now_us, raw count, {holder: (out, reclaim_at_us)})
+        self.stop_flag = threading.Event()
+
+    def last_count(self):
+        return self.samples[-1][2] if self.samples else None
+
+    def run(self):
+        conn = None
+        while not self.stop_flag.is_set():
+            try:
+                if conn is None:
+                    conn = Resp(self.stack.redis_port)
+                bucket, now, count, holders = quota_snapshot(conn, self.bucket)
+                if bucket is not None:
+                    self.bucket = bucket
+                    self.samples.append((round(time.monotonic() - self.t0, 3), now, count, holders))
+            except (OSError, RedisError, ValueError, IndexError):
+                # Redis stalled, restarting or loading: no sample.
+                if conn is not None:
+                    conn.close()
+                conn = None
+            self.stop_flag.wait(LEDGER_EVERY)
+        if conn is not None:
+            conn.close()
+
+
 # ------------------------------------------------------------- the upstream
 
 
@@ -365,7 +545,10 @@ def serve_upstream(arrivals_path):
 # ------------------------------------------------------------- the stack
 
 
-def gateway_config(listen, admin, redis_port, upstream_port, jitter, generation):
+def gateway_config(listen, admin, redis_port, upstream_port, jitter, generation, quota=QUOTA_LIMIT):
+    quotas = (f'# Never binds in a run: its `used` is checked against the upstream\'s count.\n'
+              f'quotas = [{{ limit = {quota}, period = "{QUOTA_PERIOD}" }}]' if quota
+              else "quotas = []  # --quota 0: none")
     return f"""# chaos.py replica config, generation {generation} (a reload fault rewrites it)
 [server]
 listen = ["127.0.0.1:{listen}"]
@@ -379,6 +562,10 @@ on_redis_failure = "local"
 instances = {REPLICAS}
 retry_after_jitter_ms = {jitter}
 
+[limiter.leases]
+enabled = true
+period_ms = {LEASE_PERIOD_MS}
+
 [redis]
 urls = ["redis://127.0.0.1:{redis_port}"]
 timeout_ms = 15
@@ -387,9 +574,10 @@ probe_interval_ms = 100
 [plans.basic]
 capacity = {CAPACITY}
 refill_per_sec = {REFILL:g}
+{quotas}
 
 [[api_keys]]
-id = "chaos"
+id = "{KEY_ID}"
 key = "{API_KEY}"
 plan = "basic"
 
@@ -419,13 +607,14 @@ class Replica:
 class Stack:
     """Redis, the upstream, the forwarders and the gateways of one run."""
 
-    def __init__(self, run_dir, bin_dir, procs):
+    def __init__(self, run_dir, bin_dir, procs, redis_parent=None, quota=QUOTA_LIMIT):
         self.run_dir, self.bin_dir, self.procs = run_dir, bin_dir, procs
+        self.quota = quota
         self.logs = os.path.join(run_dir, "logs")
         self.config_dir = os.path.join(run_dir, "config")
         os.makedirs(self.logs, exist_ok=True)
         os.makedirs(self.config_dir, exist_ok=True)
-        self.redis_dir = tempfile.mkdtemp(prefix="chaos-redis-")
+        self.redis_dir = tempfile.mkdtemp(prefix="chaos-redis-", dir=redis_parent)
         self.redis = None
         self.redis_port = None
         self.redis_starts = 0
@@ -487,7 +676,8 @@ class Stack:
             )
 
     def write_config(self, r):
-        text = gateway_config(r.listen, r.admin, r.forwarder_port, self.upstream_port, r.jitter, r.generation)
+        text = gateway_config(r.listen, r.admin, r.forwarder_port, self.upstream_port, r.jitter, r.generation,
+                              self.quota)
         write_atomically(r.config_path, text)
 
     def check_config(self, r):
@@ -679,15 +869,18 @@ class Watcher(threading.Thread):
 # ------------------------------------------------------------- the faults
 
 
-def fault_schedule(seed, duration):
+def fault_schedule(seed, duration, kinds=FAULT_KINDS):
     """(offset, kind, replica) from the seed alone, so a seed replays the
     same faults whatever the machine's timings. A replica index is drawn for
-    every fault, used or not, to keep the stream aligned across kinds."""
+    every fault, used or not, to keep the stream aligned across kinds.
+    `kinds` (--faults) narrows the mix: no kinds, no faults."""
     rng = random.Random(seed)
     plan = []
+    if not kinds:
+        return plan
     t = rng.uniform(*FAULT_GAP_SECS)
     while t <= duration - QUIET_TAIL_SECS - LONGEST_FAULT_SECS:
-        plan.append((round(t, 3), rng.choice(FAULT_KINDS), rng.randrange(REPLICAS)))
+        plan.append((round(t, 3), rng.choice(kinds), rng.randrange(REPLICAS)))
         t += rng.uniform(*FAULT_GAP_SECS)
     return plan
 
@@ -720,7 +913,7 @@ class Faults(threading.Thread):
                 if self.stop_flag.wait(max(0.0, start - self.now())):
                     return
                 entry = {"n": n, "kind": kind, "planned": at}
-                if kind in ("blackhole", "replica-kill", "reload"):
+                if kind in REPLICA_FAULTS:
                     entry["replica"] = ri
                 entry["start"] = round(self.now(), 3)
                 target = f" gw{ri}" if "replica" in entry else ""
@@ -755,8 +948,31 @@ class Faults(threading.Thread):
 
     def replica_kill(self, entry, ri):
         r = self.stack.replicas[ri]
+        entry["pid"] = r.proc.pid
+        entry["signal_at"] = round(self.now(), 4)
         r.proc.kill()
         self.nap(REPLICA_DOWN_SECS)
+        self.restart_gateway(entry, r)
+
+    def replica_term(self, entry, ri):
+        # The graceful stop: it drains for its grace period and gives back
+        # every lease; waited for by PID, at most TERM_WAIT_SECS.
+        r = self.stack.replicas[ri]
+        entry["pid"] = r.proc.pid
+        entry["signal_at"] = round(self.now(), 4)
+        code = r.proc.term(TERM_WAIT_SECS)
+        entry["exited_at"] = round(self.now(), 4)
+        entry["exit_secs"] = round(entry["exited_at"] - entry["signal_at"], 3)
+        entry["exit_code"] = code
+        if code is None:
+            entry["forced_kill"] = True
+            entry["note"] = f"still up {TERM_WAIT_SECS:g}s after SIGTERM: SIGKILLed"
+        else:
+            entry["note"] = f"exited {code} after {entry['exit_secs']:.2f}s"
+        self.nap(REPLICA_DOWN_SECS)
+        self.restart_gateway(entry, r)
+
+    def restart_gateway(self, entry, r):
         # The same config and ports; a listener port may linger, so a
         # start that dies at once is tried again.
         for attempt in range(5):
@@ -766,7 +982,7 @@ class Faults(threading.Thread):
                 wait_for(f"{r.name} restarted", 20, lambda: readyz(r.admin).get("ready"), r.proc)
                 entry["backend_when_ready"] = readyz(r.admin).get("backend")
                 if attempt:
-                    entry["note"] = f"{attempt + 1} starts"
+                    entry["note"] = ", ".join(x for x in (entry.get("note"), f"{attempt + 1} starts") if x)
                 return
             except SetupError:
                 if r.proc.alive() or attempt == 4:
@@ -870,7 +1086,261 @@ def affected(fault):
     return [fault["replica"]]
 
 
-def analyse(seed, clients, watchers, faults, arrivals_abs, t0, duration, args, procs_died):
+def find_quota_used(obj):
+    """The `used` of the key's quota bucket in a /limits answer (searched
+    for: a dict with tier quota-<period> and a used field)."""
+    if isinstance(obj, dict):
+        if obj.get("tier") == f"quota-{QUOTA_PERIOD}" and "used" in obj:
+            return obj["used"]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for v in obj:
+            u = find_quota_used(v)
+            if u is not None:
+                return u
+    return None
+
+
+def read_quota(stack):
+    """The end-of-run figures: the upstream's count, the quota's `used` as
+    every replica's /usage and /limits tell it (all read Redis), and Redis's
+    raw count and ledger."""
+    with open(stack.arrivals_path, "rb") as f:
+        upstream = f.read().count(b"\n")
+    usage, limits = {}, {}
+    for r in stack.replicas:
+        try:
+            st, body = http_get(r.admin, f"/usage?period={QUOTA_PERIOD}&format=jsonl", 5)
+            rows = [json.loads(ln) for ln in body.decode().splitlines() if ln.strip()] if st == 200 else []
+            usage[r.name] = next((row.get("used") for row in rows if row.get("key") == KEY_ID), None)
+            if st != 200:
+                usage[r.name] = f"HTTP {st}"
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            usage[r.name] = repr(e)
+        try:
+            st, body = http_get(r.admin, f"/limits?key={KEY_ID}", 5)
+            limits[r.name] = find_quota_used(json.loads(body)) if st == 200 else f"HTTP {st}"
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            limits[r.name] = repr(e)
+    raw = {"count": None, "ledger": {}, "due": 0}
+    try:
+        conn = Resp(stack.redis_port, timeout=2)
+        try:
+            bucket, now, count, holders = quota_snapshot(conn, None)
+        finally:
+            conn.close()
+        raw = {
+            "bucket": bucket, "count": count,
+            "ledger": {h: {"out": o, "reclaim_in_ms": round((at - now) / 1000, 1)} for h, (o, at) in holders.items()},
+            # What /usage leaves out: holdings whose reclaim time has passed.
+            "due": sum(o for o, at in holders.values() if at <= now),
+        }
+    except (OSError, RedisError, ValueError, IndexError) as e:
+        raw["error"] = repr(e)
+    used = next((u for u in usage.values() if isinstance(u, int)), None)
+    return {"upstream": upstream, "used": used, "usage_by_replica": usage, "limits_by_replica": limits, "redis": raw}
+
+
+def holders_at_stops(samples, fault_log):
+    """For each replica stopped by a fault (SIGKILL or SIGTERM), its holder
+    in the quota's lease ledger: the field present before the signal that no
+    call changes after the process is gone. `left`: the tokens it still held
+    there when it died (Redis gives them back two lease periods after its
+    last grant: its unspent lease, and what it spent since its last report);
+    0 when its field was gone by then (a graceful stop gave everything
+    back)."""
+    out = {}
+    for f in fault_log:
+        if f["kind"] not in ("replica-kill", "replica-term") or "signal_at" not in f:
+            continue
+        t_sig = f["signal_at"]
+        t_gone = f.get("exited_at", t_sig) + 0.05  # a call already sent may still land
+        # A holder's field comes and goes (it leaves the ledger whenever
+        # its holdings settle to 0): every holder seen shortly before.
+        around = [smp for smp in samples if t_sig - 0.3 <= smp[0] <= t_gone]
+        after = [smp for smp in samples if t_gone < smp[0] <= t_gone + 1.0]
+        seen_before = sorted({h for smp in around for h in smp[3]})
+        info = {"holders_before": seen_before, "samples_after": len(after)}
+        if not around or not after:
+            info["holder"] = None
+            info["why"] = "no ledger samples around the stop (Redis unreadable?)"
+            out[f["n"]] = info
+            continue
+        cands = []
+        for h in seen_before:
+            vals = [smp[3].get(h) for smp in after]
+            present = [v for v in vals if v is not None]
+            # Frozen: one value while present, and once gone, gone for good.
+            gone_at = next((i for i, v in enumerate(vals) if v is None), None)
+            if len(set(present)) <= 1 and (gone_at is None or all(v is None for v in vals[gone_at:])):
+                cands.append(h)
+        info["candidates"] = cands
+        # Its last value after the process was gone (None: gone already).
+        lefts = {}
+        for h in cands:
+            seen = [(smp[0], smp[3][h]) for smp in samples if smp[0] > t_gone and h in smp[3]]
+            lefts[h] = seen[-1][1][0] if seen else 0
+            if seen:
+                info.setdefault("reclaimed_at", {})[h] = next(
+                    (smp[0] for smp in samples if smp[0] > seen[-1][0] and h not in smp[3]), None)
+        info["holder"] = cands[0] if len(cands) == 1 else None
+        if not cands:
+            info["why"] = "no field of it in the ledger: it held no quota lease"
+        elif len(cands) > 1:
+            info["why"] = f"{len(cands)} candidate holders: their sum counted"
+        info["left"] = sum(lefts.values())
+        info["left_by_holder"] = lefts
+        out[f["n"]] = info
+    return out
+
+
+def quota_drift(samples, arrivals_abs, t0, fault_log, duration, unplanned=()):
+    """Where a difference between used and the upstream's count came from.
+    At each ledger sample, drift = Redis's count - what the ledger holds for
+    holders (leased, not reported spent) - the upstream's count so far: what
+    Redis counts as spent beyond what was admitted. It does not move when
+    Redis takes a dead holder's tokens back (count and ledger drop
+    together), and once every lease is back it is used - upstream.
+
+    The run is cut into disturbances (a planned fault from its start to its
+    heal plus FAILBACK_MARGIN, or a stay on the fallback no fault explains:
+    a Redis call over its budget on a busy machine; overlapping ones merged)
+    and the quiet stretches between them; each disturbance's step is the
+    drift's median over the quiet stretch after it minus that before it."""
+    import bisect
+
+    arr = sorted(a - t0 for a in arrivals_abs)
+    pts = [(t, c - sum(o for o, _ in hs.values()) - bisect.bisect_right(arr, t))
+           for t, _, c, hs in samples if c is not None]
+
+    def median(lo, hi):
+        v = sorted(d for t, d in pts if lo <= t <= hi)
+        return v[len(v) // 2] if v else None
+
+    spans = [(f["start"] - 0.05, f["heal"] + FAILBACK_MARGIN,
+              f"{f['kind']}" + (f" gw{f['replica']}" if "replica" in f else "") + f" at {f['start']:.1f}s", f["kind"])
+             for f in fault_log]
+    spans += [(e["start"] - 0.05, (duration if e["end"] is None else e["end"]) + FAILBACK_MARGIN,
+               f"unplanned fallback {e['replica']} at {e['start']:.1f}s", "unplanned-fallback")
+              for e in unplanned]
+    spans.sort()
+    groups = []
+    for lo, hi, label, kind in spans:
+        if groups and lo <= groups[-1]["to"] + 0.15:  # too short a quiet stretch to measure
+            g = groups[-1]
+            g["to"] = max(g["to"], hi)
+            g["what"].append(label)
+            g["kinds"].add(kind)
+        else:
+            groups.append({"from": lo, "to": hi, "what": [label], "kinds": {kind}})
+    # Two disturbances with no sample between them (Redis unreadable, or
+    # too short a gap) are one.
+    merged = []
+    for g in groups:
+        if merged and not any(merged[-1]["to"] < t < g["from"] for t, _ in pts):
+            m = merged[-1]
+            m["to"] = max(m["to"], g["to"])
+            m["what"] += g["what"]
+            m["kinds"] |= g["kinds"]
+        else:
+            merged.append(g)
+    groups = merged
+    # The traffic ends at `duration`; the drift after it (every lease back) is the final one.
+    edges = [float("-inf")] + [x for g in groups for x in (g["from"], g["to"])] + [float("inf")]
+
+    def head_tail(lo, hi):
+        ts = [t for t, _ in pts if lo <= t <= hi]
+        if not ts:
+            # Before the first sample: no request yet, so no drift.
+            return (0, 0) if lo == float("-inf") else (None, None)
+        return median(ts[0], ts[0] + 0.5), median(ts[-1] - 0.5, ts[-1])
+
+    quiet = [(edges[i], edges[i + 1]) + head_tail(edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
+    out = []
+    for i, (lo, hi, head, tail) in enumerate(quiet):
+        # A quiet stretch should not move it: say so if it did.
+        if head is not None and tail is not None and head != tail:
+            out.append({"from": round(max(lo, 0.0), 3), "to": round(min(hi, duration), 3),
+                        "what": ["no disturbance seen"], "kinds": ["none"], "before": head, "after": tail,
+                        "step": tail - head})
+        if i < len(groups):
+            g, before, after = groups[i], tail, quiet[i + 1][2]
+            out.append({"from": round(g["from"], 3), "to": round(g["to"], 3), "what": g["what"],
+                        "kinds": sorted(g["kinds"]), "before": before, "after": after,
+                        "step": None if before is None or after is None else after - before})
+    return {"before_first": quiet[0][2], "at_end": median(duration + 0.3, float("inf")), "steps": out}
+
+
+def quota_check(q, faults_log, holders, clients, t_measured):
+    """used against the upstream's count. The rule: a SIGKILLed replica can
+    (a) leave in the ledger tokens it spent since its last report (a
+    quarter lease period), which Redis gives back with its unspent lease:
+    used lower by at most min(what it left there, its 200s of the last two
+    lease periods before the kill + its requests cut in flight); (b) die
+    between Redis's admission and the upstream: used higher by at most its
+    requests in flight (sent before the kill, answered by a connection
+    error). So -sum(a) <= used - upstream <= sum(b) over the SIGKILLs; a
+    SIGTERM (a graceful stop) explains nothing."""
+    kills, terms, low, high, per = 0, 0, 0, 0, []
+    for f in faults_log:
+        if f["kind"] not in ("replica-kill", "replica-term"):
+            continue
+        ri, t_sig = f["replica"], f["signal_at"]
+        # Sent before the signal, answered after it by a connection error.
+        in_flight = sum(
+            1 for c in clients for t, r, st, ms in zip(c.rec_t, c.rec_r, c.rec_s, c.rec_ms)
+            if r == ri and st == 0 and t <= t_sig <= t + ms / 1000.0 + 0.002
+        )
+        ok_last = sum(
+            1 for c in clients for t, r, st in zip(c.rec_t, c.rec_r, c.rec_s)
+            if r == ri and st == 200 and t_sig - 2 * LEASE_PERIOD_MS / 1000 <= t <= t_sig
+        )
+        h = holders.get(f["n"], {})
+        killed = f["kind"] == "replica-kill" or f.get("forced_kill")
+        # What Redis can give back that the upstream did receive: what the
+        # killed replica spent from its lease since its last report (within
+        # a quarter period), so at most its 200s of the last two periods and
+        # its requests cut in flight; and never more than it left in the
+        # ledger.
+        credit = min(h.get("left") or 0, ok_last + in_flight)
+        entry = {"n": f["n"], "kind": f["kind"], "replica": f"gw{ri}", "at": t_sig,
+                 "sigkill": bool(killed), "in_flight": in_flight,
+                 f"200s_last_{2 * LEASE_PERIOD_MS}ms": ok_last,
+                 "holder": h.get("holder"), "left_in_ledger": h.get("left"),
+                 "may_recredit": credit if killed else 0,
+                 "reclaimed_at": h.get("reclaimed_at"), "why": h.get("why")}
+        if f["kind"] == "replica-term":
+            entry["exit_code"], entry["exit_secs"] = f.get("exit_code"), f.get("exit_secs")
+        per.append(entry)
+        if killed:
+            kills += 1
+            low -= credit
+            high += in_flight
+        else:
+            terms += 1
+    res = {"upstream": q["upstream"], "used": q["used"], "kills": kills, "terms": terms,
+           "allowed": [low, high], "stops": per, "read": q, "read_at": t_measured}
+    res["diff"] = None if q["used"] is None else q["used"] - q["upstream"]
+    failures = []
+    if q.get("month_changed"):
+        res["note"] = "the run crossed a month boundary (UTC): used is this month's only, not checked"
+    elif q["used"] is None:
+        failures.append(f"the quota's used could not be read ({q['usage_by_replica']})")
+    else:
+        if not low <= res["diff"] <= high:
+            failures.append(f"quota used {q['used']} - upstream {q['upstream']} = {res['diff']:+d}, "
+                            f"outside what the SIGKILLs explain [{low:+d}, {high:+d}]")
+        others = {str(v) for v in list(q["usage_by_replica"].values()) + list(q["limits_by_replica"].values())}
+        if others != {str(q["used"])}:
+            failures.append(f"replicas disagree on used: /usage {q['usage_by_replica']}, /limits {q['limits_by_replica']}")
+    for e in per:
+        if e["kind"] == "replica-term" and not e["sigkill"] and e["left_in_ledger"]:
+            failures.append(f"fault {e['n']}: SIGTERMed {e['replica']} left {e['left_in_ledger']} tokens in the ledger")
+    res["failures"] = failures
+    return res
+
+
+def analyse(seed, clients, watchers, faults, arrivals_abs, t0, duration, args, procs_died, quota=None):
     first = min(c.first_send for c in clients if c.first_send is not None)
     last = max(c.last_send for c in clients if c.last_send is not None)
     T = last - first
@@ -927,6 +1397,8 @@ def analyse(seed, clients, watchers, faults, arrivals_abs, t0, duration, args, p
         failures.append(f"a replica stayed on its fallback {longest:.2f}s after a heal (bound {args.max_fallback_after_heal}s)")
     if procs_died:
         failures.append("died on their own: " + ", ".join(procs_died))
+    if quota is not None:
+        failures += quota["failures"]
 
     max_fb_secs = {}
     for ri, w in enumerate(watchers):
@@ -965,6 +1437,7 @@ def analyse(seed, clients, watchers, faults, arrivals_abs, t0, duration, args, p
         "faults_skipped": faults.skipped,
         "events_sample": sorted(e for c in clients for e in c.events)[:200],
         "died": procs_died,
+        "quota": quota,
         "pass": not failures,
         "failures": failures,
     }
@@ -977,8 +1450,9 @@ def run_one(seed, args, out_dir):
     run_dir = os.path.join(out_dir, f"seed-{seed}")
     os.makedirs(run_dir, exist_ok=True)
     procs = Procs()
-    stack = Stack(run_dir, args.bin_dir, procs)
-    clients, watchers, faults = [], [], None
+    stack = Stack(run_dir, args.bin_dir, procs, args.redis_dir, args.quota)
+    clients, watchers, faults, ledger = [], [], None, None
+    quota_read, t_measured = None, None
     try:
         say(f"== seed {seed}: {args.duration:g}s, {args.clients} clients; run folder {run_dir}")
         stack.start_upstream()
@@ -989,19 +1463,21 @@ def run_one(seed, args, out_dir):
             + ", ".join(f"gw{r.idx} :{r.listen} (admin :{r.admin}, via :{r.forwarder_port})" for r in stack.replicas)
             + "; all on Redis"
         )
-        plan = fault_schedule(seed, args.duration)
+        plan = fault_schedule(seed, args.duration, args.fault_kinds)
         planned = ", ".join(
-            f"{at:.1f}s {k}" + (f" gw{ri}" if k in ("blackhole", "replica-kill", "reload") else "")
+            f"{at:.1f}s {k}" + (f" gw{ri}" if k in REPLICA_FAULTS else "")
             for at, k, ri in plan
         )
         say(f"   faults planned: {planned or 'none fits in this duration'}")
 
+        month_at_start = time.strftime("%Y-%m", time.gmtime())  # the quota's period (quota_time_zone UTC)
         t0 = time.monotonic()
         end = t0 + args.duration
         watchers = [Watcher(stack, r, t0) for r in stack.replicas]
         clients = [Client(i, seed, stack.replicas, t0, end, int(args.duration)) for i in range(args.clients)]
         faults = Faults(stack, plan, t0, args.duration)
-        for th in watchers + clients + [faults]:
+        ledger = LedgerWatch(stack, t0)
+        for th in watchers + clients + [faults, ledger]:
             th.start()
 
         counted, offset = 0, 0
@@ -1029,6 +1505,7 @@ def run_one(seed, args, out_dir):
                 f"[seed {seed}] {min(elapsed, args.duration):5.1f}/{args.duration:g}s  admitted {counted} "
                 f"(bound now {bound_now:.0f})  429s {sum(c.rejected for c in clients)}  "
                 f"5xx {sum(c.server_errors for c in clients)}  errors {sum(c.errors for c in clients)}  "
+                f"quota count {num(ledger.last_count(), 'd')}  "
                 f"not on redis: {states if on_fb else '-'}  last fault: {lf}"
             )
             if faults.error:
@@ -1045,6 +1522,19 @@ def run_one(seed, args, out_dir):
         for w in watchers:
             w.stop_flag.set()
             w.join(5)
+        # The quota: no traffic since the clients stopped; once every lease
+        # is back (or due back), its used against the upstream's count.
+        if args.quota:
+            time.sleep(max(0.0, SETTLE_SECS - 0.2))
+            t_measured = round(time.monotonic() - t0, 3)
+            quota_read = read_quota(stack)
+            quota_read["month_changed"] = time.strftime("%Y-%m", time.gmtime()) != month_at_start
+        ledger.stop_flag.set()
+        ledger.join(5)
+        if args.quota:
+            say(f"   quota after {SETTLE_SECS:g}s idle: used {quota_read['used']}, upstream {quota_read['upstream']}, "
+                f"Redis count {quota_read['redis'].get('count')} with {quota_read['redis'].get('due')} due back "
+                f"from {len(quota_read['redis'].get('ledger', {}))} ledger holder(s)")
 
         diagnostics = {"redis": stack.redis_diagnostics(), "cpu_secs": cpu_secs(procs)}
         died = []
@@ -1056,18 +1546,33 @@ def run_one(seed, args, out_dir):
             if not p.alive() and not p.killed_by_us:
                 died.append(f"{p.name} (PID {p.pid}, exit {p.popen.returncode})")
     finally:
-        for th in clients + watchers + ([faults] if faults else []):
+        for th in clients + watchers + [x for x in (faults, ledger) if x]:
             th.stop_flag.set()
         procs.stop_all()
         stack.cleanup_dirs()
 
     with open(stack.arrivals_path) as f:
         arrivals_abs = [float(x) for x in f.read().split()]
-    result = analyse(seed, clients, watchers, faults, arrivals_abs, t0, args.duration, args, died)
+    quota = None
+    if args.quota:
+        holders = holders_at_stops(ledger.samples, faults.log)
+        quota = quota_check(quota_read, faults.log, holders, clients, t_measured)
+    result = analyse(seed, clients, watchers, faults, arrivals_abs, t0, args.duration, args, died, quota)
+    if quota:
+        quota["drift"] = quota_drift(ledger.samples, arrivals_abs, t0, faults.log, args.duration,
+                                     result["unexplained_fallback_episodes"])
     result["plan"] = [{"at": at, "kind": k, "replica": ri} for at, k, ri in plan]
     result["gateway_log_lines"] = gateway_log_summary(stack)
     result["diagnostics"] = diagnostics
     save_run_files(run_dir, result, clients, watchers, arrivals_abs, t0, stack)
+    with open(os.path.join(run_dir, "ledger.csv"), "w") as f:
+        # t: the load's clock; count: the quota's count in Redis (leased
+        # tokens included); one row per holder (none: an empty ledger).
+        f.write("t,count,holder,out,reclaim_in_ms\n")
+        for t, now, count, hs in ledger.samples:
+            for h, (o, at) in sorted(hs.items()) or [("", (None, None))]:
+                f.write(f"{t},{'' if count is None else count},{h},{'' if o is None else o},"
+                        f"{'' if at is None else round((at - now) / 1000, 1)}\n")
     return result
 
 
@@ -1164,7 +1669,7 @@ def save_run_files(run_dir, result, clients, watchers, arrivals_abs, t0, stack):
 
 def fmt_kinds(k):
     short = {"redis-stall": "stall", "redis-restart": "restart", "blackhole": "blackhole",
-             "replica-kill": "kill", "reload": "reload"}
+             "replica-kill": "kill", "replica-term": "term", "reload": "reload"}
     return ", ".join(f"{short[n]} {k[n]}" for n in FAULT_KINDS if k.get(n))
 
 
@@ -1175,23 +1680,28 @@ def num(v, spec):
 def table(results):
     head = ("| seed | T (s) | admitted | bound | % of bound | worst window overshoot | slack | 5xx "
             "| conn errors | 429s | longest fallback after heal (s) | after final fault (s) "
-            "| fallbacks no fault explains | faults | pass |")
-    lines = [head, "|" + "---:|" * 13 + "---|---|"]
+            "| fallbacks no fault explains | upstream | quota used | diff | SIGKILL allowance | SIGKILLs | SIGTERMs "
+            "| faults | pass |")
+    lines = [head, "|" + "---:|" * 19 + "---|---|"]
     for r in results:
         fb = f"{r['longest_fallback_after_heal']:.2f}" + (" STUCK " + "/".join(r["stuck_on_fallback"]) if r["stuck_on_fallback"] else "")
+        q = r.get("quota") or {}
+        lo, hi = q.get("allowed", (None, None))
+        allowed = "-" if lo is None else f"{lo:+d} to {hi:+d}" if (lo, hi) != (0, 0) else "0"
         lines.append(
             f"| {r['seed']} | {r['T']:.1f} | {r['admitted']} | {r['bound']:.1f} | {num(r['pct_of_bound'], '.1f')} "
             f"| {num(r['worst_window_overshoot'], '+.1f')} | {r['slack']:.1f} | {r['status_5xx']} | {r['conn_errors']} "
             f"| {r['status_429']} | {fb} | {r['fallback_after_final_fault']:.2f} "
-            f"| {len(r['unexplained_fallback_episodes'])} | {fmt_kinds(r['faults_by_kind']) or '-'} "
-            f"| {'yes' if r['pass'] else 'NO'} |"
+            f"| {len(r['unexplained_fallback_episodes'])} | {num(q.get('upstream'), 'd')} | {num(q.get('used'), 'd')} "
+            f"| {num(q.get('diff'), '+d')} | {allowed} | {num(q.get('kills'), 'd')} | {num(q.get('terms'), 'd')} "
+            f"| {fmt_kinds(r['faults_by_kind']) or '-'} | {'yes' if r['pass'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
 
 
 FAULT_COLOURS = {
     "redis-stall": "#d62728", "redis-restart": "#9467bd", "blackhole": "#ff7f0e",
-    "replica-kill": "#8c564b", "reload": "#2ca02c",
+    "replica-kill": "#8c564b", "replica-term": "#17becf", "reload": "#2ca02c",
 }
 
 
@@ -1243,7 +1753,9 @@ def plot(out_dir, results):
         ax.set_title(
             f"seed {r['seed']}: admitted {r['admitted']} / bound {r['bound']:.0f} ({r['pct_of_bound']:.1f}%), "
             f"worst window {num(r['worst_window_overshoot'], '+.1f')}, slack {r['slack']:.0f}, "
-            f"5xx {r['status_5xx']}, longest fallback after heal {r['longest_fallback_after_heal']:.2f}s",
+            f"5xx {r['status_5xx']}, longest fallback after heal {r['longest_fallback_after_heal']:.2f}s, "
+            f"quota used {num((r.get('quota') or {}).get('used'), 'd')} (upstream "
+            f"{num((r.get('quota') or {}).get('upstream'), 'd')})",
             fontsize=9,
         )
         # Sampled on a grid: count(arrivals <= t) - (50 + 20 t).
@@ -1282,7 +1794,11 @@ def write_outputs(out_dir, results, args, interrupted):
     summary = {
         "params": {
             "duration": args.duration, "clients": args.clients, "seeds": args.seed_list,
+            "fault_kinds": list(args.fault_kinds), "redis_dir": args.redis_dir,
             "capacity": CAPACITY, "refill_per_sec": REFILL, "replicas": REPLICAS,
+            "quota": {"limit": args.quota, "period": QUOTA_PERIOD} if args.quota else None,
+            "lease_period_ms": LEASE_PERIOD_MS,
+            "settle_secs": SETTLE_SECS,
             "slack": "computed per run" if args.slack is None else args.slack,
             "max_fallback_after_heal": args.max_fallback_after_heal,
             "bin_dir": args.bin_dir, "cpus": os.cpu_count(),
@@ -1310,6 +1826,48 @@ def write_outputs(out_dir, results, args, interrupted):
             print(f"seed {r['seed']}: stays on the fallback no fault explains (load clock): {eps}")
         if r["stuck_on_fallback"]:
             print(f"seed {r['seed']}: still on the fallback at the end: {', '.join(r['stuck_on_fallback'])}")
+        q = r.get("quota")
+        if q:
+            stops = "; ".join(
+                f"{e['kind']} {e['replica']} at {e['at']:.1f}s: in flight {e['in_flight']}, "
+                f"200s in the last {2 * LEASE_PERIOD_MS} ms {e[f'200s_last_{2 * LEASE_PERIOD_MS}ms']}, "
+                f"left in the ledger {num(e['left_in_ledger'], 'd')}"
+                + (f", exit {e['exit_code']} after {e['exit_secs']}s" if e["kind"] == "replica-term" else "")
+                + (f" ({e['why']})" if e.get("why") else "")
+                for e in q["stops"]
+            )
+            d = q.get("drift") or {}
+            steps = "; ".join(
+                " + ".join(x["what"]) + ": " + (f"{x['step']:+d}" if x["step"] is not None else "?")
+                for x in d.get("steps", []) if x["step"] != 0
+            )
+            print(f"seed {r['seed']} quota: used {num(q['used'], 'd')} - upstream {q['upstream']} = {num(q['diff'], '+d')} "
+                  f"(SIGKILLs explain {q['allowed'][0]:+d} to {q['allowed'][1]:+d}); drift before any disturbance "
+                  f"{num(d.get('before_first'), '+d')}, at the end {num(d.get('at_end'), '+d')}; "
+                  f"what moved it: {steps or 'nothing'}; stops: {stops or 'none'}")
+    # Per kind of disturbance, over the steps that had one kind only.
+    by_kind = {}
+    for r in results:
+        for x in ((r.get("quota") or {}).get("drift") or {}).get("steps", []):
+            key = x["kinds"][0] if len(x["kinds"]) == 1 else "mixed"
+            k = by_kind.setdefault(key, {"disturbances": 0, "moved": 0, "sum": 0, "unknown": 0, "steps": []})
+            k["disturbances"] += 1
+            if x["step"] is None:
+                k["unknown"] += 1
+            else:
+                k["moved"] += x["step"] != 0
+                k["sum"] += x["step"]
+                if x["step"]:
+                    k["steps"].append(x["step"])
+    summary["quota_drift_by_kind"] = by_kind
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if by_kind:
+        print("quota drift by disturbance (all runs; 'mixed': overlapping kinds): " + "; ".join(
+            f"{k}: {v['disturbances']}, {v['moved']} moved it (total {v['sum']:+d}"
+            + (f": {', '.join(f'{x:+d}' for x in v['steps'])}" if v["steps"] else "") + ")"
+            + (f", {v['unknown']} unmeasured" if v["unknown"] else "")
+            for k, v in sorted(by_kind.items())))
     try:
         plot(out_dir, results)
     except Exception as e:  # the numbers matter more than the picture
@@ -1351,6 +1909,16 @@ def parse_args(argv):
     p.add_argument("--slack", type=float, default=None,
                    help="requests over the exact bound tolerated (default: per run, the sum over "
                         "blackhole and replica-kill faults of 50/3 + 20/3 x their seconds)")
+    p.add_argument("--faults", default=",".join(FAULT_KINDS),
+                   help="the fault kinds drawn from, comma-separated, or 'none' (default: all of "
+                        + ", ".join(FAULT_KINDS) + ")")
+    p.add_argument("--quota", type=int, default=QUOTA_LIMIT,
+                   help=f"the plan's monthly quota (default {QUOTA_LIMIT:,}: it never binds in a run); "
+                        "0: none, as the soak was before issue #36 (no quota check)")
+    p.add_argument("--redis-dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None,
+                   help="where Redis's AOF folder is made (default /dev/shm, a tmpfs: a SIGKILLed Redis "
+                        "loses nothing either way, and a busy disk's fsync stalls are not faults the "
+                        "soak planned; else the system's temp dir)")
     p.add_argument("--serve-upstream", metavar="ARRIVALS", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve_upstream:
@@ -1370,6 +1938,15 @@ def parse_args(argv):
         p.error(f"--duration must be at least {QUIET_TAIL_SECS + 5:g}s")
     if a.clients < 1:
         p.error("--clients must be at least 1")
+    if a.quota < 0:
+        p.error("--quota must be 0 (none) or more")
+    if a.faults.strip() == "none":
+        a.fault_kinds = ()
+    else:
+        a.fault_kinds = tuple(k.strip() for k in a.faults.split(",") if k.strip())
+        bad = [k for k in a.fault_kinds if k not in FAULT_KINDS]
+        if bad or not a.fault_kinds:
+            p.error(f"--faults: unknown {', '.join(bad) or '(empty)'}; choose among {', '.join(FAULT_KINDS)} or none")
     a.bin_dir = os.path.abspath(a.bin_dir)
     return a
 
@@ -1406,7 +1983,11 @@ def main(argv):
             r = results[-1]
             say(f"== seed {seed}: admitted {r['admitted']} / bound {r['bound']:.1f} ({r['pct_of_bound']:.1f}%), "
                 f"slack {r['slack']:.1f}, worst window {num(r['worst_window_overshoot'], '+.1f')}, 5xx {r['status_5xx']}, "
-                f"errors {r['conn_errors']}, longest fallback after heal {r['longest_fallback_after_heal']:.2f}s: "
+                f"errors {r['conn_errors']}, longest fallback after heal {r['longest_fallback_after_heal']:.2f}s"
+                + (f", quota used {r['quota']['used']} vs upstream {r['quota']['upstream']} "
+                   f"({num(r['quota']['diff'], '+d')}; SIGKILLs {r['quota']['kills']}, SIGTERMs {r['quota']['terms']}, "
+                   f"allowed {r['quota']['allowed'][0]:+d} to {r['quota']['allowed'][1]:+d})" if r["quota"] else "")
+                + ": "
                 + ("pass" if r["pass"] else "FAIL: " + "; ".join(r["failures"])))
     except KeyboardInterrupt:
         interrupted, rc = True, 130
