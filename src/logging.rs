@@ -16,6 +16,7 @@
 //! everything else passes as it is.
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use log::{Level, Log, Metadata, Record};
 use tracing_log::LogTracer;
@@ -171,5 +172,70 @@ mod tests {
         for (text, want) in cases {
             assert_eq!(classify(text), want, "{text}");
         }
+    }
+}
+
+/// Keeps the access log's refusal lines (the gateway's own 429s and 503s)
+/// to at most a number a second, so a flood of refusals cannot flood the
+/// log: the rest are counted (`gateway_access_log_left_out_total`), and the
+/// next line written says how many were left out before it. The metrics
+/// count every request; the log explains examples.
+pub struct Sampler {
+    second: AtomicU64,
+    written: AtomicU32,
+    left_out: AtomicU64,
+}
+
+impl Sampler {
+    pub const fn new() -> Self {
+        Sampler {
+            second: AtomicU64::new(0),
+            written: AtomicU32::new(0),
+            left_out: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether this refusal's line is written (`Some`: with how many were
+    /// left out since the last one written) at `now_sec`, under `per_sec`.
+    pub fn take(&self, per_sec: u32, now_sec: u64) -> Option<u64> {
+        let second = self.second.load(Ordering::Relaxed);
+        if second != now_sec
+            && self
+                .second
+                .compare_exchange(second, now_sec, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.written.store(0, Ordering::Relaxed);
+        }
+        if self.written.fetch_add(1, Ordering::Relaxed) < per_sec {
+            return Some(self.left_out.swap(0, Ordering::Relaxed));
+        }
+        self.left_out.fetch_add(1, Ordering::Relaxed);
+        metrics::access_line_left_out();
+        None
+    }
+}
+
+impl Default for Sampler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod sampler_tests {
+    use super::Sampler;
+
+    #[test]
+    fn refusal_lines_are_capped_per_second_and_the_rest_counted() {
+        let s = Sampler::new();
+        let written: Vec<Option<u64>> = (0..5).map(|_| s.take(2, 100)).collect();
+        assert_eq!(written, [Some(0), Some(0), None, None, None]);
+        // The next second's first line says three were left out.
+        assert_eq!(s.take(2, 101), Some(3));
+        assert_eq!(s.take(2, 101), Some(0));
+        assert_eq!(s.take(2, 101), None);
+        // None a second: every refusal counted, none written.
+        assert_eq!(s.take(0, 102), None);
     }
 }

@@ -164,6 +164,10 @@ pub fn install() {
             "Requests the rate tiers admitted and an in-flight cap refused, by kind, name and reason: queue_full, queue_timeout, displaced (a higher-priority plan took its place in the queue) answered 503; per_client (max_in_flight_per_client) answered 429; client_left (its client left while it waited: dropped, never sent upstream). Every reason of every cap is present at 0 from the first scrape"
         );
         describe_counter!(
+            "gateway_access_log_left_out_total",
+            "Access lines of refusals (the gateway's own 429 and 503) not written: over [log] refusals_per_sec in their second. The next refusal line written says how many were left out before it (left_out=N)"
+        );
+        describe_counter!(
             "gateway_refunds_total",
             "Admissions given back to the rate tiers (every tier that admitted the request): an in-flight cap refused it, or its client left while it waited, so it never reached the upstream and is not charged"
         );
@@ -246,6 +250,11 @@ pub fn redis_probe(ok: bool) {
     counter!("gateway_redis_probes_total", "result" => result).increment(1);
 }
 
+/// A refusal's access line left out (`[log] refusals_per_sec`).
+pub fn access_line_left_out() {
+    counter!("gateway_access_log_left_out_total").increment(1);
+}
+
 /// An admission given back (`Fallback::refund`).
 pub fn refunded() {
     counter!("gateway_refunds_total").increment(1);
@@ -265,6 +274,7 @@ pub fn in_flight_refused(kind: &'static str, name: &str, reason: &'static str) {
 /// The in-flight caps as of a scrape.
 pub fn in_flight(gates: &crate::inflight::Gates) {
     counter!("gateway_refunds_total").increment(0);
+    counter!("gateway_access_log_left_out_total").increment(0);
     for route in gates.per_client_routes() {
         counter!(
             "gateway_in_flight_refusals_total",
@@ -549,6 +559,15 @@ const NAMED: &[(u16, &str)] = &[
     (503, "503"),
     (504, "504"),
 ];
+
+/// A status as the access log writes it: its number, or `aborted` (no
+/// response was written: the client left first), the word the metrics use.
+pub fn status_word(status: u16) -> std::borrow::Cow<'static, str> {
+    match status {
+        0 => "aborted".into(),
+        n => n.to_string().into(),
+    }
+}
 
 fn status_label_indexed(status: u16) -> (usize, &'static str) {
     if let Some(i) = NAMED.iter().position(|(code, _)| *code == status) {

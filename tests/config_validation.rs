@@ -117,6 +117,36 @@ fn leases_are_checked() {
 }
 
 #[test]
+fn the_log_section_is_checked() {
+    let (ok, out, err) = check(MINIMAL);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("log: access=true refusals_per_sec=20"),
+        "the defaults: {out}"
+    );
+    let with = |body: &str| format!("{MINIMAL}\n[log]\n{body}\n");
+    let (ok, out, err) = check(&with("access = false\nrefusals_per_sec = 0"));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("log: access=false refusals_per_sec=0"),
+        "{out}"
+    );
+    for (body, problem) in [
+        ("access = \"yes\"", "log.access (line"),
+        ("refusals_per_sec = -1", "log.refusals_per_sec (line"),
+        (
+            "refusals_per_sec = 2000000",
+            "from 0 to 1000000, found 2000000",
+        ),
+        ("sample = 3", "log.sample"),
+    ] {
+        let (ok, _, err) = check(&with(body));
+        assert!(!ok, "{body}: {err}");
+        assert!(err.contains(problem), "{body}: {err}");
+    }
+}
+
+#[test]
 fn wrong_type_unknown_key_and_dangling_upstream_are_all_reported() {
     let src = r#"[server]
 listen = ["127.0.0.1:8080"]

@@ -331,3 +331,81 @@ fn a_canary_secret_never_leaks() {
     });
     assert!(!gw.log().contains(secret), "logs: {}", gw.log());
 }
+
+/// #38: a flood of refusals does not flood the log. With the defaults
+/// (`[log] refusals_per_sec = 20`), a 3 s spray that is mostly 429s writes
+/// at most 20 refusal lines a second, each written line says how many were
+/// left out before it, and lines written plus lines left out (the metric)
+/// are every refusal. `gateway_requests_total` still counts each. With
+/// `access = false` no request line is written at all (this spray has no
+/// errors or 5xx, which would be).
+#[test]
+fn a_flood_of_refusals_writes_a_bounded_log() {
+    for access in [true, false] {
+        let up = UpstreamGuard::start();
+        let gw = GatewayGuard::start(&format!(
+            r#"
+{SERVER_2_THREADS}
+
+[log]
+access = {access}
+
+[limiter]
+backend = "local"
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+
+[[routes]]
+name = "r"
+path_prefix = "/"
+upstream = "up"
+limit = {{ algorithm = "token_bucket", capacity = 5, refill_per_sec = 1 }}
+"#,
+            up.addr
+        ));
+        let started = std::time::Instant::now();
+        let mut statuses = std::collections::HashMap::<u16, u64>::new();
+        let mut c = gw.client();
+        while started.elapsed() < Duration::from_secs(3) {
+            let s = c.get("/x").expect("request").status;
+            *statuses.entry(s).or_default() += 1;
+        }
+        let secs = started.elapsed().as_secs() + 1;
+        let refused = statuses.get(&429).copied().unwrap_or(0);
+        let log = gw.log();
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("request_id=")).collect();
+        let refusal_lines = lines.iter().filter(|l| l.contains(" status=429")).count() as u64;
+        let said_left_out: u64 = lines
+            .iter()
+            .filter_map(|l| l.split(" left_out=").nth(1))
+            .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        let left_out = gw.metric("gateway_access_log_left_out_total") as u64;
+        let counted = gw.metric("gateway_requests_total{route=\"r\",status=\"429\"}") as u64;
+        println!(
+            "FIGURES access log (access={access}): {refused} refusals in {secs} s; {refusal_lines} lines written ({} in all), left out {left_out} (the written lines say {said_left_out}); gateway_requests_total counts {counted}",
+            lines.len()
+        );
+        assert!(refused > 500, "a flood: {statuses:?}");
+        assert_eq!(counted, refused, "the metrics count every refusal");
+        if access {
+            assert!(
+                refusal_lines > 0 && refusal_lines <= 20 * secs,
+                "{refusal_lines}"
+            );
+            assert_eq!(refusal_lines + left_out, refused, "written + left out");
+            assert!(
+                said_left_out > 0 && said_left_out <= left_out,
+                "{said_left_out}"
+            );
+            assert!(
+                lines.iter().any(|l| l.contains(" status=200")),
+                "admitted lines stay"
+            );
+        } else {
+            assert!(lines.is_empty(), "access = false: {:?}", lines.first());
+        }
+    }
+}

@@ -47,12 +47,15 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
             "upstreams",
             "routes",
             "cors",
+            "log",
         ],
     );
 
     let server = section(&mut r, root, "server", true).map(|t| super::server::read(&mut r, t));
     let admin_t = section(&mut r, root, "admin", false);
     let admin = super::admin::read(&mut r, admin_t);
+    let log_t = section(&mut r, root, "log", false);
+    let log = super::log::read(&mut r, log_t);
     let redis = section(&mut r, root, "redis", false).map(|t| super::redis::read(&mut r, t));
     let limiter_t = section(&mut r, root, "limiter", false);
     let limiter = super::limiter::read(&mut r, limiter_t, redis.is_some());
@@ -148,6 +151,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
     Ok(Config {
         server: server.flatten().expect("server read without error"),
         admin: admin.expect("admin read without error"),
+        log: log.expect("log read without error"),
         limiter: limiter.expect("limiter read without error"),
         redis: redis.flatten(),
         clients: clients.expect("clients read without error"),

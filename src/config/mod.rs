@@ -10,6 +10,7 @@ mod file;
 mod inflight;
 mod limiter;
 mod limits;
+mod log;
 pub mod model;
 mod reader;
 mod redis;
@@ -208,6 +209,11 @@ impl Config {
             };
             let _ = writeln!(s, "admin: {admin}");
         }
+        let _ = writeln!(
+            s,
+            "log: access={} refusals_per_sec={} (errors and 5xx always)",
+            self.log.access, self.log.refusals_per_sec
+        );
         // The file's own spellings, so a value can be copied back into it.
         let l = &self.limiter;
         let (backend, on_failure, headers) = (

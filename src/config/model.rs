@@ -70,6 +70,26 @@ pub struct Config {
     pub routes: Vec<Route>,
     /// `[cors]`: the policy of every route without a `cors` of its own.
     pub cors: Option<Cors>,
+    pub log: LogSettings,
+}
+
+/// `[log]`: the access log. Refusals (the gateway's own 429 and 503) are
+/// written at most `refusals_per_sec` a second, the rest counted; every
+/// other line (admitted requests, errors, 5xx) follows `access`, but errors
+/// and 5xx are always written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogSettings {
+    pub access: bool,
+    pub refusals_per_sec: u32,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings {
+            access: true,
+            refusals_per_sec: 20,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

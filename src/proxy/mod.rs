@@ -71,6 +71,9 @@ impl Live {
     }
 }
 
+/// The refusal lines of the access log, capped per second (`[log]`).
+static REFUSAL_LINES: crate::logging::Sampler = crate::logging::Sampler::new();
+
 pub struct Gateway {
     pub live: Arc<ArcSwap<Live>>,
     pub limiter: Arc<Fallback>,
@@ -806,9 +809,34 @@ impl ProxyHttp for Gateway {
                 m.decision(*tier, *decision);
             }
         }
-        // Build the line only if someone reads it (benchmarks run at warn).
+        // Build the line only if someone reads it (benchmarks run at warn),
+        // and `[log]` wants it: errors and 5xx always, the gateway's own
+        // refusals at most `refusals_per_sec` a second, the rest if
+        // `access` is on.
         if !tracing::enabled!(target: "access", tracing::Level::INFO) {
             return;
+        }
+        let log = ctx
+            .live
+            .as_ref()
+            .map(|l| l.policy.config.log)
+            .unwrap_or_default();
+        let refusal = matches!(ctx.replied, Some(429 | 503));
+        let failed = !refusal && (e.is_some() || status == 0 || status >= 500);
+        let mut left_out = 0;
+        if !failed {
+            if !log.access {
+                return;
+            }
+            if refusal {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                match REFUSAL_LINES.take(log.refusals_per_sec, now) {
+                    Some(n) => left_out = n,
+                    None => return,
+                }
+            }
         }
         let tiers_with = |label: DecisionLabel| {
             let names: Vec<&str> = ctx
@@ -834,7 +862,9 @@ impl ProxyHttp for Gateway {
             request_id = %ctx.request_id,
             route,
             method = %req.method,
-            status,
+            // As the metrics say it: a request whose client left before
+            // any answer was written is `aborted`, not a status.
+            status = %crate::metrics::status_word(status),
             client = %ctx.plan.as_ref().map(|p| p.client.to_string()).or_else(|| ctx.refused_client.clone()).unwrap_or_default(),
             key_id = ctx.plan.as_ref().and_then(|p| p.key_id.as_deref()).unwrap_or("-"),
             rejected_by = rejected_by.as_str(),
@@ -842,6 +872,7 @@ impl ProxyHttp for Gateway {
             backend = ctx.backend,
             proto = if session.is_http2() { "h2" } else { "http/1.1" },
             latency_ms = ctx.started.elapsed().as_secs_f64() * 1000.0,
+            left_out,
         );
     }
 }
