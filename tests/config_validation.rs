@@ -116,6 +116,52 @@ fn leases_are_checked() {
     assert!(err.contains("from 10 to 60000, found 5"), "{err}");
 }
 
+/// #38: one address, one service. `admin_listen` on a `listen` address
+/// (or a wildcard covering its port, or a TLS listener on it) is refused
+/// with exit 2, naming both keys; distinct ports pass.
+#[test]
+fn two_services_on_one_address_are_refused() {
+    let with = |server: &str| {
+        format!(
+            "[server]\n{server}\n\n[[upstreams]]\nname = \"a\"\nservers = [\"127.0.0.1:9001\"]\n\n[[routes]]\nname = \"all\"\npath_prefix = \"/\"\nupstream = \"a\"\n"
+        )
+    };
+    for (server, problem) in [
+        (
+            "listen = [\"127.0.0.1:8080\"]\nadmin_listen = \"127.0.0.1:8080\"",
+            "server.admin_listen (line 3): \"127.0.0.1:8080\" clashes with server.listen[0]",
+        ),
+        (
+            "listen = [\"0.0.0.0:8080\"]\nadmin_listen = \"127.0.0.1:8080\"",
+            "server.admin_listen (line 3): \"127.0.0.1:8080\" clashes with server.listen[0] (\"0.0.0.0:8080\")",
+        ),
+        (
+            "listen = [\"127.0.0.1:8080\", \"127.0.0.1:8080\"]",
+            "server.listen[1] (line 2): \"127.0.0.1:8080\" clashes with server.listen[0]",
+        ),
+        (
+            "listen = [\"[::]:8443\"]\n[server.tls]\nlisten = [\"127.0.0.1:8443\"]\ncertificates = [{ cert_file = \"/nonexistent.crt\", key_file = \"/nonexistent.key\" }]",
+            "server.tls.listen[0]",
+        ),
+    ] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("gateway.toml");
+        std::fs::write(&path, with(server)).expect("write");
+        let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .args(["check", "--config"])
+            .arg(&path)
+            .output()
+            .expect("run gateway check");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{server}: {err}");
+        assert!(err.contains(problem), "{server}: missing {problem:?} in {err}");
+    }
+    let (ok, _, err) = check(&with(
+        "listen = [\"0.0.0.0:8080\"]\nadmin_listen = \"127.0.0.1:9901\"",
+    ));
+    assert!(ok, "distinct ports: {err}");
+}
+
 #[test]
 fn the_log_section_is_checked() {
     let (ok, out, err) = check(MINIMAL);

@@ -3,9 +3,9 @@
 
 use toml::de::DeTable;
 
-use super::file::{non_empty, opt, req, socket_addr};
 use super::model::Server;
 use super::reader::Reader;
+use super::reader::{non_empty, opt, req, socket_addr};
 
 pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
     let p = "server";
@@ -60,6 +60,25 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
             .map(Some),
         None => Some(None),
     };
+    if let (Some(listen), Some(admin), Some(tls)) = (&listen, &admin_listen, &tls) {
+        let mut named: Vec<(String, &str)> = listen
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (format!("server.listen[{i}]"), a.as_str()))
+            .collect();
+        if let Some(tls) = tls {
+            named.extend(
+                tls.listen
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| (format!("server.tls.listen[{i}]"), a.as_str())),
+            );
+        }
+        if let Some(a) = admin {
+            named.push(("server.admin_listen".to_string(), a.as_str()));
+        }
+        one_service_per_address(r, &named);
+    }
     Some(Server {
         listen: listen?,
         admin_listen: admin_listen?,
@@ -72,4 +91,34 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
         h2c: h2c?,
         tls: tls?,
     })
+}
+
+/// One address, one service: two listeners on one address (or a wildcard
+/// address and another on its port) would each get some of its connections,
+/// as the kernel chooses, so a request could reach the admin service as
+/// easily as the proxy. Each clash is an error naming both keys.
+fn one_service_per_address(r: &mut Reader<'_>, named: &[(String, &str)]) {
+    let parsed: Vec<Option<std::net::SocketAddr>> =
+        named.iter().map(|(_, a)| a.parse().ok()).collect();
+    for (j, (key, addr)) in named.iter().enumerate() {
+        let clash = (0..j).find(|&i| match (parsed[i], parsed[j]) {
+            (Some(a), Some(b)) => {
+                a.port() == b.port()
+                    && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
+            }
+            _ => named[i].1 == *addr,
+        });
+        if let Some(i) = clash {
+            let at = key.split('[').next().unwrap_or(key).to_string();
+            let span = r.spans.get(&at).cloned();
+            r.error(
+                key,
+                span.as_ref(),
+                format!(
+                    "\"{addr}\" clashes with {} (\"{}\"): one address serves one service, or the kernel splits its connections between them",
+                    named[i].0, named[i].1
+                ),
+            );
+        }
+    }
 }
