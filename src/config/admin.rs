@@ -2,8 +2,8 @@
 
 use toml::de::DeTable;
 
-use super::file::opt;
 use super::model::{AdminSettings, Secret};
+use super::reader::opt;
 use super::reader::Reader;
 
 /// A token shorter than this is refused: it guards bucket resets.

@@ -3,9 +3,9 @@
 
 use toml::de::DeTable;
 
-use super::file::{cidrs, opt};
 use super::model::Clients;
 use super::reader::Reader;
+use super::reader::{cidrs, opt};
 
 pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Clients> {
     let p = "clients";

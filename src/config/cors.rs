@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use toml::de::DeTable;
 
-use super::file::{opt, req};
 use super::model::{AllowHeaders, Cors, OriginPattern};
+use super::reader::{opt, req};
 use super::reader::{Reader, Value};
 
 /// Reads a policy at `p`; `route_methods` are its route's (a route's own

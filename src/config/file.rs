@@ -1,22 +1,21 @@
-//! Reads `gateway.toml` into the validated model: the file's top level, the
-//! checks across sections (a route's upstream, a key's plan, duplicate
-//! routes and keys), and the typed helpers every section reader uses.
+//! Reads `gateway.toml` into the validated model: the file's top level and
+//! the checks across sections (a route's upstream, a key's plan, duplicate
+//! routes and keys).
 //!
-//! Each section has a file of its own (`server`, `tls`, `limiter`, `redis`,
-//! `clients`, `limits`, `upstreams`, `routes`, `cors`) that lists the keys it knows
+//! Each section has a file of its own (`server`, `tls`, `admin`, `log`,
+//! `limiter`, `redis`, `clients`, `limits`, `upstreams`, `routes`, `cors`),
+//! written with the typed helpers of `reader.rs`, that lists the keys it knows
 //! (anything else is an error), reads them with their types and ranges, and
 //! applies the documented default when a key is absent.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::ops::Range;
 
-use ipnet::IpNet;
 use toml::de::{DeTable, DeValue};
 
 use super::limits::{api_key, limit, plans};
 use super::model::*;
-use super::reader::{join, Reader, Value};
+use super::reader::Reader;
 use super::ConfigError;
 
 /// Parses and validates a whole file; on failure returns every problem found.
@@ -258,162 +257,4 @@ fn array_of_tables<T>(
         }
     }
     out
-}
-
-/// Reads an optional key with `read`, or returns `default` when it is absent.
-/// `None` means the key was present but wrong (already reported).
-pub(super) fn opt<T>(
-    r: &mut Reader<'_>,
-    t: &DeTable<'_>,
-    path: &str,
-    key: &str,
-    default: T,
-    read: impl FnOnce(&mut Reader<'_>, &str, &Value<'_>) -> Option<T>,
-) -> Option<T> {
-    match t.get(key) {
-        Some(v) => {
-            r.spans.insert(join(path, key), v.span());
-            read(r, &join(path, key), v)
-        }
-        None => Some(default),
-    }
-}
-
-/// Reads a required key, reporting its absence against the table's line.
-pub(super) fn req<T>(
-    r: &mut Reader<'_>,
-    t: &DeTable<'_>,
-    path: &str,
-    span: Option<&Range<usize>>,
-    key: &str,
-    read: impl FnOnce(&mut Reader<'_>, &str, &Value<'_>) -> Option<T>,
-) -> Option<T> {
-    match t.get(key) {
-        Some(v) => {
-            r.spans.insert(join(path, key), v.span());
-            read(r, &join(path, key), v)
-        }
-        None => {
-            r.error(&join(path, key), span, "missing required key");
-            None
-        }
-    }
-}
-
-/// Checks one string of a list (with its span); `None` once reported.
-type CheckItem = fn(&mut Reader<'_>, &str, &(String, Range<usize>)) -> Option<String>;
-
-/// A non-empty array of strings, each checked by `item` (every bad one reported).
-pub(super) fn non_empty(
-    r: &mut Reader<'_>,
-    path: &str,
-    v: &Value<'_>,
-    what: &str,
-    item: CheckItem,
-) -> Option<Vec<String>> {
-    let items = r.strings(path, v)?;
-    if items.is_empty() {
-        r.error(
-            path,
-            Some(&v.span()),
-            format!("expected at least one {what}"),
-        );
-        return None;
-    }
-    let checked: Vec<Option<String>> = items
-        .iter()
-        .enumerate()
-        .map(|(i, x)| item(r, &format!("{path}[{i}]"), x))
-        .collect();
-    checked.into_iter().collect()
-}
-
-pub(super) fn socket_addr(
-    r: &mut Reader<'_>,
-    path: &str,
-    (s, span): &(String, Range<usize>),
-) -> Option<String> {
-    match s.parse::<SocketAddr>() {
-        Ok(_) => Some(s.clone()),
-        Err(_) => {
-            r.error(
-                path,
-                Some(span),
-                format!("expected an address like \"0.0.0.0:8080\", found \"{s}\""),
-            );
-            None
-        }
-    }
-}
-
-/// `host:port` where host may be a name (resolved when the gateway starts).
-pub(super) fn host_port(
-    r: &mut Reader<'_>,
-    path: &str,
-    (s, span): &(String, Range<usize>),
-) -> Option<String> {
-    let ok = match s.rsplit_once(':') {
-        Some((host, port)) => {
-            !host.is_empty()
-                && port.parse::<u16>().is_ok_and(|p| p > 0)
-                && (s.parse::<SocketAddr>().is_ok()
-                    || host
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
-        }
-        None => false,
-    };
-    if ok {
-        Some(s.clone())
-    } else {
-        r.error(
-            path,
-            Some(span),
-            format!("expected \"host:port\" (e.g. \"127.0.0.1:9001\"), found \"{s}\""),
-        );
-        None
-    }
-}
-
-pub(super) fn cidrs(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<IpNet>> {
-    let items = r.strings(path, v)?;
-    let mut out = Vec::new();
-    let mut ok = true;
-    for (i, (s, span)) in items.iter().enumerate() {
-        // A bare address is a /32 (or /128): what an operator means by it.
-        let parsed = s
-            .parse::<IpNet>()
-            .or_else(|_| s.parse::<std::net::IpAddr>().map(IpNet::from));
-        match parsed {
-            Ok(n) => out.push(n.trunc()),
-            Err(_) => {
-                ok = false;
-                r.error(
-                    &format!("{path}[{i}]"),
-                    Some(span),
-                    format!("expected a CIDR like \"10.0.0.0/8\" or an IP address, found \"{s}\""),
-                );
-            }
-        }
-    }
-    ok.then_some(out)
-}
-
-/// Names that end up in metric labels and Redis keys: a closed, safe alphabet.
-pub(super) fn name(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<String> {
-    let s = r.string(path, v)?;
-    if !s.is_empty()
-        && s.len() <= 64
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        Some(s)
-    } else {
-        r.error(
-            path,
-            Some(&v.span()),
-            format!("expected 1-64 characters of [A-Za-z0-9._-], found \"{s}\""),
-        );
-        None
-    }
 }

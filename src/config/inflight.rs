@@ -4,8 +4,8 @@
 
 use toml::de::DeTable;
 
-use super::file::opt;
 use super::model::{Cap, InFlight};
+use super::reader::opt;
 use super::reader::{join, Reader, Value};
 
 fn count(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<u32> {

@@ -3,8 +3,8 @@
 
 use toml::de::DeTable;
 
-use super::file::opt;
 use super::model::{Backend, HeaderStyle, LeaseSettings, LimiterSettings, OnRedisFailure, Spelled};
+use super::reader::opt;
 use super::reader::Reader;
 
 pub(super) fn read(

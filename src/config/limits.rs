@@ -7,9 +7,9 @@ use std::ops::Range;
 use sha2::{Digest, Sha256};
 use toml::de::DeTable;
 
-use super::file::{name, opt, req};
 use super::model::*;
 use super::reader::{join, Reader, Value};
+use super::reader::{name, opt, req};
 
 /// An algorithm table: `algorithm` plus its own parameters (others are unknown keys).
 pub(super) fn limit(

@@ -2,8 +2,8 @@
 
 use toml::de::DeTable;
 
-use super::file::opt;
 use super::model::LogSettings;
+use super::reader::opt;
 use super::reader::Reader;
 
 pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<LogSettings> {

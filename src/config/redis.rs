@@ -3,9 +3,9 @@
 
 use toml::de::DeTable;
 
-use super::file::{name, opt, req};
 use super::model::{RedisMode, RedisSettings, Secret, Spelled};
 use super::reader::Reader;
+use super::reader::{name, opt, req};
 
 pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
     let p = "redis";

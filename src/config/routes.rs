@@ -6,10 +6,10 @@ use std::ops::Range;
 
 use toml::de::DeTable;
 
-use super::file::{name, opt, req};
 use super::limits::limit;
 use super::model::{HostPattern, Route};
 use super::reader::{join, Reader};
+use super::reader::{name, opt, req};
 use crate::path::normalize_path;
 
 pub(super) const METHODS: &[&str] = &[

@@ -9,9 +9,9 @@ use std::ops::Range;
 
 use toml::de::DeTable;
 
-use super::file::{non_empty, req, socket_addr};
 use super::model::{CertificateFiles, TlsListeners};
 use super::reader::Reader;
+use super::reader::{non_empty, req, socket_addr};
 
 /// The section, or `None` once a problem has been reported.
 pub fn read(r: &mut Reader<'_>, t: &DeTable<'_>, span: &Range<usize>) -> Option<TlsListeners> {

@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use toml::de::DeTable;
 
-use super::file::{host_port, name, non_empty, opt, req};
 use super::model::{Spelled, Upstream, UpstreamProtocol};
+use super::reader::{host_port, name, non_empty, opt, req};
 use super::reader::{join, Reader};
 
 pub(super) fn read(
