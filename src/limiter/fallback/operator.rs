@@ -1,0 +1,81 @@
+//! What an operator asks of the limiter (`/limits`, `gateway limits`): a
+//! bucket's state as this replica sees it, its lease, and resets.
+
+use super::*;
+
+impl Fallback {
+    /// This replica's memory of the buckets, dropped; how many local
+    /// buckets held state. `reset_us`: when another replica reset them
+    /// (Redis's clock); a lease granted since is of the new bucket and is
+    /// kept (this replica hears of a reset up to a heartbeat late).
+    pub(super) fn forget(&self, keys: &[&str], reset_us: Option<Micros>) -> usize {
+        for k in keys {
+            self.denied.forget(k);
+            self.ledger.forget(k);
+        }
+        if let Some(leases) = self.redis.as_ref().and_then(RedisBackend::leases) {
+            leases.cancel(keys, reset_us);
+        }
+        self.local.remove(keys)
+    }
+
+    /// What each check's bucket holds, spending nothing, from the backend
+    /// that decides now: Redis, or (on the fallback, or with
+    /// `backend = "local"`) this replica's own buckets, whose limits are
+    /// then its share.
+    pub async fn inspect(
+        &self,
+        checks: &[Check],
+    ) -> Result<(FallbackState, Vec<Snapshot>), LimiterError> {
+        if let (Some(redis), FallbackState::Redis) = (&self.redis, self.state()) {
+            let (snapshots, _) = redis.peek(checks).await?;
+            return Ok((FallbackState::Redis, snapshots));
+        }
+        Ok((
+            FallbackState::Local,
+            self.local.peek(&self.local_view(checks)),
+        ))
+    }
+
+    /// This replica's unspent lease on a bucket, and its time left.
+    pub fn lease_of(&self, key: &str) -> Option<(u64, Duration)> {
+        self.redis
+            .as_ref()
+            .and_then(RedisBackend::leases)
+            .and_then(|l| l.outstanding(key, Instant::now()))
+    }
+
+    /// The checks as the local backend enforces them now.
+    pub(super) fn local_view(&self, checks: &[Check]) -> Vec<Check> {
+        let n = if self.redis.is_some() {
+            self.fallback_replicas()
+        } else {
+            1
+        };
+        checks
+            .iter()
+            .map(|c| Check {
+                algorithm: share(&c.algorithm, n),
+                ..c.clone()
+            })
+            .collect()
+    }
+
+    /// Makes the buckets whole again: in Redis when it decides (every
+    /// replica hears of it within a second), and in this replica's memory.
+    pub async fn reset(&self, checks: &[Check]) -> Result<Reset, LimiterError> {
+        let keys: Vec<&str> = checks.iter().map(|c| c.key.as_str()).collect();
+        let redis = match (&self.redis, self.state()) {
+            (Some(redis), FallbackState::Redis) => {
+                Some(redis.reset(&keys, &self.resets_key).await?)
+            }
+            _ => None,
+        };
+        let local = self.forget(&keys, None);
+        Ok(Reset {
+            backend: self.state(),
+            redis_buckets: redis,
+            local_buckets: local,
+        })
+    }
+}
