@@ -322,42 +322,6 @@ fn describe(v: &DeValue<'_>) -> String {
     }
 }
 
-#[cfg(test)]
-mod expand_tests {
-    use super::expand;
-
-    #[test]
-    fn variables_defaults_and_problems() {
-        let env = |n: &str| match n {
-            "HOST" => Some("redis.internal".to_string()),
-            "EMPTY" => Some(String::new()),
-            _ => None,
-        };
-        assert_eq!(
-            expand("redis://${HOST}:6379", env).unwrap(),
-            "redis://redis.internal:6379"
-        );
-        assert_eq!(expand("${PORT:-6379}", env).unwrap(), "6379");
-        assert_eq!(
-            expand("${EMPTY:-x}", env).unwrap(),
-            "",
-            "set (even empty) wins"
-        );
-        assert_eq!(
-            expand("no vars $HOST {x}", env).unwrap(),
-            "no vars $HOST {x}"
-        );
-        let e = expand("${A}${B}", env).unwrap_err();
-        assert_eq!(e.len(), 2, "every unset variable: {e:?}");
-        assert!(
-            e[0].starts_with("environment variable A is not set"),
-            "{e:?}"
-        );
-        assert!(expand("${1X}", env).unwrap_err()[0].contains("not a variable reference"));
-        assert!(expand("${HOST", env).unwrap_err()[0].contains("without its closing"));
-    }
-}
-
 // The typed helpers every section's reader uses (`opt`, `req`, lists,
 // addresses, CIDRs, names): the readers' vocabulary, here so that the
 // arrows run one way (file.rs reads the sections; the sections read these).
@@ -517,5 +481,41 @@ pub(super) fn name(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Stri
             format!("expected 1-64 characters of [A-Za-z0-9._-], found \"{s}\""),
         );
         None
+    }
+}
+
+#[cfg(test)]
+mod expand_tests {
+    use super::expand;
+
+    #[test]
+    fn variables_defaults_and_problems() {
+        let env = |n: &str| match n {
+            "HOST" => Some("redis.internal".to_string()),
+            "EMPTY" => Some(String::new()),
+            _ => None,
+        };
+        assert_eq!(
+            expand("redis://${HOST}:6379", env).unwrap(),
+            "redis://redis.internal:6379"
+        );
+        assert_eq!(expand("${PORT:-6379}", env).unwrap(), "6379");
+        assert_eq!(
+            expand("${EMPTY:-x}", env).unwrap(),
+            "",
+            "set (even empty) wins"
+        );
+        assert_eq!(
+            expand("no vars $HOST {x}", env).unwrap(),
+            "no vars $HOST {x}"
+        );
+        let e = expand("${A}${B}", env).unwrap_err();
+        assert_eq!(e.len(), 2, "every unset variable: {e:?}");
+        assert!(
+            e[0].starts_with("environment variable A is not set"),
+            "{e:?}"
+        );
+        assert!(expand("${1X}", env).unwrap_err()[0].contains("not a variable reference"));
+        assert!(expand("${HOST", env).unwrap_err()[0].contains("without its closing"));
     }
 }
