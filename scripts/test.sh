@@ -8,7 +8,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 steps=0
-step() { echo; echo "==> $*"; steps=$((steps + 1)); }
+# Where the time goes: each step's wall time, printed at the end (on a
+# failure too, up to the step that failed).
+names=() secs=()
+current="setup (scripts/setup.sh --for-tests)" started=$SECONDS
+close_step() { names+=("$current"); secs+=($((SECONDS - started))); }
+step() {
+  close_step
+  current="$*" started=$SECONDS
+  echo; echo "==> $*"; steps=$((steps + 1))
+}
+report_times() {
+  close_step
+  echo
+  echo "time per step (s):"
+  for i in "${!names[@]}"; do printf '%6d  %s\n' "${secs[$i]}" "${names[$i]}"; done
+  printf '%6d  total\n' "$SECONDS"
+}
+trap report_times EXIT
 
 scripts/setup.sh --for-tests
 
