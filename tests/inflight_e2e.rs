@@ -727,12 +727,7 @@ upstream = "up"
         });
         // Leases settle within a period and a quarter (100 ms by default).
         std::thread::sleep(Duration::from_millis(500));
-        let v = gw.admin_get("/limits?key=k1").json();
-        let used = v["buckets"]
-            .as_array()
-            .and_then(|l| l.iter().find(|b| b["tier"] == "quota-month"))
-            .and_then(|b| b["used"].as_u64())
-            .unwrap_or_else(|| panic!("no quota used in {v}"));
+        let used = gw.quota_used("k1", "quota-month");
         let refunds = gw.metric("gateway_refunds_total");
         let refused = count(&burst, 503, "");
         println!(

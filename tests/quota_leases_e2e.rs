@@ -131,18 +131,6 @@ fn books(gw: &GatewayGuard) -> [f64; 4] {
         .map(|e| gw.metric(&format!("gateway_lease_tokens_total{{event=\"{e}\"}}")))
 }
 
-/// A quota's `used` as `/limits` tells it.
-fn used(gw: &GatewayGuard, id: &str, policy: &str) -> u64 {
-    let v = gw.admin_get(&format!("/limits?key={id}")).json();
-    let b = v["buckets"]
-        .as_array()
-        .and_then(|l| l.iter().find(|b| b["tier"] == policy))
-        .unwrap_or_else(|| panic!("no {policy} bucket in {v}"));
-    b["used"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no used in {b}"))
-}
-
 /// 10 at once through A, and more one by one until A holds leased tokens
 /// (a lease is granted once the bucket is hot); the requests A admitted.
 fn lease_on(a: &GatewayGuard, key: &str) -> u64 {
@@ -183,7 +171,7 @@ fn a_graceful_stop_gives_its_lease_back() {
         "the whole quota, nothing stranded"
     );
     assert_eq!(up.total(), 50);
-    assert_eq!(used(&b, "m1", "quota-month"), 50);
+    assert_eq!(b.quota_used("m1", "quota-month"), 50);
 }
 
 /// Acceptance 1, with a reload of A in place of the stop.
@@ -211,7 +199,7 @@ fn a_reload_gives_its_lease_back() {
     // (A token bucket's unspent lease is refused back once the bucket
     // could have refilled without it: lost, and refilled. The quota's is
     // always taken back: B got the rest.)
-    assert_eq!(used(&b, "m2", "quota-month"), 50);
+    assert_eq!(b.quota_used("m2", "quota-month"), 50);
 }
 
 /// Acceptance 2: A holds a lease and goes idle (it stays up, and is never
@@ -229,7 +217,7 @@ fn an_idle_replicas_lease_goes_back_within_a_period() {
     let a_held = held(&a);
     let first = until_refused(&b, "m3");
     std::thread::sleep(Duration::from_millis(period_ms + 1000));
-    let billed = used(&b, "m3", "quota-month");
+    let billed = b.quota_used("m3", "quota-month");
     let rest = until_refused(&b, "m3");
     println!(
         "FIGURES quota-idle: {through_a} through A (then idle, holding {a_held}), {first} through B until refused; a period and a second later used = {billed} (admitted {}); then {rest} more: {} (bound 50)",
@@ -264,7 +252,7 @@ fn a_killed_replicas_lease_comes_back_when_it_expires() {
     std::thread::sleep(Duration::from_millis(2 * period_ms + 500));
     // Before any request reads the ledger again, `used` and the usage
     // export already leave the expired lease out.
-    let billed = used(&b, "m1", "quota-month");
+    let billed = b.quota_used("m1", "quota-month");
     let exported = b.admin_get("/usage?period=month&format=jsonl").text();
     let after = until_refused(&b, "m1");
     println!(
@@ -282,7 +270,7 @@ fn a_killed_replicas_lease_comes_back_when_it_expires() {
     assert!(missing > 0, "A held a quota lease when killed");
     assert_eq!(after, missing, "Redis gives it back whole");
     assert_eq!(up.total(), 50);
-    assert_eq!(used(&b, "m1", "quota-month"), 50);
+    assert_eq!(b.quota_used("m1", "quota-month"), 50);
 }
 
 /// Found by the chaos soak (#36 acceptance 7): a Redis stall bills nothing
@@ -337,7 +325,7 @@ fn a_redis_stall_bills_nothing_twice() {
         // Leases and debts settle within a period and a quarter of the
         // last request; failback has charged the fallback's admissions.
         std::thread::sleep(Duration::from_millis(1000));
-        let billed = used(&gw, "b1", "quota-month");
+        let billed = gw.quota_used("b1", "quota-month");
         let served = up.total();
         println!(
             "FIGURES quota-stall (leases {leases}): three 1.5 s Redis stalls under 4 clients: upstream received {served}, used {billed} ({:+})",
@@ -404,7 +392,10 @@ fn a_spray_past_the_burst_strands_no_quota_token() {
         wait_for("every lease given back", Duration::from_secs(10), || {
             (held(&a) == 0.0 && held(&b) == 0.0).then_some(())
         });
-        let (day, month) = (used(&a, key, "quota-day"), used(&b, key, "quota-month"));
+        let (day, month) = (
+            a.quota_used(key, "quota-day"),
+            b.quota_used(key, "quota-month"),
+        );
         figures.push((key, admitted, day, month));
         assert_eq!(admitted, 50, "{key}: the daily quota exactly");
         assert_eq!((day, month), (50, 50), "{key}: billed what was admitted");

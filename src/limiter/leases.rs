@@ -459,10 +459,19 @@ impl Leases {
             }
             spent += c.cost;
             if matches!(c.algorithm, Algorithm::Calendar { .. }) {
-                if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
-                    e.unreported += c.cost;
+                // Queued for a call once, when the bucket first has
+                // spending to report (every call that takes it reports
+                // all of it): not on every request of a hot key.
+                let first = match self.shard(&c.key).lock().get_mut(&c.key) {
+                    Some(e) => {
+                        e.unreported += c.cost;
+                        e.unreported == c.cost
+                    }
+                    None => false,
+                };
+                if first {
+                    self.owing.lock().insert(c.key.clone(), c.clone());
                 }
-                self.owing.lock().insert(c.key.clone(), c.clone());
             }
         }
         self.book(LeaseEvent::Spent, spent);
@@ -536,11 +545,11 @@ impl Leases {
                 self.ask_for(c, now, &mut asks);
             }
         }
-        let owing = self.take_owing();
-        for c in &owing {
-            if seen.insert(c.key.as_str()) {
-                self.ask_for(c, now, &mut asks);
-            }
+        // Every bucket taken from `owing` is asked for, seen or not: one
+        // asked for above may have been queued again since, by spending
+        // that came after it (a second ask then carries only that).
+        for c in &self.take_owing() {
+            self.ask_for(c, now, &mut asks);
         }
         self.sized(asks)
     }

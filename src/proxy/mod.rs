@@ -829,10 +829,8 @@ impl ProxyHttp for Gateway {
                 return;
             }
             if refusal {
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
-                match REFUSAL_LINES.take(log.refusals_per_sec, now) {
+                let now = crate::clock::Clock::now_us(&crate::clock::SystemClock) / 1_000_000;
+                match REFUSAL_LINES.take(log.refusals_per_sec, now as u64) {
                     Some(n) => left_out = n,
                     None => return,
                 }

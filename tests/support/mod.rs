@@ -581,6 +581,19 @@ impl GatewayGuard {
             .unwrap_or(0.0)
     }
 
+    /// A key's quota `used` for one limit (`quota-month`, ...), as
+    /// `/limits` tells it.
+    pub fn quota_used(&self, id: &str, policy: &str) -> u64 {
+        let v = self.admin_get(&format!("/limits?key={id}")).json();
+        let b = v["buckets"]
+            .as_array()
+            .and_then(|l| l.iter().find(|b| b["tier"] == policy))
+            .unwrap_or_else(|| panic!("no {policy} bucket in {v}"));
+        b["used"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no used in {b}"))
+    }
+
     /// SIGTERM, then waits for the exit; returns the status and how long it took.
     pub fn terminate(&mut self, timeout: Duration) -> (Option<ExitStatus>, Duration) {
         let started = Instant::now();
