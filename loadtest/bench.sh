@@ -105,18 +105,10 @@
 # headers with apt-get; matplotlib into the repo's .venv with pip.
 set -euo pipefail
 
-root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
-here=$root/loadtest
-venv=$root/.venv
-py=$venv/bin/python
+me=bench.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib.sh"
 
-usage() {
-  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-}
-
-for arg in "$@"; do
-  case $arg in -h | --help) usage; exit 0 ;; esac
-done
+help_opt "$@"
 
 command -v cargo >/dev/null || PATH=$HOME/.cargo/bin:$PATH
 
@@ -143,43 +135,18 @@ else
   fi
 fi
 
-as_root() {
-  if ((EUID == 0)); then "$@"; else sudo "$@"; fi
-}
-
 need=()
 command -v wrk >/dev/null || need+=(wrk)
 command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || need+=(nginx)
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v redis-cli >/dev/null || need+=(redis-tools)
-command -v cc >/dev/null || need+=(gcc libc6-dev)
 command -v openssl >/dev/null || need+=(openssl)
-[[ -e /usr/include/openssl/ssl.h ]] || need+=(libssl-dev)
-if ((${#need[@]})); then
-  echo "bench.sh: installing ${need[*]} with apt-get" >&2
-  as_root apt-get update -qq
-  # No service is started by the install (policy-rc.d, or none in a container):
-  # the benchmark runs its own nginx and Redis in the foreground.
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+((${#need[@]} == 0)) || apt_install "${need[@]}"
 export PATH=$PATH:/usr/sbin
 
-if [[ ! -x $py ]]; then
-  echo "bench.sh: creating the virtualenv $venv" >&2
-  python3 -m venv "$venv"
-fi
-if ! "$py" -c 'import matplotlib' 2>/dev/null; then
-  echo "bench.sh: installing matplotlib into $venv" >&2
-  "$py" -m pip install --quiet --disable-pip-version-check matplotlib
-fi
-
+need_venv matplotlib
 # The fixed-rate load generator, compiled when its source is newer.
-tools=$here/results/.tools
-mkdir -p "$tools"
-if [[ ! -x $tools/fixedrate || $here/bench/fixedrate.c -nt $tools/fixedrate ]]; then
-  cc -O2 -Wall -o "$tools/fixedrate.tmp" "$here/bench/fixedrate.c" -lssl -lcrypto
-  mv "$tools/fixedrate.tmp" "$tools/fixedrate"
-fi
+fixedrate
 
 args=()
 for arg in "$@"; do

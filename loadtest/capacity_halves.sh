@@ -41,44 +41,18 @@
 # loadtest/requirements.txt when missing).
 set -euo pipefail
 
-root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
-here=$root/loadtest
-gateway=$root/target/release/gateway
-mock=$root/target/release/mock-upstream
-venv=$root/.venv
-py=$venv/bin/python
 me=capacity_halves.sh
-
-usage() {
-  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-}
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib.sh"
 
 mode=default
 users="" spawn="" run_time="" out=""
 rate=75 burst=100 workers=8 service_ms=100 timeout_s=3
 queue=100 queue_timeout_ms=50 adaptive_min=2 adaptive_max=200 seed=26
 think_min=0.2 think_max=0.4
-while (($#)); do
-  case $1 in
-    --quick) mode=quick ;;
-    --smoke) mode=smoke ;;
-    --users) users=${2:?--users needs a number}; shift ;;
-    --spawn-rate) spawn=${2:?--spawn-rate needs a number}; shift ;;
-    --run-time) run_time=${2:?--run-time needs a duration}; shift ;;
-    --rate) rate=${2:?--rate needs a number}; shift ;;
-    --burst) burst=${2:?--burst needs a number}; shift ;;
-    --workers) workers=${2:?--workers needs a number}; shift ;;
-    --service-ms) service_ms=${2:?--service-ms needs a number}; shift ;;
-    --timeout) timeout_s=${2:?--timeout needs seconds}; shift ;;
-    --queue) queue=${2:?--queue needs a number}; shift ;;
-    --queue-timeout-ms) queue_timeout_ms=${2:?--queue-timeout-ms needs a number}; shift ;;
-    --seed) seed=${2:?--seed needs a number}; shift ;;
-    --out) out=${2:?--out needs a folder}; shift ;;
-    -h | --help) usage; exit 0 ;;
-    *) echo "$me: unknown option $1 (see --help)" >&2; exit 2 ;;
-  esac
-  shift
-done
+value_opts=("${locust_opts[@]}" "--rate rate a number" "--burst burst a number"
+  "--workers workers a number" "--service-ms service_ms a number" "--timeout timeout_s seconds"
+  "--queue queue a number" "--queue-timeout-ms queue_timeout_ms a number" "--seed seed a number")
+parse_opts "$@"
 
 case $mode in
   default) : "${users:=100}" "${spawn:=50}" "${run_time:=60}" ;;
@@ -88,25 +62,6 @@ esac
 progress_secs=3
 [[ $mode == smoke ]] && progress_secs=2
 
-# Seconds from 120, 90s, 3m, 1m30s, 1h.
-to_secs() {
-  local s=$1 total=0 n
-  if [[ $s =~ ^[0-9]+$ ]]; then
-    echo "$s"
-    return
-  fi
-  [[ $s =~ ^([0-9]+h)?([0-9]+m)?([0-9]+s)?$ && -n $s ]] || return 1
-  for part in "${BASH_REMATCH[@]:1}"; do
-    [[ -z $part ]] && continue
-    n=${part%?}
-    case $part in
-      *h) total=$((total + n * 3600)) ;;
-      *m) total=$((total + n * 60)) ;;
-      *s) total=$((total + n)) ;;
-    esac
-  done
-  echo "$total"
-}
 run_secs=$(to_secs "$run_time") || { echo "$me: bad --run-time '$run_time'" >&2; exit 2; }
 for v in users workers service_ms queue queue_timeout_ms seed burst; do
   [[ ${!v} =~ ^[0-9]+$ ]] || { echo "$me: --${v//_/-} must be a whole number" >&2; exit 2; }
@@ -119,48 +74,14 @@ done
 service_ms_after=$((2 * service_ms))
 halve_at=$(awk -v t="$run_secs" 'BEGIN {printf "%.3f", t / 3}')
 
-log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
-
 # --- prerequisites -----------------------------------------------------------
 
-for bin in "$gateway" "$mock"; do
-  if [[ ! -x $bin ]]; then
-    echo "$me: $bin is missing: build first: cargo build --release" >&2
-    exit 1
-  fi
-done
-
-as_root() {
-  if ((EUID == 0)); then "$@"; else sudo "$@"; fi
-}
-
-if [[ ! -x $py ]]; then
-  log "creating the virtualenv $venv"
-  if ! python3 -m venv "$venv"; then
-    as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq python3-venv >/dev/null
-    python3 -m venv "$venv"
-  fi
-fi
-if ! "$py" -c 'import locust, matplotlib' 2>/dev/null; then
-  log "installing Locust and matplotlib into $venv"
-  "$py" -m pip install --quiet --disable-pip-version-check -r "$here/requirements.txt"
-fi
+need_bins "$gateway" "$mock"
+need_venv locust matplotlib
 
 # --- the run folder ------------------------------------------------------------
 
-stamp=$(date +%Y%m%d-%H%M%S)
-if [[ -z $out ]]; then
-  if [[ $mode == smoke ]]; then
-    # Keep only the latest smoke run's outputs.
-    rm -rf -- "$here"/results/capacity-halves-smoke-*
-    out=$here/results/capacity-halves-smoke-$stamp
-  else
-    out=$here/results/capacity-halves-$stamp
-  fi
-fi
-mkdir -p "$out/runs"
-out=$(cd -- "$out" && pwd)
+out_dir capacity-halves capacity-halves-smoke runs
 
 # --- cleanup: everything started here, by PID ------------------------------------
 
@@ -168,24 +89,6 @@ gw_pid=""
 mock_pid=""
 locust_pid=""
 progress_pid=""
-sleep_pid=""
-
-# stop_pid PID SIGNAL SECONDS: signal, wait up to SECONDS, then SIGKILL; reap.
-stop_pid() {
-  local pid=$1 sig=$2 secs=$3 i
-  [[ -n $pid ]] || return 0
-  kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null; return 0; }
-  kill "-$sig" "$pid" 2>/dev/null || true
-  for ((i = 0; i < secs * 10; i++)); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  if kill -0 "$pid" 2>/dev/null; then
-    echo "$me: PID $pid did not exit after SIG$sig within ${secs}s: SIGKILL" >&2
-    kill -KILL "$pid" 2>/dev/null || true
-  fi
-  wait "$pid" 2>/dev/null || true
-}
 
 stop_servers() {
   stop_pid "$gw_pid" TERM 10
@@ -203,31 +106,7 @@ cleanup() {
   stop_servers
   exit "$rc"
 }
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-# wait_until SECONDS DESCRIPTION COMMAND...: polls COMMAND every 0.2 s.
-wait_until() {
-  local secs=$1 what=$2 i
-  shift 2
-  for ((i = 0; i < secs * 5; i++)); do
-    if "$@" >/dev/null 2>&1; then
-      return 0
-    fi
-    sleep 0.2
-  done
-  echo "$me: $what not ready after ${secs}s" >&2
-  return 1
-}
-
-# nap SECONDS: an interruptible sleep (a signal to this script acts at once).
-nap() {
-  sleep "$1" &
-  sleep_pid=$!
-  wait "$sleep_pid" || true
-  sleep_pid=""
-}
+traps cleanup
 
 log "run folder: $out"
 log "mode $mode: $users users (spawn $spawn/s), ${run_secs}s per run; upstream $workers workers at $service_ms ms, ${service_ms_after} ms from ${halve_at}s; route limit $rate/s (burst $burst)"
@@ -254,7 +133,7 @@ cat >"$out/run.json" <<JSON
   "seed": $seed,
   "cpus": $(nproc),
   "gateway_mtime": "$(date -r "$gateway" -Iseconds)",
-  "git_commit": "$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)",
+  "git_commit": "$(git_commit)",
   "started_at": "$(date -Iseconds)"
 }
 JSON
@@ -293,27 +172,11 @@ limit = { algorithm = "token_bucket", capacity = $cap, refill_per_sec = $rate, s
 TOML
 }
 
-# busy_check FILE: records the load average; warns when something else keeps
-# the CPUs busy (a build, another benchmark): every latency is inflated then.
-busy_check() {
-  cut -d' ' -f1-3 /proc/loadavg >"$1"
-  local load cpus
-  load=$(cut -d' ' -f1 /proc/loadavg)
-  cpus=$(nproc)
-  if awk -v l="$load" -v c="$cpus" 'BEGIN {exit !(l > c / 2)}'; then
-    echo "$me: warning: the machine is already busy (1-min load $load on $cpus CPUs): latencies will be inflated" >&2
-  fi
-}
-
 # run_one NAME ADAPTIVE(0|1): a fresh mock and gateway, Locust, the halving.
 run_one() {
-  local name=$1 adaptive=$2 dir=$out/runs/$1 rc ports mp pp ap started target wait_s
+  local name=$1 adaptive=$2 dir=$out/runs/$1 mp pp ap started target wait_s
   mkdir -p "$dir"
-  mapfile -t ports < <("$py" "$here/prepare.py" ports 3)
-  if ((${#ports[@]} != 3)); then
-    echo "$me: could not find free loopback ports" >&2
-    exit 1
-  fi
+  free_ports 3
   mp=${ports[0]} pp=${ports[1]} ap=${ports[2]}
   local mock_url=http://127.0.0.1:$mp admin_url=http://127.0.0.1:$ap proxy_url=http://127.0.0.1:$pp
 
@@ -323,34 +186,17 @@ run_one() {
   wait_until 10 "mock-upstream on $mock_url" bash -c "kill -0 $mock_pid && curl -fsS $mock_url/healthz"
 
   write_config "$dir/gateway.toml" "$pp" "$ap" "$mp" "$adaptive"
-  if ! "$gateway" check --config "$dir/gateway.toml" >"$dir/gateway-check.txt" 2>&1; then
-    cat "$dir/gateway-check.txt" >&2
-    echo "$me: the generated gateway config does not pass 'gateway check'" >&2
-    exit 1
-  fi
+  gateway_check "$dir/gateway.toml" "$dir/gateway-check.txt"
   GATEWAY_LOG=warn "$gateway" run --config "$dir/gateway.toml" >"$dir/gateway.log" 2>&1 &
   gw_pid=$!
-  if ! wait_until 30 "gateway on $admin_url/readyz" bash -c "kill -0 $gw_pid && curl -fsS $admin_url/readyz"; then
-    tail -20 "$dir/gateway.log" >&2
-    exit 1
-  fi
+  wait_readyz "$gw_pid" "$admin_url" gateway "$dir/gateway.log"
   log "== run $name: mock :$mp ($workers workers, $service_ms ms), gateway :$pp (admin :$ap)$( ((adaptive)) && echo ", adaptive concurrency on")"
   busy_check "$dir/loadavg-before"
 
-  (
-    cd "$here"
-    export CH_TARGET=$proxy_url CH_OUT=$dir CH_RUN=$name CH_UPSTREAM=$mock_url CH_ADMIN=$admin_url
-    export CH_SEED=$seed CH_TIMEOUT=$timeout_s CH_THINK_MIN=$think_min CH_THINK_MAX=$think_max
-    export CH_PROGRESS_SECS=$progress_secs
-    exec timeout -s INT --kill-after=15 $((run_secs + 60)) "$py" -m locust -f "$here/capacity_halves_locustfile.py" \
-      --headless -u "$users" -r "$spawn" -t "${run_secs}s" --stop-timeout 0 --only-summary \
-      --csv "$dir/locust" --html "$dir/locust.html"
-  ) >"$dir/locust.log" 2>&1 &
-  locust_pid=$!
-  # Progress lines (and trouble) while it runs; tail ends with Locust.
-  tail -n +1 -F --pid="$locust_pid" "$dir/locust.log" 2>/dev/null |
-    grep --line-buffered -E "^\[$name\]|CPU usage|cpu threshold|Traceback|Error" &
-  progress_pid=$!
+  locust_start "$dir" "$name" capacity_halves_locustfile.py "|Error" \
+    CH_TARGET="$proxy_url" CH_OUT="$dir" CH_RUN="$name" CH_UPSTREAM="$mock_url" CH_ADMIN="$admin_url" \
+    CH_SEED="$seed" CH_TIMEOUT="$timeout_s" CH_THINK_MIN="$think_min" CH_THINK_MAX="$think_max" \
+    CH_PROGRESS_SECS="$progress_secs"
 
   # The halving, a third into the load (from Locust's test start).
   if ! wait_until 30 "Locust's start (run $name)" bash -c "[[ -s $dir/started ]] || ! kill -0 $locust_pid"; then
@@ -369,34 +215,17 @@ run_one() {
     fi
   fi
 
-  set +e
-  wait "$locust_pid"
-  rc=$?
-  wait "$progress_pid"
-  set -e
-  locust_pid="" progress_pid=""
-  cut -d' ' -f1-3 /proc/loadavg >"$dir/loadavg-after"
+  locust_wait "$dir"
   curl -fsS "$admin_url/metrics" >"$dir/metrics-end.txt" 2>/dev/null || true
   curl -fsS "$mock_url/stats" >"$dir/upstream-stats-end.json" 2>/dev/null || true
   kill -0 "$gw_pid" 2>/dev/null || echo "$me: the gateway (PID $gw_pid) died during run $name" >&2
   stop_servers
-  # Locust exits 1 when any request failed: expected for rate_only.
-  if ((rc != 0 && rc != 1)); then
-    tail -30 "$dir/locust.log" >&2
-    echo "$me: Locust failed in run $name (exit $rc)" >&2
-    exit 1
-  fi
+  locust_ok "$dir" "run $name"
   if [[ ! -s $dir/requests.csv || ! -s $dir/halved_at ]]; then
     echo "$me: run $name recorded no requests or no halving" >&2
     exit 1
   fi
-  log "== run $name done: $(($(wc -l <"$dir/requests.csv") - 1)) requests; the upstream's counters $("$py" -c '
-import json, sys
-try:
-    s = json.load(open(sys.argv[1]))
-except Exception:
-    s = {}
-print(" ".join("%s=%s" % (k, s.get(k)) for k in ("total", "ok", "failed", "max_in_flight", "max_waiting")))' "$dir/upstream-stats-end.json")"
+  log "== run $name done: $(($(wc -l <"$dir/requests.csv") - 1)) requests; the upstream's counters $(counters total ok failed max_in_flight max_waiting <"$dir/upstream-stats-end.json")"
 }
 
 run_one rate_only 0

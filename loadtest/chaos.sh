@@ -25,36 +25,11 @@
 # (installed from loadtest/requirements.txt's pin when missing).
 set -euo pipefail
 
-root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
-here=$root/loadtest
-venv=$root/.venv
-py=$venv/bin/python
+me=chaos.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib.sh"
 
-log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
-
-as_root() {
-  if ((EUID == 0)); then "$@"; else sudo "$@"; fi
-}
-
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
-  log "installing redis-server and redis-tools"
-  as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server redis-tools >/dev/null
-fi
-
-if [[ ! -x $py ]]; then
-  log "creating the virtualenv $venv"
-  if ! python3 -m venv "$venv"; then
-    as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq python3-venv >/dev/null
-    python3 -m venv "$venv"
-  fi
-fi
+need_redis
 # Only matplotlib is needed here (not Locust): install just its pinned line.
-if ! "$py" -c 'import matplotlib' 2>/dev/null; then
-  pin=$(grep -E '^matplotlib([=<>~ ]|$)' "$here/requirements.txt" || echo matplotlib)
-  log "installing $pin into $venv"
-  "$py" -m pip install --quiet --disable-pip-version-check "$pin"
-fi
+need_venv matplotlib
 
 exec "$py" "$here/chaos.py" "$@"

@@ -30,60 +30,14 @@
 # 2 on bad usage. Everything started is stopped by PID, Ctrl-C included.
 set -euo pipefail
 
-root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
-here=$root/loadtest
-venv=$root/.venv
-py=$venv/bin/python
-tools=$here/results/.tools
 me=matrix.sh
+source "$(dirname -- "${BASH_SOURCE[0]}")/lib.sh"
 
-log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*"; }
+help_opt "$@"
 
-for arg in "$@"; do
-  case $arg in
-    -h | --help)
-      sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-      exit 0
-      ;;
-  esac
-done
-
-for bin in "$root/target/release/gateway" "$root/target/release/mock-upstream"; do
-  if [[ ! -x $bin ]]; then
-    echo "$me: $bin is missing: build first: cargo build --release" >&2
-    exit 1
-  fi
-done
-
-# fixedrate is C with OpenSSL (its https:// mode): a compiler and OpenSSL's
-# headers, from Debian's packages when missing.
-need=()
-command -v cc >/dev/null || need+=(gcc libc6-dev)
-[[ -e /usr/include/openssl/ssl.h ]] || need+=(libssl-dev)
-if ((${#need[@]})); then
-  log "installing ${need[*]} (apt-get)"
-  sudo=""
-  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
-
-if [[ ! -x $py ]]; then
-  log "creating the virtualenv $venv"
-  python3 -m venv "$venv"
-fi
-if ! "$py" -c 'import matplotlib' 2>/dev/null; then
-  log "installing matplotlib into $venv (loadtest/requirements.txt's pin)"
-  pin=$(grep -E '^matplotlib' "$here/requirements.txt" || echo matplotlib)
-  "$py" -m pip install --quiet --disable-pip-version-check "$pin"
-fi
-
-mkdir -p "$tools"
-if [[ ! -x $tools/fixedrate || $here/bench/fixedrate.c -nt $tools/fixedrate ]]; then
-  log "compiling loadtest/bench/fixedrate.c"
-  cc -O2 -Wall -o "$tools/fixedrate.tmp" "$here/bench/fixedrate.c" -lssl -lcrypto
-  mv "$tools/fixedrate.tmp" "$tools/fixedrate"
-fi
+need_bins "$gateway" "$mock"
+need_venv matplotlib
+fixedrate
 
 # Python in the background, so a signal to this script is passed on to it
 # (by its PID) and it stops what it started.
