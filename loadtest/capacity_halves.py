@@ -33,13 +33,17 @@ formed), 2 on bad input (check: 1 when something is missing).
 """
 
 import argparse
-import csv
-import json
+import functools
 import math
 import os
 import statistics
 import sys
 import time
+
+from lt import files, metrics, tables
+from lt.plots import pyplot, save_png
+from lt.files import read_float, read_text
+from lt.stats import percentile, rnd
 
 RUNS = ("rate_only", "adaptive")
 PNGS = ("capacity-halves.png", "latency.png")
@@ -50,91 +54,44 @@ TARGET_CONC_PCT = 10.0
 TARGET_P99_RATIO = 2.0
 
 
-def die(msg):
-    print(f"capacity_halves.py: {msg}", file=sys.stderr)
-    sys.exit(2)
+die = functools.partial(files.die, "capacity_halves.py")
 
 
 # ------------------------------------------------------------------ reading
 
 
-def read_float(path):
-    try:
-        with open(path) as f:
-            return float(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def read_requests(run_dir):
-    rows = []
-    path = os.path.join(run_dir, "requests.csv")
-    if not os.path.exists(path):
-        return rows
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            try:
-                rows.append((float(r["t"]), float(r["ms"]), int(r["status"]), r["outcome"]))
-            except (KeyError, ValueError):
-                continue
+    rows = files.read_csv(
+        os.path.join(run_dir, "requests.csv"), lambda r: (float(r["t"]), float(r["ms"]), int(r["status"]), r["outcome"])
+    )
     rows.sort()
     return rows
 
 
+def _number(v):
+    try:
+        return float(v) if v not in ("", None) else None
+    except ValueError:
+        return None
+
+
 def read_timeline(run_dir):
-    rows = []
-    path = os.path.join(run_dir, "timeline.csv")
-    if not os.path.exists(path):
-        return rows
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            row = {}
-            for k, v in r.items():
-                try:
-                    row[k] = float(v) if v not in ("", None) else None
-                except ValueError:
-                    row[k] = None
-            if row.get("t") is not None:
-                rows.append(row)
-    return rows
+    def row(r):
+        out = {k: _number(v) for k, v in r.items()}
+        return out if out.get("t") is not None else None
+
+    return files.read_csv(os.path.join(run_dir, "timeline.csv"), row)
 
 
 def read_locust_total(run_dir):
-    path = os.path.join(run_dir, "locust_stats.csv")
-    if not os.path.exists(path):
-        return None
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            if r.get("Name") == "Aggregated":
-                try:
-                    return {"requests": int(r["Request Count"]), "failures": int(r["Failure Count"])}
-                except (KeyError, ValueError):
-                    return None
-    return None
-
-
-def read_text(path):
+    r = files.locust_aggregated(run_dir)
     try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+        return None if r is None else {"requests": int(r["Request Count"]), "failures": int(r["Failure Count"])}
+    except (KeyError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------ maths
-
-
-def percentile(vals, q):
-    """Nearest-rank percentile (None if empty)."""
-    if not vals:
-        return None
-    s = sorted(vals)
-    k = max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))
-    return s[k]
-
-
-def rnd(x, nd=1):
-    return None if x is None else round(x, nd)
 
 
 def pct(a, b):
@@ -404,23 +361,20 @@ def write_report(run_dir, meta, runs, verdicts):
     L.append("")
     L.append(f"Mode `{meta['mode']}`, {meta['cpus']} CPUs, commit {meta['git_commit']}, started {meta['started_at']}.")
     L.append("")
-    L.append("| | rate_only | adaptive |")
-    L.append("|---|---:|---:|")
-    for title, cells in table_rows(runs, meta):
-        L.append(f"| {title} | {' | '.join(cells)} |")
+    L += tables.table(("", *RUNS), "lrr", [(title, *cells) for title, cells in table_rows(runs, meta)])
     L.append("")
     L.append("## Targets")
     L.append("")
     L.append("Judged on the adaptive run; rate_only's verdicts are for comparison.")
     L.append("")
-    L.append("| target | rate_only | adaptive |")
-    L.append("|---|---|---|")
+    rows = []
     for i, (title, _ok, _v) in enumerate(verdicts["adaptive"]):
         cells = []
         for r in RUNS:
             _t, ok, v = verdicts[r][i]
             cells.append(f"{'PASS' if ok else 'FAIL'} {v}")
-        L.append(f"| {title} | {cells[0]} | **{cells[1]}** |")
+        rows.append((title, cells[0], f"**{cells[1]}**"))
+    L += tables.table(("target", *RUNS), "lll", rows)
     L.append("")
     L.append("## Notes")
     L.append("")
@@ -471,14 +425,10 @@ def verdict_refusals(run_dir, r):
     """gateway_in_flight_refusals_total by reason, from the metrics at the end."""
     text = read_text(os.path.join(run_dir, "runs", r, "metrics-end.txt"))
     out = {}
-    for line in text.splitlines():
-        if line.startswith("gateway_in_flight_refusals_total{"):
-            labels = line[line.index("{") + 1 : line.index("}")]
-            reason = next((p.split("=", 1)[1].strip('"') for p in labels.split(",") if p.startswith("reason=")), "?")
-            try:
-                out[reason] = out.get(reason, 0) + float(line.rsplit(None, 1)[1])
-            except ValueError:
-                pass
+    for name, labels, v in metrics.samples(text):
+        if name == "gateway_in_flight_refusals_total":
+            reason = labels.get("reason", "?")
+            out[reason] = out.get(reason, 0) + v
     return out
 
 
@@ -486,10 +436,7 @@ def verdict_refusals(run_dir, r):
 
 
 def plots(run_dir, meta, series):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     w = meta["workers"]
     fig, axes = plt.subplots(3, 2, figsize=(14, 10), sharex="col", sharey="row")
@@ -545,8 +492,7 @@ def plots(run_dir, meta, series):
         f"{meta['service_ms_after']} ms): rate limit {meta['rate']:g}/s alone vs with adaptive concurrency"
     )
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "capacity-halves.png"), dpi=90)
-    plt.close(fig)
+    save_png(fig, os.path.join(run_dir, "capacity-halves.png"), 90)
 
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), sharey=True)
     for c, r in enumerate(RUNS):
@@ -570,8 +516,7 @@ def plots(run_dir, meta, series):
     axes[0].set_ylabel("ms")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "latency.png"), dpi=90)
-    plt.close(fig)
+    save_png(fig, os.path.join(run_dir, "latency.png"), 90)
 
 
 # ------------------------------------------------------------------ check
@@ -580,8 +525,7 @@ def plots(run_dir, meta, series):
 def check(run_dir):
     problems = []
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            s = json.load(f)
+        s = files.load_json(os.path.join(run_dir, "summary.json"))
         for r in RUNS:
             f = s["runs"][r]
             for k in ("requests", "admitted", "refused_429", "refused_503", "failures", "failure_pct",
@@ -597,15 +541,9 @@ def check(run_dir):
     except (OSError, ValueError, KeyError, TypeError) as e:
         problems.append(f"summary.json: {e}")
     md = read_text(os.path.join(run_dir, "report.md"))
-    if "| | rate_only | adaptive |" not in md or "## Targets" not in md:
+    if tables.row(("", *RUNS)) not in md or "## Targets" not in md:
         problems.append("report.md: the table or the targets are missing")
-    for p in PNGS:
-        try:
-            with open(os.path.join(run_dir, p), "rb") as f:
-                if f.read(8) != b"\x89PNG\r\n\x1a\n":
-                    problems.append(f"{p}: not a PNG")
-        except OSError:
-            problems.append(f"{p}: missing")
+    problems += files.png_problems(run_dir, PNGS, bad="not a PNG", missing="missing")
     for r in RUNS:
         for name in ("locust_stats.csv", "locust_stats_history.csv", "requests.csv", "timeline.csv"):
             if not os.path.exists(os.path.join(run_dir, "runs", r, name)):
@@ -622,21 +560,10 @@ def main():
     ap.add_argument("run_dir")
     a = ap.parse_args()
     if a.cmd == "check":
-        problems = check(a.run_dir)
-        for p in problems:
-            print(f"check: {p}")
-        print(f"check: {'ok' if not problems else f'{len(problems)} problem(s)'}")
-        return 1 if problems else 0
-    try:
-        with open(os.path.join(a.run_dir, "run.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        die(f"run.json: {e}")
+        return files.report_problems(check(a.run_dir), "check")
+    meta = files.read_meta(a.run_dir, die)
     runs, series = {}, {}
-    for r in RUNS:
-        d = os.path.join(a.run_dir, "runs", r)
-        if not os.path.isdir(d):
-            die(f"{d}: missing")
+    for r, d in files.parts(a.run_dir, "runs", RUNS, die):
         runs[r], series[r] = analyse(r, d, meta)
     verdicts = {r: targets(runs[r]) for r in RUNS}
     summary = {
@@ -648,9 +575,7 @@ def main():
         },
         "adaptive_passed": all(ok for _t, ok, _v in verdicts["adaptive"]),
     }
-    with open(os.path.join(a.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    files.write_json(os.path.join(a.run_dir, "summary.json"), summary)
     write_report(a.run_dir, meta, runs, verdicts)
     plots(a.run_dir, meta, series)
     width = max(len(t) for t, _ in table_rows(runs, meta))

@@ -45,7 +45,6 @@ import csv
 import json
 import os
 import random
-import re
 import sys
 import time
 import urllib.request
@@ -53,6 +52,9 @@ import urllib.request
 import gevent
 from locust import between, events, task
 from locust.contrib.fasthttp import FastHttpUser
+
+from lt import metrics
+from lt.csvlog import CsvLog
 
 TARGET = os.environ.get("CH_TARGET", "").rstrip("/")
 OUT = os.environ.get("CH_OUT", "")
@@ -89,40 +91,16 @@ TIMELINE_FIELDS = [
 random.seed(SEED)
 
 
-class _Log:
+class _Log(CsvLog):
     """requests.csv, flushed in batches; counts per outcome for progress."""
 
     def __init__(self):
-        self.file = None
-        self.writer = None
-        self.rows = []
+        super().__init__(["t", "ms", "status", "outcome"], 1000)
         self.counts = {}
-
-    def open(self):
-        os.makedirs(OUT, exist_ok=True)
-        self.file = open(os.path.join(OUT, "requests.csv"), "w", newline="")
-        self.writer = csv.writer(self.file)
-        self.writer.writerow(["t", "ms", "status", "outcome"])
 
     def add(self, t, ms, status, outcome):
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
-        if self.file is None:
-            return
-        self.rows.append((f"{t:.3f}", f"{ms:.1f}", status, outcome))
-        if len(self.rows) >= 1000:
-            self.flush()
-
-    def flush(self):
-        if self.file is not None and self.rows:
-            self.writer.writerows(self.rows)
-            self.rows.clear()
-            self.file.flush()
-
-    def close(self):
-        self.flush()
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        super().add((f"{t:.3f}", f"{ms:.1f}", status, outcome))
 
 
 LOG = _Log()
@@ -133,7 +111,7 @@ STATE = {"sampler": None, "stop": False}
 def _on_init(environment, **_kw):
     if not TARGET or not OUT:
         sys.exit("CH_TARGET and CH_OUT must be set")
-    LOG.open()
+    LOG.open(os.path.join(OUT, "requests.csv"))
 
 
 @events.test_start.add_listener
@@ -161,23 +139,11 @@ def _get(url, timeout=1.0):
         return r.read().decode("utf-8", "replace")
 
 
-_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_metrics(text, upstream=UPSTREAM_NAME):
     """The adaptive cap's series for one upstream, from Prometheus text."""
     out = {}
     refusals = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), dict(_LABEL.findall(m.group(2) or "")), m.group(3)
-        try:
-            v = float(value)
-        except ValueError:
-            continue
+    for name, labels, v in metrics.samples(text):
         if labels.get("kind") == "upstream" and labels.get("name") == upstream:
             if name == "gateway_in_flight_limit":
                 out["gw_limit"] = v

@@ -93,6 +93,10 @@ import time
 from array import array
 from datetime import datetime
 
+from lt import files, tables
+from lt.plots import pyplot, save_png
+from lt.procs import free_ports
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The key's plan: the limit under test.
@@ -300,19 +304,6 @@ class Procs:
 
 
 # ------------------------------------------------------------- helpers
-
-
-def free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def http_get(port, path, timeout=1.0):
@@ -1678,25 +1669,25 @@ def num(v, spec):
 
 
 def table(results):
-    head = ("| seed | T (s) | admitted | bound | % of bound | worst window overshoot | slack | 5xx "
-            "| conn errors | 429s | longest fallback after heal (s) | after final fault (s) "
-            "| fallbacks no fault explains | upstream | quota used | diff | SIGKILL allowance | SIGKILLs | SIGTERMs "
-            "| faults | pass |")
-    lines = [head, "|" + "---:|" * 19 + "---|---|"]
+    header = ("seed", "T (s)", "admitted", "bound", "% of bound", "worst window overshoot", "slack", "5xx",
+              "conn errors", "429s", "longest fallback after heal (s)", "after final fault (s)",
+              "fallbacks no fault explains", "upstream", "quota used", "diff", "SIGKILL allowance", "SIGKILLs",
+              "SIGTERMs", "faults", "pass")
+    rows = []
     for r in results:
         fb = f"{r['longest_fallback_after_heal']:.2f}" + (" STUCK " + "/".join(r["stuck_on_fallback"]) if r["stuck_on_fallback"] else "")
         q = r.get("quota") or {}
         lo, hi = q.get("allowed", (None, None))
         allowed = "-" if lo is None else f"{lo:+d} to {hi:+d}" if (lo, hi) != (0, 0) else "0"
-        lines.append(
-            f"| {r['seed']} | {r['T']:.1f} | {r['admitted']} | {r['bound']:.1f} | {num(r['pct_of_bound'], '.1f')} "
-            f"| {num(r['worst_window_overshoot'], '+.1f')} | {r['slack']:.1f} | {r['status_5xx']} | {r['conn_errors']} "
-            f"| {r['status_429']} | {fb} | {r['fallback_after_final_fault']:.2f} "
-            f"| {len(r['unexplained_fallback_episodes'])} | {num(q.get('upstream'), 'd')} | {num(q.get('used'), 'd')} "
-            f"| {num(q.get('diff'), '+d')} | {allowed} | {num(q.get('kills'), 'd')} | {num(q.get('terms'), 'd')} "
-            f"| {fmt_kinds(r['faults_by_kind']) or '-'} | {'yes' if r['pass'] else 'NO'} |"
-        )
-    return "\n".join(lines) + "\n"
+        rows.append((
+            r["seed"], f"{r['T']:.1f}", r["admitted"], f"{r['bound']:.1f}", num(r["pct_of_bound"], ".1f"),
+            num(r["worst_window_overshoot"], "+.1f"), f"{r['slack']:.1f}", r["status_5xx"], r["conn_errors"],
+            r["status_429"], fb, f"{r['fallback_after_final_fault']:.2f}",
+            len(r["unexplained_fallback_episodes"]), num(q.get("upstream"), "d"), num(q.get("used"), "d"),
+            num(q.get("diff"), "+d"), allowed, num(q.get("kills"), "d"), num(q.get("terms"), "d"),
+            fmt_kinds(r["faults_by_kind"]) or "-", "yes" if r["pass"] else "NO",
+        ))
+    return "\n".join(tables.table(header, "r" * 19 + "ll", rows)) + "\n"
 
 
 FAULT_COLOURS = {
@@ -1708,10 +1699,7 @@ FAULT_COLOURS = {
 def plot(out_dir, results):
     import bisect
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     n = len(results)
@@ -1786,8 +1774,7 @@ def plot(out_dir, results):
     if len(curves) <= 12:
         ax.legend(fontsize=7, ncol=6, loc="best")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
-    fig.savefig(os.path.join(out_dir, "chaos.png"), dpi=110)
-    plt.close(fig)
+    save_png(fig, os.path.join(out_dir, "chaos.png"), 110)
 
 
 def write_outputs(out_dir, results, args, interrupted):
@@ -1803,7 +1790,7 @@ def write_outputs(out_dir, results, args, interrupted):
             "max_fallback_after_heal": args.max_fallback_after_heal,
             "bin_dir": args.bin_dir, "cpus": os.cpu_count(),
             "loadavg_end": loadavg(),
-            "git_commit": git_commit(), "interrupted": interrupted,
+            "git_commit": files.git_commit(ROOT), "interrupted": interrupted,
         },
         "runs": results,
         "pass": all(r["pass"] for r in results) and not interrupted,
@@ -1880,14 +1867,6 @@ def loadavg():
         with open("/proc/loadavg") as f:
             return f.read().split()[:3]
     except OSError:
-        return None
-
-
-def git_commit():
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
         return None
 
 

@@ -46,6 +46,8 @@ from locust import between, events, task
 from locust.contrib.fasthttp import FastHttpSession, FastHttpUser
 from locust.runners import MasterRunner, WorkerRunner
 
+from lt.csvlog import CsvLog
+
 TARGETS = [t.strip().rstrip("/") for t in os.environ.get("SURGE_TARGETS", "").split(",") if t.strip()]
 OUT = os.environ.get("SURGE_OUT", "")
 PHASE = os.environ.get("SURGE_PHASE", "surge")
@@ -68,50 +70,16 @@ RIDERS = _load_riders()
 _next_rider = itertools.count()
 
 
-class _RequestLog:
-    """Every request, one CSV row, flushed in batches."""
-
-    def __init__(self):
-        self.rows = []
-        self.file = None
-        self.writer = None
-
-    def open(self):
-        if OUT and self.file is None:
-            os.makedirs(OUT, exist_ok=True)
-            self.file = open(os.path.join(OUT, f"requests-{os.getpid()}.csv"), "w", newline="")
-            self.writer = csv.writer(self.file)
-            self.writer.writerow(["t", "name", "kind", "status", "ms"])
-
-    def add(self, row):
-        if self.file is None:
-            return
-        self.rows.append(row)
-        if len(self.rows) >= 2000:
-            self.flush()
-
-    def flush(self):
-        if self.file is not None and self.rows:
-            self.writer.writerows(self.rows)
-            self.rows.clear()
-            self.file.flush()
-
-    def close(self):
-        self.flush()
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-LOG = _RequestLog()
+# Every request, one CSV row, flushed in batches.
+LOG = CsvLog(["t", "name", "kind", "status", "ms"], 2000)
 
 
 @events.init.add_listener
 def _on_init(environment, **_kw):
     if not TARGETS:
         sys.exit("SURGE_TARGETS is not set (comma-separated base URLs)")
-    if not isinstance(environment.runner, MasterRunner):
-        LOG.open()
+    if OUT and not isinstance(environment.runner, MasterRunner):
+        LOG.open(os.path.join(OUT, f"requests-{os.getpid()}.csv"))
     if not isinstance(environment.runner, WorkerRunner):
         gevent.spawn(_monitor, environment)
 

@@ -71,7 +71,6 @@ import ctypes
 import hashlib
 import http.client
 import json
-import math
 import os
 import re
 import shutil
@@ -83,6 +82,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from lt import files, metrics, tables
+from lt.plots import pyplot, save_png
+from lt.files import load_json
+from lt.procs import log, warn
+from lt.stats import percentile, rnd
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -125,14 +130,6 @@ TARGETS = [
     ("no_5xx", "no 5xx other than 503"),
     ("settle", f"limit settles within +-{SETTLE_BAND * 100:g}% of its median in <= {T_SETTLE_S:g} s (adaptive only)"),
 ]
-
-
-def log(msg: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
-
-
-def warn(msg: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} WARNING: {msg}", flush=True)
 
 
 class RunError(Exception):
@@ -284,25 +281,14 @@ def wait_ready(port: int, path: str, proc: subprocess.Popen, what: str, secs: fl
 
 
 WANT = {"gateway_in_flight_limit": "limit", "gateway_in_flight": "gw_in_flight", "gateway_in_flight_queued": "gw_queued"}
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_metrics(text: str) -> dict:
     out = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#" or "{" not in line:
-            continue
-        name, rest = line.split("{", 1)
+    for name, labels, v in metrics.samples(text):
         key = WANT.get(name)
-        if not key or "}" not in rest:
-            continue
-        labels, val = rest.rsplit("}", 1)
-        lab = dict(_LABEL.findall(labels))
-        if lab.get("kind") == "upstream" and lab.get("name") == "up":
-            try:
-                out[key] = float(val.split()[0])
-            except (ValueError, IndexError):
-                pass
+        if key and labels.get("kind") == "upstream" and labels.get("name") == "up":
+            out[key] = v
     return out
 
 
@@ -551,24 +537,6 @@ def run_one(w: int, s: int, variant: str, opts, bins: dict, ports: Ports, procs:
 
 
 # ------------------------------------------------------------------ analysis
-
-
-def percentile(vals, q):
-    """Nearest rank; None if empty."""
-    vals = sorted(v for v in vals if v is not None)
-    if not vals:
-        return None
-    k = max(0, min(len(vals) - 1, math.ceil(q / 100.0 * len(vals)) - 1))
-    return vals[k]
-
-
-def rnd(x, nd=1):
-    return None if x is None else round(x, nd)
-
-
-def load_json(path: Path):
-    with open(path) as f:
-        return json.load(f)
 
 
 def phase_figures(fr: dict, cap: float, unloaded: float, samples: list, lo: float, hi: float) -> dict:
@@ -837,10 +805,7 @@ def write_md(out: Path, summary: dict) -> None:
              f"{summary['git']['commit']}{' with local changes' if summary['git']['dirty'] else ''}; "
              f"started {summary['started_at']}.")
     L.append("")
-    L.append("| " + " | ".join(COLUMNS) + " |")
-    L.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(COLUMNS) - 3) + ["---"]) + "|")
-    for r in rows:
-        L.append("| " + " | ".join(row_cells(r)) + " |")
+    L += tables.table(COLUMNS, "ll" + "r" * (len(COLUMNS) - 3) + "l", [row_cells(r) for r in rows])
     L.append("")
     L.append("## Targets")
     L.append("")
@@ -905,10 +870,7 @@ def print_table(rows) -> None:
 
 
 def plots(out: Path, rows: list) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import matplotlib.ticker
 
     shapes = []
@@ -971,8 +933,7 @@ def plots(out: Path, rows: list) -> None:
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(labels),
                fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / height))
-    fig.savefig(out / "matrix.png", dpi=75)
-    plt.close(fig)
+    save_png(fig, out / "matrix.png", 75)
 
     # Goodput bars: before / after, per shape and variant.
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(shapes) * nc / 2 + 1.5) + 2.6, 3.8))
@@ -998,17 +959,16 @@ def plots(out: Path, rows: list) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(out / "goodput.png", dpi=80)
-    plt.close(fig)
+    save_png(fig, out / "goodput.png", 80)
 
 
 def git_state() -> dict:
+    commit = files.git_commit(ROOT, "unknown")
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"], capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "unknown", False
-    return {"commit": commit or "unknown", "dirty": dirty}
+    return {"commit": commit, "dirty": dirty}
 
 
 def report(out: Path) -> dict:
@@ -1045,9 +1005,7 @@ def report(out: Path) -> dict:
     summary["target_lines"] = [{"target": t, "result": l} for t, l in target_lines(rows)]
     held = [r for r in rows if r["held_to_targets"] and not r.get("error")]
     summary["adaptive_all_passed"] = bool(held) and all(r["passed"] for r in held)
-    with open(out / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    files.write_json(out / "summary.json", summary)
     write_md(out, summary)
     return summary
 
@@ -1095,22 +1053,14 @@ def check(out: Path) -> list[str]:
         problems.append(f"summary.json: {e!r}")
     try:
         md = (out / "summary.md").read_text()
-        if "| " + " | ".join(COLUMNS) + " |" not in md or "## Targets" not in md:
+        if tables.row(COLUMNS) not in md or "## Targets" not in md:
             problems.append("summary.md: the table or the targets are missing")
         for _k, title in TARGETS:
             if title not in md:
                 problems.append(f"summary.md: no line for target '{title}'")
     except OSError as e:
         problems.append(f"summary.md: {e}")
-    for png in ("matrix.png", "goodput.png"):
-        try:
-            with open(out / png, "rb") as f:
-                head = f.read(8)
-            if head != b"\x89PNG\r\n\x1a\n" or (out / png).stat().st_size < 2000:
-                problems.append(f"{png}: not a PNG")
-        except OSError:
-            problems.append(f"{png}: missing")
-    return problems
+    return problems + files.png_problems(out, ("matrix.png", "goodput.png"), 2000, "not a PNG", "missing")
 
 
 # ------------------------------------------------------------------ main
@@ -1316,11 +1266,7 @@ def main() -> int:
         summary = report(out)
         print_table(summary["rows"])
         return 0
-    problems = check(out)
-    for p in problems:
-        print(f"check: {p}")
-    print(f"check: {'ok' if not problems else f'{len(problems)} problem(s)'}")
-    return 1 if problems else 0
+    return files.report_problems(check(out), "check")
 
 
 if __name__ == "__main__":

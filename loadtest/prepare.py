@@ -28,26 +28,13 @@ import ipaddress
 import pathlib
 import re
 import secrets
-import socket
 import sys
+
+from lt.procs import free_ports
 
 # The riders' traffic mix (weights of the Locust tasks), which the global
 # budgets of the three routes follow.
 ROUTE_WEIGHTS = {"RIDE": 5, "FARE": 2, "NEARBY": 1}
-
-
-def free_ports(n):
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def make_riders(count, out):

@@ -19,14 +19,17 @@ acceptance point holds; 1 when an acceptance point fails; 2 on bad input.
 """
 
 import argparse
-import csv
+import functools
 import glob
-import json
 import math
 import os
 import re
 import sys
 import time
+
+from lt import files, metrics, stats, tables
+from lt.plots import pyplot, save_png
+from lt.stats import percentile
 
 PHASES = ("unprotected", "protected")
 PHASE_KEYS = (
@@ -50,9 +53,7 @@ PUBLISHED = {
 PNGS = ("latency.png", "upstream.png", "outcomes.png")
 
 
-def die(msg):
-    print(f"report.py: {msg}", file=sys.stderr)
-    sys.exit(2)
+die = functools.partial(files.die, "report.py")
 
 
 # ---------------------------------------------------------------- reading
@@ -60,65 +61,48 @@ def die(msg):
 
 def read_requests(phase_dir):
     """Rows (start_t, done_t, kind, status, ms, name) of every request."""
+    def row(r):
+        t, ms = float(r["t"]), float(r["ms"])
+        return (t, t + ms / 1000.0, r["kind"], int(r["status"]), ms, r["name"])
+
     rows = []
     for path in sorted(glob.glob(os.path.join(phase_dir, "requests-*.csv"))):
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                try:
-                    t, ms = float(r["t"]), float(r["ms"])
-                    rows.append((t, t + ms / 1000.0, r["kind"], int(r["status"]), ms, r["name"]))
-                except (KeyError, ValueError):
-                    continue
+        rows += files.read_csv(path, row)
     return rows
 
 
 def read_upstream(phase_dir):
-    path = os.path.join(phase_dir, "upstream.csv")
-    out = []
-    if os.path.exists(path):
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                try:
-                    out.append((float(r["t"]), int(r["total"]), int(r["ok"]), int(r["failed"])))
-                except (KeyError, ValueError):
-                    continue
-    return out
+    return files.read_csv(
+        os.path.join(phase_dir, "upstream.csv"), lambda r: (float(r["t"]), int(r["total"]), int(r["ok"]), int(r["failed"]))
+    )
 
 
 def read_locust_totals(phase_dir):
     """Locust's own whole-phase Aggregated row, for cross-checking."""
-    path = os.path.join(phase_dir, "locust_stats.csv")
-    if not os.path.exists(path):
+    r = files.locust_aggregated(phase_dir)
+    if r is None:
         return None
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            if r.get("Name") == "Aggregated":
 
-                def num(k):
-                    try:
-                        return round(float(r[k]), 3)
-                    except (KeyError, ValueError):
-                        return None
+    def num(k):
+        try:
+            return round(float(r[k]), 3)
+        except (KeyError, ValueError):
+            return None
 
-                return {
-                    "requests": int(num("Request Count") or 0),
-                    "failures": int(num("Failure Count") or 0),
-                    "rps": num("Requests/s"),
-                    "avg_ms": num("Average Response Time"),
-                    "p50_ms": num("50%"),
-                    "p95_ms": num("95%"),
-                    "p99_ms": num("99%"),
-                    "max_ms": num("Max Response Time"),
-                }
-    return None
+    return {
+        "requests": int(num("Request Count") or 0),
+        "failures": int(num("Failure Count") or 0),
+        "rps": num("Requests/s"),
+        "avg_ms": num("Average Response Time"),
+        "p50_ms": num("50%"),
+        "p95_ms": num("95%"),
+        "p99_ms": num("99%"),
+        "max_ms": num("Max Response Time"),
+    }
 
 
 def read_text(path):
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+    return files.read_text(path).strip() or None
 
 
 def locust_cpu_warnings(phase_dir):
@@ -132,16 +116,8 @@ def locust_cpu_warnings(phase_dir):
 # ---------------------------------------------------------------- maths
 
 
-def percentile(sorted_vals, q):
-    """Nearest-rank percentile of an already sorted list (None if empty)."""
-    if not sorted_vals:
-        return None
-    k = max(0, min(len(sorted_vals) - 1, math.ceil(q / 100.0 * len(sorted_vals)) - 1))
-    return sorted_vals[k]
-
-
 def rnd(x, nd=3):
-    return None if x is None else round(x, nd)
+    return stats.rnd(x, nd)
 
 
 def analyse_phase(name, phase_dir, meta):
@@ -313,32 +289,33 @@ def acceptance(ph):
 
 
 def table(ph):
-    head = (
-        "| Phase | Requests | Median | p95 | p99 | p99 admitted | rps | Failures (non-429) | 429 share | 429 latency (avg) | Upstream rps / capacity |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    )
-    lines = []
+    header = ("Phase", "Requests", "Median", "p95", "p99", "p99 admitted", "rps", "Failures (non-429)", "429 share",
+              "429 latency (avg)", "Upstream rps / capacity")
+    rows = []
     labels = {"unprotected": "Unprotected (straight to the service)", "protected": "Protected (3 gateways + Redis)"}
     for name in PHASES:
         s = ph[name]
         ratio = ""
         if s["upstream_rps"] is not None and s["upstream_capacity_rps"]:
             ratio = f" ({s['upstream_rps'] / s['upstream_capacity_rps']:.2f}x)"
-        lines.append(
-            f"| {labels[name]} | {s['requests']:,} | {fmt_ms(s['p50_ms'])} | {fmt_ms(s['p95_ms'])} | {fmt_ms(s['p99_ms'])} "
-            f"| {fmt_ms(s['p99_admitted_ms'])} | {s['rps']:.0f} | {fmt_pct(s['failure_pct'])} | {fmt_pct(s['rejected_pct'])} "
-            f"| {fmt_ms(s['avg_429_ms'])} | {'-' if s['upstream_rps'] is None else s['upstream_rps']} / {s['upstream_capacity_rps']:g}{ratio} |"
-        )
-    return head + "\n".join(lines) + "\n"
+        rows.append((
+            labels[name], f"{s['requests']:,}", fmt_ms(s["p50_ms"]), fmt_ms(s["p95_ms"]), fmt_ms(s["p99_ms"]),
+            fmt_ms(s["p99_admitted_ms"]), f"{s['rps']:.0f}", fmt_pct(s["failure_pct"]), fmt_pct(s["rejected_pct"]),
+            fmt_ms(s["avg_429_ms"]),
+            f"{'-' if s['upstream_rps'] is None else s['upstream_rps']} / {s['upstream_capacity_rps']:g}{ratio}",
+        ))
+    return "\n".join(tables.table(header, "l" + "r" * 10, rows)) + "\n"
 
 
 def published_table():
-    return (
-        "| Published (same scenario) | p99 | Failures | 429 latency (avg) | Service rps / capacity |\n"
-        "|---|---:|---:|---:|---:|\n"
-        f"| No limiter | {PUBLISHED['unprotected']['p99']} | {PUBLISHED['unprotected']['failures']} | - | {PUBLISHED['unprotected']['upstream']} |\n"
-        f"| Redis Lua token bucket per rider (20, 10/s) | {PUBLISHED['protected']['p99']} | {PUBLISHED['protected']['failures']} | {PUBLISHED['protected']['avg_429']} | {PUBLISHED['protected']['upstream']} |\n"
-    )
+    u, p = PUBLISHED["unprotected"], PUBLISHED["protected"]
+    rows = [
+        ("No limiter", u["p99"], u["failures"], "-", u["upstream"]),
+        ("Redis Lua token bucket per rider (20, 10/s)", p["p99"], p["failures"], p["avg_429"], p["upstream"]),
+    ]
+    return "\n".join(tables.table(
+        ("Published (same scenario)", "p99", "Failures", "429 latency (avg)", "Service rps / capacity"), "lrrrr", rows
+    )) + "\n"
 
 
 def write_report(run_dir, meta, ph, checks, gateway_notes):
@@ -416,10 +393,7 @@ def write_report(run_dir, meta, ph, checks, gateway_notes):
 
 
 def plots(run_dir, meta, series):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"unprotected": "#d62728", "protected": "#1f77b4"}
 
@@ -443,8 +417,7 @@ def plots(run_dir, meta, series):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "latency.png"), dpi=110)
-    plt.close(fig)
+    save_png(fig, os.path.join(run_dir, "latency.png"), 110)
 
     # Upstream rps against its capacity.
     fig, ax = plt.subplots(figsize=(10, 5))
@@ -459,8 +432,7 @@ def plots(run_dir, meta, series):
     ax.set_ylim(0, max([meta["capacity_rps"] * 1.3] + [max(series[n]["up_rps"] or [0]) * 1.25 for n in PHASES]))
     ax.legend(loc="upper right", fontsize=8, ncol=3)
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "upstream.png"), dpi=110)
-    plt.close(fig)
+    save_png(fig, os.path.join(run_dir, "upstream.png"), 110)
 
     # What the riders got, per second.
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
@@ -480,28 +452,15 @@ def plots(run_dir, meta, series):
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "outcomes.png"), dpi=110)
-    plt.close(fig)
+    save_png(fig, os.path.join(run_dir, "outcomes.png"), 110)
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-METRIC = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$|^(\w+)\s+([0-9.eE+-]+)$')
 
 
 def read_metrics(path):
     """[(name, {label: value}, number)] of one Prometheus text dump."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            m = METRIC.match(line.strip())
-            if not m:
-                continue
-            if m.group(1):
-                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-                out.append((m.group(1), labels, float(m.group(3))))
-            else:
-                out.append((m.group(4), {}, float(m.group(5))))
-    return out
+    return list(metrics.samples(files.read_text(path)))
 
 
 def gateway_notes(run_dir):
@@ -556,8 +515,7 @@ def check(run_dir):
     """Validates the outputs' shape; returns a list of problems."""
     problems = []
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            summary = json.load(f)
+        summary = files.load_json(os.path.join(run_dir, "summary.json"))
     except (OSError, ValueError) as e:
         return [f"summary.json: {e}"]
     phases = summary.get("phases", {})
@@ -591,16 +549,7 @@ def check(run_dir):
                 problems.append(f"report.md: missing {needle!r}")
     except OSError as e:
         problems.append(f"report.md: {e}")
-    for png in PNGS:
-        path = os.path.join(run_dir, png)
-        try:
-            with open(path, "rb") as f:
-                head = f.read(8)
-            if head != b"\x89PNG\r\n\x1a\n" or os.path.getsize(path) < 2000:
-                problems.append(f"{png}: not a plausible PNG")
-        except OSError as e:
-            problems.append(f"{png}: {e}")
-    return problems
+    return problems + files.png_problems(run_dir, PNGS, min_size=2000)
 
 
 # ---------------------------------------------------------------- main
@@ -614,23 +563,11 @@ def main():
     a = ap.parse_args()
 
     if a.check:
-        problems = check(a.run_dir)
-        for p in problems:
-            print(f"smoke check: {p}")
-        print(f"smoke check: {'ok' if not problems else f'{len(problems)} problem(s)'}")
-        return 1 if problems else 0
+        return files.report_problems(check(a.run_dir), "smoke check")
 
-    try:
-        with open(os.path.join(a.run_dir, "run.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        die(f"run.json: {e}")
-
+    meta = files.read_meta(a.run_dir, die)
     phases, series = {}, {}
-    for name in PHASES:
-        phase_dir = os.path.join(a.run_dir, "phases", name)
-        if not os.path.isdir(phase_dir):
-            die(f"{phase_dir}: missing")
+    for name, phase_dir in files.parts(a.run_dir, "phases", PHASES, die):
         phases[name], series[name] = analyse_phase(name, phase_dir, meta)
 
     checks = None if a.no_acceptance else acceptance(phases)
@@ -644,9 +581,7 @@ def main():
         else {"passed": all(c[1] for c in checks), "checks": [{"check": t, "passed": ok, "detail": d} for t, ok, d in checks]},
         "gateway_notes": notes,
     }
-    with open(os.path.join(a.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    files.write_json(os.path.join(a.run_dir, "summary.json"), summary)
     write_report(a.run_dir, meta, phases, checks, notes)
     plots(a.run_dir, meta, series)
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# loadtest/'s shared package `lt`, after this folder (whose report.py is not
+# loadtest/report.py).
+if str(HERE.parent) not in sys.path:
+    sys.path.append(str(HERE.parent))
 ROOT = HERE.parent.parent
 GATEWAY = ROOT / "target/release/gateway"
 MOCK = ROOT / "target/release/mock-upstream"

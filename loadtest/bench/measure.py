@@ -16,7 +16,8 @@ from pathlib import Path
 
 from common import (CLK_TCK, HERE, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS,
                     TLS_TARGETS, BenchError, log, warn)
-from targets import Targets, free_ports, http_get, wait_until
+from lt.procs import free_ports
+from targets import Targets, http_get, wait_until
 
 # --- /proc and Redis counters -----------------------------------------------------------
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from checks import compute_context
 from common import HERE, REDIS_TARGETS, ROOT, log
+from lt.plots import pyplot, save_png  # after common, which puts loadtest/ on sys.path
 
 # --- report: markdown table and chart ----------------------------------------------------
 
@@ -248,10 +249,7 @@ def memory_md(s: dict) -> list[str]:
 
 
 def chart(s: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     T = s["targets"]
     names = list(T)
@@ -325,15 +323,11 @@ def chart(s: dict, path: Path) -> None:
     fig.suptitle(f"loadtest/bench.sh {s['run']['mode']}{who} — {m['nproc']} vCPU {m['cpu_model']}, "
                  f"{s['run']['started_at']}{note}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, 110)
 
 
 def memory_chart(s: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     mem = s["memory"]
     xs = [p["clients"] / 1e6 for p in mem["rss_curve"]]
@@ -348,8 +342,7 @@ def memory_chart(s: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, 110)
 
 
 def write_report(out: Path) -> dict:

@@ -39,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, BenchError, log  # noqa: E402
-from targets import Procs, Redis, cluster_ports, form_cluster, free_ports, start_redis_server  # noqa: E402
+from lt.procs import free_ports  # noqa: E402
+from targets import Procs, Redis, cluster_ports, form_cluster, start_redis_server  # noqa: E402
 
 SCRIPT = ROOT / "src/limiter/limiter.lua"
 BIG = 1_000_000_000

@@ -24,22 +24,9 @@ from pathlib import Path
 import common
 from common import (API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS,
                     MOCK, NGINX_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
+from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
 # --- processes ------------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def cluster_ports(n: int) -> list[int]:
