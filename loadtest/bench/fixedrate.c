@@ -339,6 +339,16 @@ static void response_done(conn_t *c) {
 }
 
 /* Parses what is buffered; returns -1 on a protocol error. */
+/* Drops what has arrived of the body or chunk being read, at most
+   c->remaining bytes; 1 when the whole of it has arrived. */
+static int take_remaining(conn_t *c) {
+    size_t take = c->blen < (size_t)c->remaining ? c->blen : (size_t)c->remaining;
+    memmove(c->buf, c->buf + take, c->blen - take);
+    c->blen -= take;
+    c->remaining -= (int64_t)take;
+    return c->remaining <= 0;
+}
+
 static int parse(conn_t *c) {
     for (;;) {
         if (!c->busy) {
@@ -379,15 +389,10 @@ static int parse(conn_t *c) {
             else { c->state = P_UNTIL_CLOSE; c->close_after = 1; }
             break;
         }
-        case P_BODY: {
-            size_t take = c->blen < (size_t)c->remaining ? c->blen : (size_t)c->remaining;
-            memmove(c->buf, c->buf + take, c->blen - take);
-            c->blen -= take;
-            c->remaining -= (int64_t)take;
-            if (c->remaining > 0) return 0;
+        case P_BODY:
+            if (!take_remaining(c)) return 0;
             response_done(c);
             break;
-        }
         case P_CHUNK_SIZE: {
             char *eol = memmem(c->buf, c->blen, "\r\n", 2);
             if (!eol) return c->blen == RBUF ? -1 : 0;
@@ -399,15 +404,10 @@ static int parse(conn_t *c) {
             else { c->remaining = n; c->state = P_CHUNK_DATA; }
             break;
         }
-        case P_CHUNK_DATA: {
-            size_t take = c->blen < (size_t)c->remaining ? c->blen : (size_t)c->remaining;
-            memmove(c->buf, c->buf + take, c->blen - take);
-            c->blen -= take;
-            c->remaining -= (int64_t)take;
-            if (c->remaining > 0) return 0;
+        case P_CHUNK_DATA:
+            if (!take_remaining(c)) return 0;
             c->state = P_CHUNK_CRLF;
             break;
-        }
         case P_CHUNK_CRLF: {
             if (c->blen < 2) return 0;
             memmove(c->buf, c->buf + 2, c->blen - 2);
