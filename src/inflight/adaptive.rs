@@ -46,8 +46,11 @@ use std::collections::VecDeque;
 
 use crate::limiter::Micros;
 
-/// The queueing delay tolerated, as a share of the unloaded round trip.
+/// The queueing delay tolerated, as a share of the unloaded round trip,
+/// and the most a limit grows by in an interval.
 pub const BUFFER: f64 = 0.05;
+/// ... but never more than this many requests' worth of queue.
+const QUEUE_TOLERATED: f64 = 0.5;
 /// An interval ends after this long once it holds `MIN_SAMPLES`, or after
 /// `MAX_INTERVAL_US` with any.
 pub const INTERVAL_US: Micros = 100_000;
@@ -57,8 +60,11 @@ pub const MAX_INTERVAL_US: Micros = 1_000_000;
 /// (at least: see the module's doc).
 pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
 /// A limit at or past the workers it knew probes one more once in this
-/// many intervals that showed no queue.
+/// many intervals that showed no queue; each probe that found a queue
+/// doubles the wait, up to `PROBE_EVERY_MAX` (a probe past the workers of
+/// a small server costs the request behind it a whole service time).
 const PROBE_EVERY: u32 = 4;
+const PROBE_EVERY_MAX: u32 = 64;
 /// Means remembered at most (only those measured less busy than every
 /// later one stay past the window: few).
 const MAX_MEANS: usize = 4096;
@@ -70,10 +76,8 @@ pub struct Gradient {
     max: u32,
     /// This interval's round trips (µs) and the most requests in flight
     /// while they ran.
-    samples: Vec<u64>,
+    samples: Vec<(u64, u32)>,
     busiest: u32,
-    /// The requests in flight when this interval's samples were sent, summed.
-    sent_at: u64,
     /// Requests of this interval that failed (5xx, timeouts).
     failures: usize,
     started: Micros,
@@ -90,6 +94,24 @@ pub struct Gradient {
     prev: Option<(f64, u64)>,
     /// Intervals in a row that showed no queue.
     calm: u32,
+    /// The interval before a run of queued ones began: its concurrency and
+    /// round trip.
+    slide: Option<(f64, u64)>,
+    /// Calm intervals needed before the next probe past what it knew;
+    /// the limit the current interval probes from, when it is a probe.
+    probe_every: u32,
+    probing: Option<f64>,
+    /// The level probes last found room at, and how many times in a row.
+    wins: (f64, u32),
+    /// The concurrency the last queue showed at, and when; the most
+    /// requests in flight that last showed no queue at full use, and when.
+    queued_at: Option<(f64, Micros)>,
+    best: (f64, Micros),
+    /// The limit of the last intervals that showed no queue at full use,
+    /// and how many in a row.
+    calm_run: (f64, u32),
+    /// The next step of a climb above where the last queue showed.
+    climb: f64,
     last: Estimate,
 }
 
@@ -114,7 +136,6 @@ impl Gradient {
             max,
             samples: Vec::with_capacity(64),
             busiest: 0,
-            sent_at: 0,
             failures: 0,
             started: now,
             means: VecDeque::new(),
@@ -122,6 +143,14 @@ impl Gradient {
             good: f64::MAX,
             prev: None,
             calm: 0,
+            slide: None,
+            probe_every: PROBE_EVERY,
+            probing: None,
+            wins: (0.0, 0),
+            queued_at: None,
+            best: (0.0, now),
+            calm_run: (0.0, 0),
+            climb: 1.0,
             last: Estimate {
                 limit,
                 ..Estimate::default()
@@ -141,9 +170,8 @@ impl Gradient {
     /// sent (itself included). Returns the new estimate when this sample
     /// closed an interval.
     pub fn sample(&mut self, now: Micros, rtt_us: u64, in_flight: u32) -> Option<Estimate> {
-        self.samples.push(rtt_us.max(1));
+        self.samples.push((rtt_us.max(1), in_flight));
         self.busiest = self.busiest.max(in_flight);
-        self.sent_at += in_flight as u64;
         self.close_if_due(now)
     }
 
@@ -160,8 +188,14 @@ impl Gradient {
 
     fn close_if_due(&mut self, now: Micros) -> Option<Estimate> {
         // Two round trips at least: the samples that close an interval were
-        // sent under the limit it set, not the one before.
-        let span = INTERVAL_US.max(2 * self.last.sample_rtt_us as Micros);
+        // sent under the limit it set, not the one before. A probe lasts
+        // just that (its queue costs a doubled round trip a wave).
+        let two_rtts = 2 * self.last.sample_rtt_us as Micros;
+        let span = if self.probing.is_some() {
+            two_rtts
+        } else {
+            INTERVAL_US.max(two_rtts)
+        };
         let age = now - self.started;
         let seen = self.samples.len() + self.failures;
         let due = (age >= span && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US;
@@ -181,7 +215,6 @@ impl Gradient {
         self.samples.clear();
         self.failures = 0;
         self.busiest = 0;
-        self.sent_at = 0;
         self.started = now;
         self.last.limit = self.limit as u32;
         self.last
@@ -191,12 +224,28 @@ impl Gradient {
         // The mean, not a percentile: requests sent together to a server
         // of N workers come back in waves, and a queue of fewer than N/2
         // leaves the median where it was.
-        let sample = self.samples.iter().sum::<u64>() / self.samples.len() as u64;
+        //
+        // Round trips sent under a higher limit than this interval's (it
+        // just fell) tell of the old queue, not of this limit: they are
+        // left out, unless they are most of what there is. (Taken for this
+        // limit's, they once passed a queue's round trip off as a slower
+        // server's, which became the unloaded one: a standing queue of 2
+        // over 4 workers.)
+        let limit = self.last.limit.max(1);
+        let fresh = self.samples.iter().filter(|s| s.1 <= limit).count();
+        if fresh >= MIN_SAMPLES / 2 && fresh < self.samples.len() {
+            self.samples.retain(|s| s.1 <= limit);
+            self.busiest = self.samples.iter().map(|s| s.1).max().unwrap_or(0);
+        }
+        // Still mixed with the old limit's: no verdict on a slower server.
+        let mixed = self.samples.iter().any(|s| s.1 > limit);
         let n = self.samples.len() as f64;
+        let sample = self.samples.iter().map(|s| s.0).sum::<u64>() / self.samples.len() as u64;
+        let sent_at = self.samples.iter().map(|s| s.1 as f64).sum::<f64>() / n;
         let var = self
             .samples
             .iter()
-            .map(|&x| (x as f64 - sample as f64).powi(2))
+            .map(|&(x, _)| (x as f64 - sample as f64).powi(2))
             .sum::<f64>()
             / (n - 1.0).max(1.0);
         let se = (var / n).sqrt();
@@ -216,7 +265,6 @@ impl Gradient {
             }
             self.means.pop_front();
         }
-        let sent_at = self.sent_at as f64 / self.samples.len() as f64;
         // A server that became slower, told from a queue: the concurrency
         // fell by a quarter or more since the last interval and the round
         // trip did not fall by a fifth (a queue's share of it would have:
@@ -228,17 +276,23 @@ impl Gradient {
         // Or: at half the workers it knew, where no queue can form while
         // it keeps them, the round trip is half again the unloaded one.
         let stale_min = self.means.iter().map(|m| m.1).min().unwrap_or(sample);
-        let slower = self.prev.is_some_and(|(c, rtt)| {
+        // The same over a slide of several intervals (each shrinking a
+        // little: a host whose own CPU is saturated slows every round trip
+        // a bit more), from the last interval before it began.
+        let refuted = |(c, rtt): (f64, u64)| {
             sent_at <= 0.75 * c && sample as f64 >= 0.8 * rtt as f64 && self.limit < self.good
-        }) || (self.good < f64::MAX
-            && (self.busiest as f64) <= self.good / 2.0
-            && sample as f64 >= 1.5 * stale_min as f64);
+        };
+        let slower = !mixed && (self.prev.is_some_and(refuted) || self.slide.is_some_and(refuted))
+            || (self.good < f64::MAX
+                && (self.busiest as f64) <= self.good / 2.0
+                && sample as f64 >= 1.5 * stale_min as f64);
         if slower {
             self.means.clear();
             self.means.push_back((now, sample, self.busiest, se));
             self.slow_start = true;
+            self.slide = None;
         }
-        self.prev = Some((sent_at, sample));
+        let prev = self.prev.replace((sent_at, sample));
         let (min_rtt, min_se) = self
             .means
             .iter()
@@ -255,41 +309,135 @@ impl Gradient {
         // behind a busy machine) would otherwise look queued at every
         // interval and have its limit worn down toward `min`.
         let noise = 2.0 * min_se;
+        // The queue tolerated is BUFFER of the round trip, but never a
+        // whole request: requests sent together to a server of N workers
+        // come back in waves, and one request past the workers waits a
+        // whole service time (twice the round trip) for the next wave,
+        // while it adds only 1/N to the mean. At 32 workers a twentieth
+        // would be a standing queue of one or two, each a doubled round
+        // trip for someone.
+        let tolerated = BUFFER.min(QUEUE_TOLERATED / sent_at.max(1.0));
         let gradient =
-            ((min_rtt as f64 * (1.0 + BUFFER) + noise) / sample as f64).clamp(0.5, 1.0 + BUFFER);
+            ((min_rtt as f64 * (1.0 + tolerated) + noise) / sample as f64).clamp(0.5, 1.0 + BUFFER);
         self.slow_start &= gradient >= 1.0;
+        // The limit this interval probed from, if it was a probe. A probe
+        // is judged by its own requests (those sent past where it started):
+        // in waves, one that found no free worker waited a whole service
+        // time for the next wave, while the interval's mean moved by 1/N
+        // (at 32 workers, within the noise).
+        let probed = self.probing.take();
+        let probe_failed = probed.is_some_and(|from| {
+            let extra: Vec<u64> = self
+                .samples
+                .iter()
+                .filter(|s| s.1 as f64 > from.floor())
+                .map(|s| s.0)
+                .collect();
+            !extra.is_empty()
+                && extra.iter().sum::<u64>() as f64 / extra.len() as f64
+                    > min_rtt as f64 * 1.25 + noise
+        });
+        let queued = gradient < 1.0 || probe_failed;
+        let full = self.busiest as f64 >= self.limit.floor();
+        // A slide starts at the interval before the first queue.
+        if !queued {
+            self.slide = None;
+        } else if self.slide.is_none() {
+            self.slide = prev;
+        }
+        if queued {
+            self.calm = 0;
+            self.climb = 1.0;
+            self.queued_at = Some((sent_at, now));
+            self.calm_run = (0.0, 0);
+            self.wins = (0.0, 0);
+            if probed.is_some() {
+                self.probe_every = (self.probe_every * 2).clamp(PROBE_EVERY, PROBE_EVERY_MAX);
+            }
+        } else if full {
+            let at = self.limit.floor();
+            if probed.is_some() {
+                // Room past what it knew. The next probe comes in half the
+                // wait, to this level again until it found room here twice
+                // (once may be luck: a server's workers that free up out of
+                // step take one more without a queue for a while), then
+                // twice as far.
+                self.wins = if self.wins.0 == at {
+                    (at, self.wins.1 + 1)
+                } else {
+                    (at, 1)
+                };
+                if self.wins.1 >= 2 {
+                    self.best = (at, now);
+                    self.climb *= 2.0;
+                    self.wins = (0.0, 0);
+                }
+                self.probe_every = (self.probe_every / 2).max(2);
+            } else {
+                // The most it knew calm: two intervals in a row at that
+                // limit, forgotten after a window with none as high (a
+                // server that lost workers).
+                self.calm_run = if self.calm_run.0 == at {
+                    (at, self.calm_run.1 + 1)
+                } else {
+                    (at, 1)
+                };
+                if self.calm_run.1 >= 2
+                    && (at >= self.best.0 || now - self.best.1 > MIN_RTT_WINDOW_US)
+                {
+                    self.best = (at, now);
+                }
+            }
+        }
         // Shrinking, the gradient applies to the concurrency its round trips
         // were sent at, not to the limit now: an interval's samples left
         // under the one before, and a limit that just fell would otherwise
         // fall again for the same queue.
-        if gradient >= 1.0 && !self.slow_start {
+        if !queued && !self.slow_start {
             self.good = self.limit;
-        }
-        if gradient < 1.0 {
-            self.calm = 0;
         }
         let mut next = if self.slow_start {
             if self.limit * 2.0 >= self.good {
                 self.slow_start = false;
             }
             (self.limit * 2.0).min(self.good.max(self.limit))
-        } else if gradient < 1.0 {
+        } else if let (true, Some(from)) = (probe_failed, probed) {
+            from
+        } else if queued {
             sent_at * gradient
+        } else if let Some(from) = probed {
+            // A probe is an excursion, for two round trips: back to where it
+            // started (or to the level it just confirmed).
+            from.max(self.best.0)
+        } else if self.limit.floor() < self.best.0 {
+            // Below what it knew calm: back up to it, a request at least a
+            // step (a twentieth of a small limit is less than one).
+            (self.limit * gradient)
+                .max(self.limit.floor() + 1.0)
+                .min(self.best.0)
         } else {
-            // At least one more below the workers it knew (a twentieth of a
-            // small limit is less than one request: a limit of 2 that
-            // showed no queue would take a dozen intervals to reach 3), and
-            // past them once every `PROBE_EVERY` calm intervals: one more
-            // past the workers is a queue of one, taken back the next
-            // interval, and over 4 workers a queue of one is a whole
-            // service time more for the request behind it.
+            // Past it only by probes, once every `probe_every` calm
+            // intervals: one past the workers is a queue of one, and
+            // requests come back in waves, so it costs the request behind
+            // it a whole service time. A probe that finds a queue doubles
+            // the wait for the next; one that finds room is followed in
+            // half the wait by one twice as far (1, 2, 4, ... past: beyond the
+            // workers by at most the last step), but never as far as where
+            // the last queue showed, for a window.
             self.calm += 1;
-            let probe = self.limit < self.good || self.calm >= PROBE_EVERY;
-            if probe && self.limit >= self.good {
+            if self.calm >= self.probe_every && full {
                 self.calm = 0;
+                self.probing = Some(self.limit);
+                let mut to = self.limit.floor() + self.climb;
+                if let Some((at, when)) = self.queued_at {
+                    if now - when <= MIN_RTT_WINDOW_US {
+                        to = to.min(at.round() - 1.0);
+                    }
+                }
+                to.max(self.limit.floor() + 1.0)
+            } else {
+                self.limit
             }
-            let step = if probe { 1.0 } else { 0.0 };
-            (self.limit * gradient).max(self.limit.floor() + step)
         };
         // App-limited: the traffic used under half of it; nothing learnt
         // about more.
@@ -305,7 +453,6 @@ impl Gradient {
         self.samples.clear();
         self.failures = 0;
         self.busiest = 0;
-        self.sent_at = 0;
         self.started = now;
         self.last = Estimate {
             limit: self.limit as u32,
@@ -375,14 +522,10 @@ mod tests {
         let mut t = 0;
         let mut g = Gradient::new(4, 256, t);
         run(&mut g, &mut t, 10, 20, 100_000);
-        // Twice the service time: the limit first falls (the round trips
-        // look like a queue), then the old minimum leaves the window.
+        // Twice the service time: the round trips look like a queue at
+        // first, until the new one is learnt.
         let slowed = t;
         let limits = run(&mut g, &mut t, 30, 20, 200_000);
-        assert!(
-            after(&limits, slowed)[..3].iter().any(|l| *l < 15),
-            "{limits:?}"
-        );
         let settled = after(&limits, slowed + MIN_RTT_WINDOW_US + 10_000_000);
         assert!(settled.iter().all(|l| (20..=22).contains(l)), "{limits:?}");
     }
@@ -461,6 +604,133 @@ mod tests {
                 settled.len()
             );
         }
+    }
+
+    /// A server of `workers` workers taking `service_us` each (plus up to
+    /// `jitter_us`), FIFO, as events: requests sent together come back
+    /// together, so one past the workers waits a whole service time. The
+    /// client always has a request waiting. Returns each request's (end,
+    /// round trip) and the limit at each interval's end, after `settle`.
+    fn run_waves(
+        g: &mut Gradient,
+        secs: i64,
+        workers: u32,
+        service_us: u64,
+        jitter_us: u64,
+    ) -> (Vec<(Micros, u64)>, Vec<u32>) {
+        let mut rng = fastrand::Rng::with_seed(11);
+        run_server(g, secs, workers, move || {
+            service_us + rng.u64(0..=jitter_us)
+        })
+    }
+
+    /// As `run_waves`, each service time drawn from `service`.
+    fn run_server(
+        g: &mut Gradient,
+        secs: i64,
+        workers: u32,
+        mut service: impl FnMut() -> u64,
+    ) -> (Vec<(Micros, u64)>, Vec<u32>) {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let mut free: BinaryHeap<Reverse<Micros>> = (0..workers).map(|_| Reverse(0)).collect();
+        // (end, sent, in flight when sent)
+        let mut pending: BinaryHeap<Reverse<(Micros, Micros, u32)>> = BinaryHeap::new();
+        let (mut rtts, mut limits, mut in_flight) = (Vec::new(), Vec::new(), 0u32);
+        let mut send = |t: Micros, in_flight: &mut u32, pending: &mut BinaryHeap<_>| {
+            let Reverse(at) = free.pop().unwrap();
+            let end = t.max(at) + service() as Micros;
+            free.push(Reverse(end));
+            *in_flight += 1;
+            pending.push(Reverse((end, t, *in_flight)));
+        };
+        while in_flight < g.limit() {
+            send(0, &mut in_flight, &mut pending);
+        }
+        while let Some(Reverse((end, sent, c))) = pending.pop() {
+            if end > secs * 1_000_000 {
+                break;
+            }
+            in_flight -= 1;
+            rtts.push((end, (end - sent) as u64));
+            if let Some(e) = g.sample(end, (end - sent) as u64, c) {
+                limits.push(e.limit);
+            }
+            while in_flight < g.limit() {
+                send(end, &mut in_flight, &mut pending);
+            }
+        }
+        (rtts, limits)
+    }
+
+    #[test]
+    fn requests_that_come_back_in_waves_are_not_queued_behind_a_wave() {
+        for (workers, service, jitter) in [
+            (4, 20_000, 0),
+            (4, 40_000, 500),
+            (8, 50_000, 0),
+            (32, 20_000, 1_000),
+            (32, 50_000, 0),
+            (32, 100_000, 0),
+            (32, 200_000, 2_000),
+        ] {
+            let mut g = Gradient::new(1, 256, 0);
+            let (rtts, limits) = run_waves(&mut g, 60, workers, service, jitter);
+            let settled: Vec<u64> = rtts
+                .iter()
+                .filter(|(t, _)| *t >= 15_000_000)
+                .map(|(_, r)| *r)
+                .collect();
+            // Waited behind a whole wave: at least 1.9 service times.
+            let doubled = settled.iter().filter(|r| **r * 10 >= service * 19).count();
+            let served = settled.len() as f64 * service as f64 / 45e6 / workers as f64;
+            assert!(
+                doubled * 100 <= settled.len(),
+                "{workers} x {service} us: {doubled} of {} doubled; limits {limits:?}",
+                settled.len()
+            );
+            let min_rtt = g.estimate().min_rtt_us;
+            assert!(
+                min_rtt * 10 <= service * 11,
+                "{workers} x {service} us: a queue taken for the unloaded round trip: {min_rtt} us"
+            );
+            assert!(
+                served >= 0.9,
+                "{workers} x {service} us: {:.0}% of the workers used; limits {limits:?}",
+                served * 100.0
+            );
+        }
+    }
+
+    #[test]
+    fn a_slow_start_ended_by_noise_climbs_on_to_the_workers() {
+        let mut t = 0;
+        let mut g = Gradient::new(1, 256, t);
+        let (workers, service) = (32, 50_000);
+        // 150 ms of scattered answers (a busy machine) once the slow start
+        // reaches 8: it ends there, far below the workers.
+        let mut noise_from = None;
+        loop {
+            t += 2_000;
+            let c = g.limit();
+            if c >= 8 && noise_from.is_none() {
+                noise_from = Some(t);
+            }
+            let noisy = noise_from.is_some_and(|from| t - from < 150_000);
+            g.sample(
+                t,
+                rtt(workers, service, c) * if noisy { 13 } else { 10 } / 10,
+                c,
+            );
+            if noise_from.is_some() && !noisy {
+                break;
+            }
+        }
+        assert!(g.limit() < 16, "{:?}", g.estimate());
+        let limits = run(&mut g, &mut t, 10, workers, service);
+        // Past the noise, at most 3 s to the workers, then no more than one past them.
+        let settled = after(&limits, t - 7_000_000);
+        assert!(settled.iter().all(|l| (32..=33).contains(l)), "{limits:?}");
     }
 
     #[test]
