@@ -427,7 +427,7 @@ class Targets:
 
     def start_cluster(self, ports: list[int]) -> None:
         """A Redis Cluster of `len(ports)` masters (no replicas) on 127.0.0.1,
-        made with redis-cli --cluster create as tests/support/topology.rs does
+        made with redis-cli --cluster create as tests/integration/support/topology.rs does
         (which takes three or more; fewer are given the slots by hand)."""
         base = self.out / "redis-cluster"
         for port in ports:

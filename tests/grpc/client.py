@@ -1,4 +1,4 @@
-"""A real gRPC client for tests/grpc_e2e.rs, without protoc or generated code.
+"""A real gRPC client for tests/integration/grpc.rs, without protoc or generated code.
 
 Makes `--times` calls of one method over one channel (plaintext HTTP/2, h2c,
 unless --ca is given: then TLS with that CA, ALPN h2) and prints one JSON line

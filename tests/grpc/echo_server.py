@@ -1,4 +1,4 @@
-"""A real gRPC server for tests/grpc_e2e.rs, without protoc or generated code.
+"""A real gRPC server for tests/integration/grpc.rs, without protoc or generated code.
 
 Methods (raw bytes in and out, identity serializers):
   /echo.Echo/Say    unary: returns the request bytes.

@@ -9,7 +9,7 @@
 //! Chromium is Debian's `chromium` package, installed by scripts/setup.sh;
 //! without it this test fails (it does not skip).
 
-mod support;
+use crate::support;
 
 use std::fs;
 use std::io::{ErrorKind, Read, Write};
@@ -29,7 +29,7 @@ use tempfile::TempDir;
 const N: usize = 3;
 const API_KEY: &str = "browser-secret-key-1";
 const RIDES: &str = "/api/rides/request";
-const PAGE: &str = include_str!("browser/cors_429.html");
+const PAGE: &str = include_str!("../browser/cors_429.html");
 /// How long Chromium may take to load the page, run it and dump the DOM.
 const BROWSER_TIMEOUT: Duration = Duration::from_secs(90);
 const NO_CHROMIUM: &str = "chromium is not installed (no `chromium` on PATH): run \

@@ -4,7 +4,7 @@
 //! a request rejected in one slot must charge no tier in another.
 //! A real 3-master cluster on loopback (`redis-cli --cluster create`).
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 

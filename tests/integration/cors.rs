@@ -4,7 +4,7 @@
 //! headers that let browser code read them, Retry-After exposed; an origin
 //! the policy does not name gets nothing to read.
 
-mod support;
+use crate::support;
 
 use support::http::Response;
 use support::{GatewayGuard, UpstreamGuard, SERVER};

@@ -4,7 +4,7 @@
 //! asserts admitted requests against the exact bound (counts, not timings)
 //! and prints a `FIGURES` line for the record.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

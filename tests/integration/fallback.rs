@@ -4,7 +4,7 @@
 //! Redis once the breaker is open, and the gateway must fail back by itself.
 //! Each test prints a `FIGURES` line for the record.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
 //!
 //! Needs `.venv` with `grpcio` in the repo root: `scripts/setup.sh` makes it.
 
-mod support;
+use crate::support;
 
 use std::fs;
 use std::path::{Path, PathBuf};

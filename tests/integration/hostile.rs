@@ -2,7 +2,7 @@
 //! each must end in a limit that holds, a clean 4xx, and a gateway still
 //! serving.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

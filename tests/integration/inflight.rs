@@ -5,7 +5,7 @@
 //! whose service time doubles. Every figure is a count; the one timeline
 //! (the adaptive limit over time) is printed, not asserted against a clock.
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};

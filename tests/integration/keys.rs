@@ -3,7 +3,7 @@
 //! token, through the real gateway on both backends. Counts against the
 //! exact bound; the upstream sees exactly what was admitted.
 
-mod support;
+use crate::support;
 
 use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 

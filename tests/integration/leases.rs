@@ -3,7 +3,7 @@
 //! the shared limit stays exact. Every figure is a count (admitted against
 //! the exact bound); nothing here asserts a time.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

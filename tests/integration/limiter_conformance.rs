@@ -3,7 +3,7 @@
 //! real redis-server). Every decision must match exactly, and the scenarios
 //! also pin the expected values, so agreeing on a wrong answer fails too.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -579,7 +579,7 @@ async fn a_charged_debt_leaves_what_a_replay_would() {
 #[test]
 fn malformed_calls_change_nothing() {
     let server = RedisGuard::start();
-    let script = include_str!("../src/limiter/limiter.lua");
+    let script = include_str!("../../src/limiter/limiter.lua");
     // Two requests of one shape; two buckets (a token bucket of 10 at 5/s, a
     // sliding log of 10 per 60 s); the shape names both; each request names
     // the shape. Valid, then broken one way at a time.
@@ -833,7 +833,7 @@ async fn lease_grants_and_returns_agree_with_the_model() {
 #[test]
 fn malformed_leases_change_nothing() {
     let server = RedisGuard::start();
-    let script = include_str!("../src/limiter/limiter.lua");
+    let script = include_str!("../../src/limiter/limiter.lua");
     // One request on a token bucket (1) and a sliding log (2); then leases.
     let base = [
         "1", "1", "0", "1", "10", "5", "5", "10", "60", "2", "1", "1", "2", "1", "1",

@@ -3,7 +3,7 @@
 //! (three replicas on one Redis) and on the local backend, through real
 //! gateway processes. Every count is against the exact bound.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! file change) that never drops a request, a broken file that changes
 //! nothing, shadow mode, and secrets that never leak.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -24,7 +24,7 @@ retry_after_jitter_ms = 0
 urls = ["{redis_url}"]
 # Generous: these tests count decisions exactly, so a stall of the (shared,
 # busy) test machine must not send one to the fallback. Failover has its own
-# tests (fallback_e2e).
+# tests (integration::fallback).
 timeout_ms = 1000
 probe_interval_ms = 50
 

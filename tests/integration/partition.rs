@@ -8,7 +8,7 @@
 //! a partition: the connections open before it stay silent for good, and
 //! only new ones work.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

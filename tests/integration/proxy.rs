@@ -1,7 +1,7 @@
 //! Proxying through the real gateway binary: keep-alive, routing answers,
 //! path normalisation, upstream failures, health checks, graceful shutdown.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! against the exact bound (the hung-Redis test also bounds a request's wait
 //! by the budget it is promised).
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

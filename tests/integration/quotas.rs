@@ -5,7 +5,7 @@
 //! one RateLimit-Policy on 200s and 429s alike; three replicas sharing one
 //! daily quota on Redis.
 
-mod support;
+use crate::support;
 
 use ratelimit_gateway::calendar::{self, Period};
 use std::time::Duration;

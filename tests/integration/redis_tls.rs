@@ -3,7 +3,7 @@
 //! `redis.ca_file` and decides on it, and refuses (loudly, on the fallback)
 //! one whose certificate its CA did not sign.
 
-mod support;
+use crate::support;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

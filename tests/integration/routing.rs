@@ -2,7 +2,7 @@
 //! fall-through, prefix stripping, per-route timeouts, retries on another
 //! server, and request body limits (413), against real upstream processes.
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::net::TcpListener;

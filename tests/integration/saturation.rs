@@ -7,7 +7,7 @@
 //!
 //! Its own test binary: the CPU hogging would disturb any test beside it.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,7 +3,7 @@
 //! sub-buckets sit on different masters. Every count is against the exact
 //! bound: the sub-buckets together hold the limit, never more.
 
-mod support;
+use crate::support;
 
 use support::topology::ClusterGuard;
 use support::{GatewayGuard, RedisGuard, UpstreamGuard, SERVER};

@@ -3,7 +3,7 @@
 //! 401/403 paths, the headers and body a client sees, and three replicas
 //! sharing one limit.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! rotated by symlink swap while a client keeps connecting, and bad files
 //! refused with their key path and line.
 
-mod support;
+use crate::support;
 
 use std::fs;
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! stay all-or-nothing, and a killed master (cluster or sentinel) is survived
 //! under load and followed back to exact shared limits.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! leases on, and hot keys that take them); an ended period is read as
 //! well as the current one, and is kept `quota_retention_days`.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -7,7 +7,7 @@
 //!
 //! `limiter.lua` implements the same arithmetic, operation for operation, in
 //! IEEE doubles, so both backends reach the same decisions (the conformance
-//! suite in `tests/limiter_conformance.rs` holds them to it).
+//! suite in `tests/integration/limiter_conformance.rs` holds them to it).
 
 pub(crate) mod calendar;
 mod fixed_window;

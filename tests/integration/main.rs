@@ -1,0 +1,33 @@
+//! Every integration test in one binary: real `redis-server`s, the real
+//! gateway binary and mock upstreams over loopback. One binary links once
+//! (27 did, each linking Pingora), and its harness keeps both cores busy
+//! across what used to be separate runs. One module a concern.
+
+mod support;
+
+mod browser_cors;
+mod cluster_conformance;
+mod config_validation;
+mod cors;
+mod edges;
+mod fallback;
+mod grpc;
+mod hostile;
+mod inflight;
+mod keys;
+mod leases;
+mod limiter_conformance;
+mod limits;
+mod operations;
+mod partition;
+mod proxy;
+mod quota_leases;
+mod quotas;
+mod redis_tls;
+mod routing;
+mod saturation;
+mod shards;
+mod tiers;
+mod tls;
+mod topology;
+mod usage;
