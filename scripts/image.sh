@@ -14,6 +14,12 @@
 # Reports the image's size, the binary layer's size and the build time.
 #
 #   scripts/image.sh
+#   scripts/image.sh --binary target/release/gateway
+#       builds only the runtime stage, with that binary (stripped) in place
+#       of the build stage's (buildah --build-context build=...): what the
+#       test command does, so the project is compiled once per run, not again
+#       inside the image; the build stage itself is then not built (run
+#       without --binary for that, as a user's `docker build .` does).
 #   IMAGE_ARCHIVE=/tmp/gateway.tar scripts/image.sh   # also saves the image
 #       (docker-archive, tagged ratelimit-gateway:0.1.0: docker load -i, kind
 #       load image-archive, skopeo copy docker-archive:... docker://...)
@@ -33,6 +39,27 @@
 #
 # Exits non-zero, saying what failed, on any failure.
 set -Eeuo pipefail
+
+binary=""
+while (($#)); do
+  case $1 in
+    --binary)
+      [[ $# -ge 2 ]] || { echo "image.sh: --binary needs a file" >&2; exit 2; }
+      binary=$2
+      shift 2
+      ;;
+    --binary=*) binary=${1#*=} && shift ;;
+    -h | --help)
+      sed -n '2,/^set -Eeuo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+      exit 0
+      ;;
+    *) echo "image.sh: unknown option $1 (see --help)" >&2 && exit 2 ;;
+  esac
+done
+if [[ -n $binary ]]; then
+  [[ -x $binary ]] || { echo "image.sh: --binary $binary: no executable file there" >&2; exit 2; }
+  binary=$(realpath -- "$binary")
+fi
 
 root=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 cd -- "$root"
@@ -322,6 +349,9 @@ EOF
   say "  $runtime_base: made"
 fi
 
+if [[ -n $binary ]]; then
+  say "  $builder_base: not needed (--binary: the build stage is not built)"
+else
 # The host's Rust toolchain for RUST_VERSION (rustup's toolchain dir), or the
 # one on PATH when its version matches.
 rustup_home=${RUSTUP_HOME:-$HOME/.rustup}
@@ -397,10 +427,15 @@ else
   containers=("${containers[@]/$ctr/}")
   say "  $builder_base: made"
 fi
+fi
 
 # --- 4. build -----------------------------------------------------------------
 
-stage "buildah bud --layers (the Dockerfile as it is; log: $cache/logs/build.log)"
+if [[ -n $binary ]]; then
+  stage "buildah bud --layers --target runtime (the Dockerfile's runtime stage; log: $cache/logs/build.log)"
+else
+  stage "buildah bud --layers (the Dockerfile as it is; log: $cache/logs/build.log)"
+fi
 build_log=$cache/logs/build.log
 : >"$build_log"
 # Shows each step that runs (a step taken from the layer cache is only
@@ -452,7 +487,20 @@ progress() {
   say "  $cached of $steps steps from the layer cache"
 }
 build_start=$SECONDS
-if ! bah bud "${policy[@]}" --pull=never --layers --isolation chroot \
+prebuilt=()
+if [[ -n $binary ]]; then
+  # The build stage's output, as COPY --from=build reads it.
+  mkdir -p "$work/prebuilt/src/target/release"
+  if command -v strip >/dev/null 2>&1; then
+    strip -o "$work/prebuilt/src/target/release/gateway" "$binary"
+  else
+    cp -- "$binary" "$work/prebuilt/src/target/release/gateway"
+  fi
+  "$work/prebuilt/src/target/release/gateway" --version >/dev/null
+  prebuilt=(--build-context "build=$work/prebuilt" --target runtime)
+  say "  the build stage replaced by $binary (stripped: $(du -h "$work/prebuilt/src/target/release/gateway" | cut -f1))"
+fi
+if ! bah bud "${policy[@]}" --pull=never --layers --isolation chroot "${prebuilt[@]}" \
   -t "$tag" -f Dockerfile . 2>&1 </dev/null | progress; then
   echo "---- last lines of $build_log" >&2
   tail -n 40 "$build_log" >&2
@@ -487,7 +535,7 @@ keep=$(
   # (inspect prints no newline of its own)
   printf '%s\n' "$image_id" \
     "$(bah inspect --type image --format '{{.FromImageID}}' "$runtime_base")" \
-    "$(bah inspect --type image --format '{{.FromImageID}}' "$builder_base")"
+    "$(bah inspect --type image --format '{{.FromImageID}}' "$builder_base" 2>/dev/null || true)"
 )
 stale=()
 while read -r id; do
@@ -497,7 +545,9 @@ while read -r id; do
   done
   [[ -n $used ]] || stale+=("$id")
 done < <(bah images --all --noheading --no-trunc --format '{{.ID}}' | sed 's/^sha256://' | sort -u)
-if ! grep -qE '^--> ' "$build_log"; then
+if [[ -n $binary ]]; then
+  : # a --binary build's chain is the runtime stage alone: a full build's cached layers stay
+elif ! grep -qE '^--> ' "$build_log"; then
   say "  warning: no layer ids in $build_log: the layer cache is not pruned"
 elif ((${#stale[@]})); then
   if bah rmi -f "${stale[@]}" >"$cache/logs/prune.log" 2>&1; then

@@ -35,7 +35,7 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-# The browser CORS test (tests/browser_cors_e2e.rs) drives a real headless
+# The browser CORS test (tests/integration/browser_cors.rs) drives a real headless
 # Chromium: Debian's chromium package (about 10 s to install from a mirror).
 if ((for_tests)) && ! command -v chromium >/dev/null 2>&1; then
   echo "setup: installing chromium (apt-get)"
@@ -51,7 +51,7 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install Rust with rustup (https://rustup.rs) first" >&2
   exit 1
 fi
-# The gRPC end-to-end test (tests/grpc_e2e.rs) drives the gateway with a real
+# The gRPC end-to-end test (tests/integration/grpc.rs) drives the gateway with a real
 # gRPC client and server in Python; grpcio comes from PyPI into the repo's
 # .venv, the same virtualenv scripts/check_deploy.sh uses (created the same way).
 venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv"
@@ -62,4 +62,10 @@ fi
 if ((for_tests)) && ! "$venv/bin/python" -c 'import grpc' >/dev/null 2>&1; then
   echo "setup: installing grpcio into $venv (pip)"
   "$venv/bin/pip" install -q --disable-pip-version-check "grpcio==1.85.1"
+fi
+# The load-test smokes run side by side in the test command: their packages
+# are installed here, once, not by each of them at the same time.
+if ((for_tests)) && ! "$venv/bin/python" -c 'import locust, matplotlib' >/dev/null 2>&1; then
+  echo "setup: installing loadtest/requirements.txt into $venv (pip)"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r "$(dirname "$venv")/loadtest/requirements.txt"
 fi

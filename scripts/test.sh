@@ -57,23 +57,45 @@ if [ -x scripts/check_deploy.sh ]; then
 fi
 
 if [ -x scripts/image.sh ]; then
-  step "container image (scripts/image.sh: build the Dockerfile with buildah, run it as uid 65532, read-only)"
-  scripts/image.sh
+  # The binary the tests just used, in the Dockerfile's runtime stage: the
+  # project is compiled once per run, not again inside the image (a user's
+  # `scripts/image.sh` or `docker build .` builds the build stage too).
+  step "container image (scripts/image.sh --binary: the Dockerfile's runtime stage with this run's gateway, built with buildah, run as uid 65532, read-only)"
+  scripts/image.sh --binary target/release/gateway
 fi
 
-if [ -x loadtest/surge.sh ]; then
-  step "surge load test (smoke)"
-  loadtest/surge.sh --smoke
-fi
-
-if [ -x loadtest/capacity_halves.sh ]; then
-  step "capacity-halves load test (smoke: rate limit alone and adaptive concurrency)"
-  loadtest/capacity_halves.sh --smoke
-fi
-
-if [ -x loadtest/matrix.sh ]; then
-  step "holdout matrix (smoke: adaptive concurrency on an upstream shape it was not tuned on)"
-  loadtest/matrix.sh --smoke
+# The load-test smokes check that each scenario runs end to end and writes
+# well-formed outputs (no figure of theirs is a target), each on loopback
+# ports of its own: they run side by side, their outputs shown in turn.
+smokes=()
+[ -x loadtest/surge.sh ] && smokes+=("surge:loadtest/surge.sh --smoke")
+[ -x loadtest/capacity_halves.sh ] && smokes+=("capacity halves:loadtest/capacity_halves.sh --smoke")
+[ -x loadtest/matrix.sh ] && smokes+=("holdout matrix:loadtest/matrix.sh --smoke")
+if ((${#smokes[@]})); then
+  step "load-test smokes, side by side (${#smokes[@]}: surge, capacity halves, holdout matrix)"
+  pids=() logs=()
+  trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
+  for s in "${smokes[@]}"; do
+    log=$(mktemp /tmp/test-smoke.XXXXXX)
+    # shellcheck disable=SC2086 # the command's words
+    ${s#*:} >"$log" 2>&1 &
+    pids+=($!) logs+=("$log")
+  done
+  (while sleep 15; do echo "    ... smokes running, $((SECONDS - started)) s"; done) &
+  ticker=$!
+  failed=0
+  for i in "${!smokes[@]}"; do
+    rc=0
+    wait "${pids[$i]}" || rc=$?
+    echo "---- ${smokes[$i]%%:*} (${smokes[$i]#*:}): exit $rc"
+    cat "${logs[$i]}"
+    rm -f "${logs[$i]}"
+    ((rc == 0)) || failed=1
+  done
+  kill "$ticker" 2>/dev/null
+  wait "$ticker" 2>/dev/null || true
+  trap - INT TERM
+  ((failed == 0)) || { echo "test.sh: a load-test smoke failed (its output is above)"; exit 1; }
 fi
 
 step "demo (scripts/demo.sh --once)"
