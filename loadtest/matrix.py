@@ -26,7 +26,10 @@ and gateway (free loopback ports, bound to port 0, never one twice a run):
 Per run: the unloaded latency through the gateway (sequential GETs, the
 median); then fixedrate (open loop, latency from each request's intended send
 time) offers 2C rps:
-  phase 1  P1 s (default 8); the first --warmup s (2) are not measured;
+  phase 1  P1 s (default 10); the first --warmup s (4) are not measured:
+           the controller's cold start (a slow start from min that passes
+           the workers once, by up to as many again, for two round trips)
+           is not the steady state the targets are about;
   guard    phase 2's fixedrate starts where phase 1's schedule ends, so the
            load never pauses; the halving waits queue_timeout_ms + 100 ms
            more (a request of phase 1 still in the gateway's queue reaches
@@ -106,10 +109,11 @@ VARIANTS = {
 ADAPTIVE_MAX = 256
 QUEUE = 64
 PRESETS = {
-    # 27 runs of ~25 s: about 12 minutes.
-    "full": {"shapes": ALL_SHAPES, "phase1": 8.0, "phase2": 10.0, "warmup": 2.0, "settle": 3.0},
+    # 27 runs of ~27 s: about 13 minutes. The warm-up covers the cold
+    # start: a slow start from min = 1 to 32 workers at 200 ms takes ~3 s.
+    "full": {"shapes": ALL_SHAPES, "phase1": 10.0, "phase2": 10.0, "warmup": 4.0, "settle": 3.0},
     # The diagonal (every W, every S once), shorter phases: 9 runs, about 3 minutes.
-    "quick": {"shapes": [(4, 200), (8, 50), (32, 20)], "phase1": 6.0, "phase2": 8.0, "warmup": 2.0, "settle": 3.0},
+    "quick": {"shapes": [(4, 200), (8, 50), (32, 20)], "phase1": 8.0, "phase2": 8.0, "warmup": 4.0, "settle": 3.0},
     # One shape, a few seconds a phase: checks that the outputs are made.
     "smoke": {"shapes": [(8, 20)], "phase1": 3.0, "phase2": 4.0, "warmup": 1.0, "settle": 2.0},
 }
@@ -1112,7 +1116,7 @@ def cmd_run(a) -> int:
     shapes = a.shapes or pre["shapes"]
     variants = a.variants or list(VARIANTS)
     p1, p2 = a.phase_secs or (pre["phase1"], pre["phase2"])
-    warm = a.warmup if a.warmup is not None else min(pre["warmup"], p1 / 3)
+    warm = a.warmup if a.warmup is not None else min(pre["warmup"], p1 / 2)
     settle = a.settle if a.settle is not None else min(pre["settle"], p2 / 2)
     if not (0 <= warm < p1 and 0 <= settle < p2):
         print("matrix.py: the warm-up must be shorter than phase 1 and the settling than phase 2", file=sys.stderr)

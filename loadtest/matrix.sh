@@ -9,8 +9,8 @@
 #                      [--connections N] [--out DIR]
 #
 #   (default)  workers {4,8,32} x service {20,50,200} ms x 3 variants:
-#              27 runs, phases 8 + 10 s: about 12 minutes
-#   --quick    shapes 4x200, 8x50, 32x20 (every W and S once), phases 6 + 8 s:
+#              27 runs, phases 10 + 10 s: about 13 minutes
+#   --quick    shapes 4x200, 8x50, 32x20 (every W and S once), phases 8 + 8 s:
 #              9 runs, about 3 minutes
 #   --smoke    shape 8x20, phases 3 + 4 s: 3 runs, about 40 s; checks only
 #              that summary.json, summary.md and the plots are made and well
