@@ -6,18 +6,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-once=0
+once=0 build=1
 for arg in "$@"; do
   case "$arg" in
     --once) once=1 ;;
-    -h|--help) echo "usage: scripts/demo.sh [--once]"; exit 0 ;;
+    # The test command's: it just built target/release's binaries, with the
+    # features its dev-dependencies unify in; `cargo build` alone would
+    # build them again without those.
+    --no-build) build=0 ;;
+    -h|--help) echo "usage: scripts/demo.sh [--once] [--no-build]"; exit 0 ;;
     *) echo "unknown option: $arg" >&2; exit 2 ;;
   esac
 done
 
 scripts/setup.sh
-echo "demo: building (release)..."
-cargo build --release --quiet --bins
+if ((build)); then
+  echo "demo: building (release)..."
+  cargo build --release --quiet --bins
+else
+  for bin in target/release/gateway target/release/mock-upstream; do
+    [ -x "$bin" ] || { echo "demo: --no-build, but $bin is missing (cargo build --release)" >&2; exit 1; }
+  done
+fi
 
 work=$(mktemp -d)
 pids=()

@@ -98,8 +98,8 @@ if ((${#smokes[@]})); then
   ((failed == 0)) || { echo "test.sh: a load-test smoke failed (its output is above)"; exit 1; }
 fi
 
-step "demo (scripts/demo.sh --once)"
-scripts/demo.sh --once
+step "demo (scripts/demo.sh --once --no-build: the binaries cargo test built)"
+scripts/demo.sh --once --no-build
 
 echo
 echo "test.sh: $steps passed, 0 failed"
