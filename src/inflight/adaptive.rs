@@ -341,15 +341,12 @@ impl Gradient {
         // (at 32 workers, within the noise).
         let probed = self.probing.take();
         let probe_failed = probed.is_some_and(|from| {
-            let extra: Vec<u64> = self
+            let (sum, n) = self
                 .samples
                 .iter()
                 .filter(|s| s.1 as f64 > from.floor())
-                .map(|s| s.0)
-                .collect();
-            !extra.is_empty()
-                && extra.iter().sum::<u64>() as f64 / extra.len() as f64
-                    > min_rtt as f64 * 1.25 + noise
+                .fold((0u64, 0u64), |(sum, n), s| (sum + s.0, n + 1));
+            n > 0 && sum as f64 / n as f64 > min_rtt as f64 * 1.25 + noise
         });
         let queued = gradient < 1.0 || probe_failed;
         let full = self.busiest as f64 >= self.limit.floor();
@@ -632,21 +629,10 @@ mod tests {
         service_us: u64,
         jitter_us: u64,
     ) -> (Vec<(Micros, u64)>, Vec<u32>) {
-        let mut rng = fastrand::Rng::with_seed(11);
-        run_server(g, secs, workers, move || {
-            service_us + rng.u64(0..=jitter_us)
-        })
-    }
-
-    /// As `run_waves`, each service time drawn from `service`.
-    fn run_server(
-        g: &mut Gradient,
-        secs: i64,
-        workers: u32,
-        mut service: impl FnMut() -> u64,
-    ) -> (Vec<(Micros, u64)>, Vec<u32>) {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut service = move || service_us + rng.u64(0..=jitter_us);
         let mut free: BinaryHeap<Reverse<Micros>> = (0..workers).map(|_| Reverse(0)).collect();
         // (end, sent, in flight when sent)
         let mut pending: BinaryHeap<Reverse<(Micros, Micros, u32)>> = BinaryHeap::new();
