@@ -10,6 +10,9 @@
 //! and `GET /stats/times?path=P`: the arrival times of the requests for `P`
 //! (microseconds since start, the first `MAX_TIMES` requests), so a test can
 //! check a rate over every interval from the upstream's own clock.
+//! `GET /stats/arrivals?path=P` gives the same times with each request's
+//! `x-mock-seq` header (a client's number for it, `null` if none), so a
+//! client can match an arrival to its own send and answer times.
 //! A request header `x-mock-delay-ms: N` adds N ms before answering.
 //!
 //! With `--workers N` it is a server of N workers: a request waits for a free
@@ -78,14 +81,18 @@ const MAX_PATHS: usize = 10_000;
 /// Arrival times kept (all paths together).
 const MAX_TIMES: usize = 2_000_000;
 
+/// An arrival without an `x-mock-seq` header.
+const NO_SEQ: u64 = u64::MAX;
+
 struct Stats {
     started: Instant,
     total: AtomicU64,
     ok: AtomicU64,
     failed: AtomicU64,
     paths: Mutex<HashMap<String, u64>>,
-    /// Arrival times, with the path's index in `time_paths`.
-    times: Mutex<Vec<(u32, u64)>>,
+    /// Arrival times, with the path's index in `time_paths` and the
+    /// request's `x-mock-seq` (`NO_SEQ` if none).
+    times: Mutex<Vec<(u32, u64, u64)>>,
     time_paths: Mutex<Vec<String>>,
 }
 
@@ -136,7 +143,7 @@ impl Drop for Held<'_> {
 }
 
 impl Upstream {
-    fn count(&self, path: &str) {
+    fn count(&self, path: &str, seq: u64) {
         let at = self.stats.started.elapsed().as_micros() as u64;
         self.stats.total.fetch_add(1, Ordering::Relaxed);
         {
@@ -151,7 +158,7 @@ impl Upstream {
             };
             let mut times = self.stats.times.lock();
             if let (Some(i), true) = (i, times.len() < MAX_TIMES) {
-                times.push((i as u32, at));
+                times.push((i as u32, at, seq));
             }
         }
         let mut paths = self.stats.paths.lock();
@@ -215,20 +222,36 @@ impl Upstream {
             .store(self.waiting.now.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    /// Arrival times of `path`, in order.
-    fn times_json(&self, path: &str) -> String {
+    /// Arrivals of `path` as (time, seq), in order of time.
+    fn arrivals(&self, path: &str) -> Vec<(u64, u64)> {
         let Some(i) = self.stats.time_paths.lock().iter().position(|p| p == path) else {
-            return "[]".into();
+            return Vec::new();
         };
-        let mut t: Vec<u64> = self
+        let mut t: Vec<(u64, u64)> = self
             .stats
             .times
             .lock()
             .iter()
-            .filter(|(p, _)| *p as usize == i)
-            .map(|(_, t)| *t)
+            .filter(|(p, _, _)| *p as usize == i)
+            .map(|&(_, t, seq)| (t, seq))
             .collect();
         t.sort_unstable();
+        t
+    }
+
+    /// Arrival times of `path`, in order.
+    fn times_json(&self, path: &str) -> String {
+        let t: Vec<u64> = self.arrivals(path).into_iter().map(|(t, _)| t).collect();
+        serde_json::to_string(&t).unwrap_or_default()
+    }
+
+    /// Arrivals of `path` as `[time, seq or null]`, in order of time.
+    fn arrivals_json(&self, path: &str) -> String {
+        let t: Vec<(u64, Option<u64>)> = self
+            .arrivals(path)
+            .into_iter()
+            .map(|(t, seq)| (t, (seq != NO_SEQ).then_some(seq)))
+            .collect();
         serde_json::to_string(&t).unwrap_or_default()
     }
 }
@@ -253,6 +276,11 @@ async fn handle(
             let query = req.uri().query().unwrap_or("");
             let path = query.strip_prefix("path=").unwrap_or("");
             return Ok(respond(200, up.times_json(path)));
+        }
+        ("GET", "/stats/arrivals") => {
+            let query = req.uri().query().unwrap_or("");
+            let path = query.strip_prefix("path=").unwrap_or("");
+            return Ok(respond(200, up.arrivals_json(path)));
         }
         ("POST", "/stats/reset") => {
             up.reset();
@@ -285,8 +313,6 @@ async fn serve_one(
     req: Request<Incoming>,
     path: String,
 ) -> Response<Full<Bytes>> {
-    up.count(&path);
-    let _held = Held::new(&up.held);
     let header = |name: &str| {
         req.headers()
             .get(name)
@@ -294,6 +320,8 @@ async fn serve_one(
             .unwrap_or("")
             .to_string()
     };
+    up.count(&path, header("x-mock-seq").parse().unwrap_or(NO_SEQ));
+    let _held = Held::new(&up.held);
     let extra_ms: u64 = header("x-mock-delay-ms").parse().unwrap_or(0);
     let echo = serde_json::json!({
         "method": req.method().as_str(),

@@ -5,6 +5,7 @@
 
 use crate::support;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -84,7 +85,9 @@ struct Spray {
     admitted: Arc<Vec<AtomicU64>>,
     rejected: Arc<Vec<AtomicU64>>,
     other: Arc<AtomicU64>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    /// Each thread's admitted requests: (`x-mock-seq`, round trip in µs).
+    threads: Vec<std::thread::JoinHandle<Vec<(u64, u64)>>>,
+    round_trips: HashMap<u64, u64>,
 }
 
 impl Spray {
@@ -105,7 +108,9 @@ impl Spray {
                 let targets = targets.to_vec();
                 std::thread::spawn(move || {
                     let mut conns: Vec<Option<Client>> = targets.iter().map(|_| None).collect();
+                    let mut round_trips = Vec::new();
                     let mut n = i;
+                    let mut sent_count = 0u64;
                     while !stop.load(Ordering::Relaxed)
                         && started.elapsed() < Duration::from_secs(60)
                     {
@@ -114,12 +119,25 @@ impl Spray {
                         if conns[k].is_none() {
                             conns[k] = Client::connect(targets[k]).ok();
                         }
-                        let r = conns[k]
-                            .as_mut()
-                            .map(|c| c.request("GET", "/r", &[("x-api-key", "hot-secret")], b""));
+                        // Thread i numbers its requests i, i + clients, …
+                        let seq = sent_count * clients as u64 + i as u64;
+                        sent_count += 1;
+                        let sent = Instant::now();
+                        let r = conns[k].as_mut().map(|c| {
+                            c.request(
+                                "GET",
+                                "/r",
+                                &[
+                                    ("x-api-key", "hot-secret"),
+                                    ("x-mock-seq", &seq.to_string()),
+                                ],
+                                b"",
+                            )
+                        });
                         match r {
                             Some(Ok(r)) if r.status == 200 => {
                                 admitted[k].fetch_add(1, Ordering::Relaxed);
+                                round_trips.push((seq, sent.elapsed().as_micros() as u64));
                             }
                             // 429: over the limit; 503: Redis is out of
                             // reach and on_redis_failure = "deny".
@@ -132,6 +150,7 @@ impl Spray {
                             }
                         }
                     }
+                    round_trips
                 })
             })
             .collect();
@@ -141,6 +160,7 @@ impl Spray {
             rejected,
             other,
             threads,
+            round_trips: HashMap::new(),
         }
     }
 
@@ -157,20 +177,29 @@ impl Spray {
     }
 
     /// Stops the clients; returns admitted per replica.
-    fn stop(mut self) -> Vec<u64> {
+    fn stop(self) -> Vec<u64> {
+        self.stop_timed().0
+    }
+
+    /// Stops the clients; returns admitted per replica and each admitted
+    /// request's round trip (µs) by its `x-mock-seq`.
+    fn stop_timed(mut self) -> (Vec<u64>, HashMap<u64, u64>) {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
-            t.join().expect("spray thread");
+            let done = t.join().expect("spray thread");
+            self.round_trips.extend(done);
         }
         assert_eq!(
             self.other.load(Ordering::Relaxed),
             0,
             "every answer was a 200, a 429 or a 503"
         );
-        self.admitted
+        let per = self
+            .admitted
             .iter()
             .map(|a| a.load(Ordering::Relaxed))
-            .collect()
+            .collect();
+        (per, std::mem::take(&mut self.round_trips))
     }
 }
 
@@ -249,10 +278,11 @@ fn a_quota_is_leased_and_exhausts_exactly() {
 
 /// Acceptance 1: a hot key sprayed over three replicas above its limit for
 /// 10 s. Over every interval [t0, t1] of the upstream's own arrival times,
-/// at most capacity + rate × (t1 − t0) + 1 (the +1: two arrivals one
-/// microsecond apart may be two tokens) plus what transit jitter between
-/// the gateway's decision and the upstream's clock can move into an
-/// interval (rate × 10 ms); over the run, at least 97% of the bound.
+/// at most capacity + rate × (t1 − t0), plus what transit can move into an
+/// interval: rate × the first request's round trip at its client (its
+/// decision came at most that long before its arrival); over the run, at
+/// least 97% of the bound. (A fixed 10 ms for transit failed once in ten
+/// loaded runs: +1.6 against 1.5.)
 #[test]
 fn a_hot_key_keeps_its_rate_over_every_interval() {
     const CAPACITY: f64 = 100.0;
@@ -269,31 +299,49 @@ fn a_hot_key_keeps_its_rate_over_every_interval() {
     let addrs: Vec<SocketAddr> = gws.iter().map(|g| g.addr).collect();
     let spray = Spray::start(&addrs, 4);
     std::thread::sleep(Duration::from_secs(10));
-    let per = spray.stop();
-    let times = up.times("/r");
-    assert_eq!(times.len() as u64, per.iter().sum::<u64>());
-    // The largest excess over capacity + rate × span, over every interval
-    // of arrivals i..=j: max over j of (j − rate·t_j) − min over i ≤ j of
-    // (i − rate·t_i), plus one.
-    let mut worst = f64::MIN;
-    let mut low = f64::MAX;
-    for (j, &t) in times.iter().enumerate() {
+    let (per, round_trips) = spray.stop_timed();
+    let arrivals = up.arrivals("/r");
+    assert_eq!(arrivals.len() as u64, per.iter().sum::<u64>());
+    // The bound holds when the gateways decide; the upstream sees each
+    // request a transit later. Over arrivals i..=j the decisions span the
+    // arrivals' span plus transit_i − transit_j, and transit_i is at most
+    // request i's round trip at its client. So for every interval:
+    //   (j − i + 1) ≤ capacity + rate × (t_j − t_i) + rate × round_trip_i,
+    // checked for all pairs at once as max over j of (j − rate·t_j) − min
+    // over i ≤ j of (i − rate·t_i + rate·round_trip_i), plus one.
+    let (mut worst, mut worst_plain) = (f64::MIN, f64::MIN);
+    let (mut low, mut low_plain) = (f64::MAX, f64::MAX);
+    let mut allowance_at_worst = 0.0;
+    let mut low_allowance = 0.0;
+    for (j, &(t, seq)) in arrivals.iter().enumerate() {
+        let seq = seq.expect("every spray request carries x-mock-seq");
+        let rtt = *round_trips
+            .get(&seq)
+            .expect("an admitted request's round trip") as f64
+            / 1e6;
         let f = j as f64 - RATE * t as f64 / 1e6;
-        low = low.min(f);
-        worst = worst.max(f - low + 1.0 - CAPACITY);
+        if f + RATE * rtt < low {
+            (low, low_allowance) = (f + RATE * rtt, RATE * rtt);
+        }
+        low_plain = low_plain.min(f);
+        worst_plain = worst_plain.max(f - low_plain + 1.0 - CAPACITY);
+        if f - low + 1.0 - CAPACITY > worst {
+            (worst, allowance_at_worst) = (f - low + 1.0 - CAPACITY, low_allowance);
+        }
     }
+    let times: Vec<u64> = arrivals.iter().map(|&(t, _)| t).collect();
     let span = (times[times.len() - 1] - times[0]) as f64 / 1e6;
     let bound = CAPACITY + RATE * span;
     let share = times.len() as f64 / bound;
     let leased = lease_decisions(&gws);
     println!(
-        "FIGURES hot key: {} admitted in {span:.2} s, bound {bound:.0} ({:.1}%); worst interval {worst:+.1} over capacity + rate × span; decided on a lease {leased:?}",
+        "FIGURES hot key: {} admitted in {span:.2} s, bound {bound:.0} ({:.1}%); worst interval at the upstream {worst_plain:+.1} over capacity + rate × span; with its first request's transit allowed, {worst:+.1} (that transit: {allowance_at_worst:.1} tokens); decided on a lease {leased:?}",
         times.len(),
         100.0 * share
     );
     assert!(
-        worst <= RATE * 0.010,
-        "an interval saw {worst:.1} more than capacity + rate × its span"
+        worst <= 0.0,
+        "an interval saw {worst:.1} more than capacity + rate × (its span + its first request's round trip)"
     );
     assert!(share >= 0.97, "admitted {:.1}% of the bound", 100.0 * share);
     assert!(

@@ -388,6 +388,15 @@ impl UpstreamGuard {
         serde_json::from_slice(&r.body).expect("times JSON")
     }
 
+    /// When the upstream received each request for `path`, with the
+    /// request's `x-mock-seq` header if it had one (in order of time).
+    pub fn arrivals(&self, path: &str) -> Vec<(u64, Option<u64>)> {
+        let r = Client::connect(self.addr)
+            .and_then(|mut c| c.get(&format!("/stats/arrivals?path={path}")))
+            .expect("GET /stats/arrivals");
+        serde_json::from_slice(&r.body).expect("arrivals JSON")
+    }
+
     /// Stops it now (a dead upstream).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
