@@ -152,21 +152,25 @@ fn seed_three_tiers(c: &mut Criterion) {
 
 /// The API-key lookup costs the same for a near miss (one character off a
 /// real key) as for a far one: the secret is hashed before any comparison.
+/// A million keys, as a keys file may hold.
 fn key_lookup(c: &mut Criterion) {
-    use ratelimit_gateway::config::ApiKey;
-    use ratelimit_gateway::identity::KeyTable;
-    use sha2::{Digest, Sha256};
-    let keys: Vec<ApiKey> = (0..2000)
-        .map(|i| ApiKey {
-            id: format!("rider-{i}"),
-            digest: Sha256::digest(format!("secret-key-{i:06}").as_bytes()).into(),
-            plan: "free".into(),
-            quotas: None,
-            burst: None,
-        })
-        .collect();
-    let table = KeyTable::new(&keys);
-    let mut group = c.benchmark_group("api key lookup (2000 keys)");
+    use ratelimit_gateway::apikeys::{digest_of, Builder, Origin};
+    let n = 1_000_000;
+    let mut b = Builder::new(n);
+    for i in 0..n {
+        let (id, secret) = (format!("rider-{i}"), format!("secret-key-{i:06}"));
+        b.insert(
+            &id,
+            digest_of(&secret),
+            "free",
+            None,
+            None,
+            Origin::Line(i + 1),
+        )
+        .expect("distinct keys");
+    }
+    let table = b.finish().expect("distinct ids");
+    let mut group = c.benchmark_group("api key lookup (1,000,000 keys)");
     group.bench_function("hit", |b| {
         b.iter(|| table.lookup(black_box(b"secret-key-001000")))
     });

@@ -15,14 +15,13 @@ use std::time::Duration;
 
 use http::HeaderValue;
 
+use crate::apikeys::KeyRef;
 use crate::attributes::{self, AttributeError};
 use crate::calendar::{self, Period, Span};
 use crate::clock::{Clock, SystemClock};
-use crate::config::{
-    Algorithm, ApiKey, Attribute, Config, HeaderStyle, LimitKey, Missing, Quota, Scope,
-};
+use crate::config::{Algorithm, Attribute, Config, HeaderStyle, LimitKey, Missing, Quota, Scope};
 use crate::cors::{self, CorsError, CorsRules};
-use crate::identity::{self, ClientAddr, KeyError, KeyTable};
+use crate::identity::{self, ClientAddr, KeyError};
 use crate::limiter::algorithms::quota;
 use crate::limiter::keys::{bucket_key, bucket_name, rule_prefix};
 use crate::limiter::{Check, Decision, LimitKind, Micros, Outcome, Tier};
@@ -34,7 +33,6 @@ use crate::routing::{RouteMatch, RouteTable};
 pub struct Policy {
     pub config: Arc<Config>,
     routes: RouteTable,
-    keys: KeyTable,
     /// The tiers' rules, ready to name buckets: the ip tier's, each plan's
     /// (by name) and each route's limit (indexed like the config's routes).
     ip_rule: Option<Rule>,
@@ -233,8 +231,8 @@ impl Policy {
             .collect();
         // A key's own rule is named `@id`: `@` is in no plan's name.
         let key_rules = config
-            .api_keys
-            .iter()
+            .keys
+            .with_own_limits()
             .filter_map(|k| {
                 let b = k.burst?;
                 let algorithm = Algorithm::TokenBucket {
@@ -242,7 +240,7 @@ impl Policy {
                     refill_per_sec: b.refill_per_sec,
                 };
                 let rule = Rule::new(p, Tier::Key, &format!("@{}", k.id), algorithm, false);
-                Some((k.id.clone(), rule))
+                Some((k.id.to_string(), rule))
             })
             .collect();
         let route_rules = config
@@ -280,7 +278,6 @@ impl Policy {
             route_cors,
             global_cors,
             routes: RouteTable::new(&config.routes),
-            keys: KeyTable::new(&config.api_keys),
             ip_rule,
             plan_rules,
             key_rules,
@@ -293,21 +290,21 @@ impl Policy {
     }
 
     /// The burst bucket `key` is held to: its own, else its plan's.
-    fn key_rule(&self, key: &ApiKey) -> Option<&Rule> {
+    fn key_rule(&self, key: &KeyRef<'_>) -> Option<&Rule> {
         match key.burst {
-            Some(_) => self.key_rules.get(&key.id),
-            None => self.plan_rules.get(&key.plan),
+            Some(_) => self.key_rules.get(key.id),
+            None => self.plan_rules.get(key.plan),
         }
     }
 
     /// The quotas `key` counts against: its own, else its plan's.
-    fn quotas_of<'a>(&'a self, key: &'a ApiKey) -> &'a [Quota] {
-        match &key.quotas {
+    fn quotas_of<'a>(&'a self, key: &KeyRef<'a>) -> &'a [Quota] {
+        match key.quotas {
             Some(own) => own,
             None => self
                 .config
                 .plans
-                .get(&key.plan)
+                .get(key.plan)
                 .map_or(&[][..], |p| p.quotas.as_slice()),
         }
     }
@@ -316,7 +313,7 @@ impl Policy {
     /// period is a bucket of its own, named by the key's id alone (not its
     /// plan, nor the limit): a key moved to another plan, or a plan whose
     /// quota changed, keeps what it used this period.
-    fn quota_checks(&self, key: &ApiKey, identity: &str, now: Micros, out: &mut Vec<Check>) {
+    fn quota_checks(&self, key: &KeyRef<'_>, identity: &str, now: Micros, out: &mut Vec<Check>) {
         for q in self.quotas_of(key) {
             let span = self.span(q.period, now);
             let algorithm = Algorithm::Calendar {
@@ -537,7 +534,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     // it is charged, if at all, as its client address.
     let key = match presented {
         _ if preflight.is_some() => None,
-        Some(secret) => Some(policy.keys.lookup(secret).ok_or(Refusal::UnknownKey)?),
+        Some(secret) => Some(cfg.keys.lookup(secret).ok_or(Refusal::UnknownKey)?),
         None if r.require_api_key => return Err(Refusal::KeyRequired),
         None => None,
     };
@@ -549,7 +546,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     // refuses a request without it whoever sends it.
     // A preflight lacks the headers it announces: charged, it falls back to
     // the client's bucket rather than being refused for one it cannot send.
-    let key_plan = key.map(|k| k.plan.as_str());
+    let key_plan = key.map(|k| k.plan);
     let route_plan = key_plan
         .filter(|p| policy.plan_route_rules[route].contains_key(*p))
         .map(str::to_string);
@@ -569,10 +566,10 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             checks.push(rule.check(&ip_identity));
         }
         if let (Some(k), Some(identity)) = (key, &key_identity) {
-            if let Some(rule) = policy.key_rule(k) {
+            if let Some(rule) = policy.key_rule(&k) {
                 checks.push(rule.check(identity));
             }
-            policy.quota_checks(k, identity, SystemClock.now_us(), &mut checks);
+            policy.quota_checks(&k, identity, SystemClock.now_us(), &mut checks);
         }
         if let (Some(rr), Some(identity)) = (route_rule, &route_identity) {
             checks.push(rr.check(identity));
@@ -583,12 +580,12 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         path,
         client_ip,
         client,
-        key_id: key.map(|k| k.id.clone()),
+        key_id: key.map(|k| k.id.to_string()),
         checks: checks.into(),
         preflight,
         route_plan,
         priority: key
-            .and_then(|k| cfg.plans.get(&k.plan))
+            .and_then(|k| cfg.plans.get(k.plan))
             .map_or(i64::MIN, |p| p.priority),
     })
 }
@@ -761,15 +758,14 @@ pub fn buckets(
     // The key named, looked up once: its plan's rules and its quotas.
     let key = match subject {
         Subject::Key(id) => Some(
-            cfg.api_keys
-                .iter()
-                .find(|k| &k.id == id)
+            cfg.keys
+                .by_id(id)
                 .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?,
         ),
         _ => None,
     };
     let client = match subject {
-        Subject::Key(id) => Some((format!("k:{id}"), key.and_then(|k| policy.key_rule(k)))),
+        Subject::Key(id) => Some((format!("k:{id}"), key.and_then(|k| policy.key_rule(&k)))),
         Subject::Ip(ip) => {
             let addr = ClientAddr::new(*ip, cfg.clients.ipv6_prefix_len);
             Some((format!("ip:{addr}"), policy.ip_rule.as_ref()))
@@ -800,14 +796,14 @@ pub fn buckets(
     // A key's quotas, on the periods under way.
     if let (Some(key), Some((identity, _)), None) = (key, &client, route) {
         let mut checks = Vec::new();
-        policy.quota_checks(key, identity, SystemClock.now_us(), &mut checks);
+        policy.quota_checks(&key, identity, SystemClock.now_us(), &mut checks);
         out.extend(checks.into_iter().map(|check| Bucket {
             check,
             route: None,
             shard: None,
         }));
     }
-    let key_plan = key.map(|k| k.plan.as_str());
+    let key_plan = key.map(|k| k.plan);
     for i in routes {
         let Some(rr) = policy.route_rule(i, key_plan) else {
             continue;
@@ -870,12 +866,11 @@ fn quota_bucket(
     }
     let key = policy
         .config
-        .api_keys
-        .iter()
-        .find(|k| &k.id == id)
+        .keys
+        .by_id(id)
         .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?;
     let mut checks = Vec::new();
-    policy.quota_checks(key, &format!("k:{id}"), SystemClock.now_us(), &mut checks);
+    policy.quota_checks(&key, &format!("k:{id}"), SystemClock.now_us(), &mut checks);
     let periods: Vec<&str> = checks
         .iter()
         .filter_map(|c| match c.algorithm {

@@ -1,18 +1,14 @@
 //! Who the client is: its address (behind trusted proxies), the bucket that
-//! address falls in, and its API key.
+//! address falls in, and the API key it presents (looked up in
+//! `crate::apikeys`).
 //!
 //! Everything here is pure: it works on strings and addresses handed in, so it
 //! is tested without sockets.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv6Net};
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
-
-use crate::config::ApiKey;
 
 /// `::ffff:a.b.c.d` is the IPv4 client a.b.c.d.
 pub fn canonical(ip: IpAddr) -> IpAddr {
@@ -148,35 +144,6 @@ fn trim(v: &[u8]) -> &[u8] {
     &v[start..end]
 }
 
-/// The configured keys, looked up by SHA-256 of the presented secret.
-#[derive(Debug, Clone, Default)]
-pub struct KeyTable {
-    by_digest: HashMap<[u8; 32], usize>,
-    keys: Vec<ApiKey>,
-}
-
-impl KeyTable {
-    pub fn new(keys: &[ApiKey]) -> Self {
-        KeyTable {
-            by_digest: keys
-                .iter()
-                .enumerate()
-                .map(|(i, k)| (k.digest, i))
-                .collect(),
-            keys: keys.to_vec(),
-        }
-    }
-
-    /// The key entry for a presented secret. The secret is hashed first, so
-    /// the map only ever compares digests; the final comparison is constant
-    /// time, so a near miss and a far miss cost the same.
-    pub fn lookup(&self, secret: &[u8]) -> Option<&ApiKey> {
-        let digest: [u8; 32] = Sha256::digest(secret).into();
-        let key = self.keys.get(*self.by_digest.get(&digest)?)?;
-        bool::from(key.digest.ct_eq(&digest)).then_some(key)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,21 +262,6 @@ mod tests {
             presented_key([&b"k1"[..], &b"k3"[..]].into_iter(), none.into_iter()),
             Err(KeyError::Conflicting)
         );
-    }
-
-    #[test]
-    fn key_lookup_by_digest() {
-        let keys = vec![ApiKey {
-            id: "demo".into(),
-            digest: Sha256::digest(b"secret").into(),
-            plan: "free".into(),
-            quotas: None,
-            burst: None,
-        }];
-        let t = KeyTable::new(&keys);
-        assert_eq!(t.lookup(b"secret").map(|k| k.id.as_str()), Some("demo"));
-        assert!(t.lookup(b"secreT").is_none());
-        assert!(t.lookup(b"").is_none());
     }
 }
 

@@ -4,6 +4,7 @@
 //! `attributes`, `cors`, `limiter`} → {`clock`, `config`}. Nothing imports `proxy`.
 
 pub mod admission;
+pub mod apikeys;
 pub mod attributes;
 pub mod calendar;
 pub mod certs;

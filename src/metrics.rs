@@ -78,7 +78,11 @@ pub fn install() {
         );
         describe_counter!(
             "gateway_config_reloads_total",
-            "Config reloads by result (ok, error)"
+            "Config reloads by result (ok, error); a change to clients.api_keys_file is one"
+        );
+        describe_gauge!(
+            "gateway_api_keys",
+            "API keys accepted: [[api_keys]] and clients.api_keys_file together"
         );
         describe_counter!(
             "gateway_redis_errors_total",
@@ -457,6 +461,11 @@ pub fn local_entries(n: usize) {
 pub fn certificate_reload(ok: bool) {
     let result = if ok { "ok" } else { "error" };
     counter!("gateway_tls_certificate_reloads_total", "result" => result).increment(1);
+}
+
+/// The keys the live config accepts.
+pub fn api_keys(n: usize) {
+    gauge!("gateway_api_keys").set(n as f64);
 }
 
 pub fn config_reload(ok: bool) {

@@ -17,6 +17,7 @@ use std::fmt::Write;
 use chrono::{DateTime, NaiveDate, NaiveTime, TimeZone, Utc};
 use chrono_tz::Tz;
 
+use crate::apikeys::KeyRef;
 use crate::calendar::{self, Period, Span};
 use crate::config::{Algorithm, Config};
 use crate::limiter::keys::{rule_prefix, unescape};
@@ -148,11 +149,10 @@ pub fn count_of(raw: &str, end: Micros) -> Option<u64> {
 }
 
 /// The key's quota for `period`: its own, else its plan's.
-fn limit_of(config: &Config, id: &str, period: Period) -> Option<u64> {
-    let key = config.api_keys.iter().find(|k| k.id == id)?;
-    let quotas = match &key.quotas {
-        Some(q) => q.as_slice(),
-        None => config.plans.get(&key.plan)?.quotas.as_slice(),
+fn limit_of(config: &Config, key: &KeyRef<'_>, period: Period) -> Option<u64> {
+    let quotas = match key.quotas {
+        Some(q) => q,
+        None => config.plans.get(key.plan)?.quotas.as_slice(),
     };
     quotas.iter().find(|q| q.period == period).map(|q| q.limit)
 }
@@ -167,13 +167,17 @@ pub fn rows(
     reclaimable: &HashMap<String, u64>,
 ) -> Vec<Row> {
     let prefix = format!("{}k:", period_prefix(config.key_prefix(), period, span));
+    // Keys by id, once: a report may have a row for each of a million.
+    let keys: HashMap<&str, KeyRef<'_>> = config.keys.iter().map(|k| (k.id, k)).collect();
     let mut rows: Vec<Row> = found
         .into_iter()
         .filter_map(|(key, value)| {
             let back = reclaimable.get(&key).copied().unwrap_or(0);
             let id = unescape(key.strip_prefix(&prefix)?)?;
             let used = count_of(&value?, span.end)?.saturating_sub(back);
-            let limit = limit_of(config, &id, period);
+            let limit = keys
+                .get(id.as_str())
+                .and_then(|k| limit_of(config, k, period));
             Some(Row { id, used, limit })
         })
         .collect();

@@ -1,5 +1,6 @@
 //! `[clients]`: who the client is (trusted proxies, IPv6 prefix), who is
-//! never limited or always refused, and where the API key is read from.
+//! never limited or always refused, where the API key is read from, and
+//! the file more keys are read from (`crate::apikeys::file`).
 
 use toml::de::DeTable;
 
@@ -20,6 +21,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Client
             "allow",
             "deny",
             "api_key_header",
+            "api_keys_file",
         ],
     );
     let trusted = opt(r, t, p, "trusted_proxies", vec![], cidrs);
@@ -48,11 +50,15 @@ pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Client
             }
         },
     );
+    let keys_file = opt(r, t, p, "api_keys_file", None, |r, path, v| {
+        r.file_path(path, v).map(Some)
+    });
     Some(Clients {
         trusted_proxies: trusted?,
         ipv6_prefix_len: v6?,
         allow: allow?,
         deny: deny?,
         api_key_header: header?,
+        api_keys_file: keys_file?,
     })
 }

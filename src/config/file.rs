@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use toml::de::{DeTable, DeValue};
 
@@ -17,6 +18,7 @@ use super::limits::{api_key, limit, plans};
 use super::model::*;
 use super::reader::Reader;
 use super::ConfigError;
+use crate::apikeys::KeySet;
 
 /// Parses and validates a whole file; on failure returns every problem found.
 pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, Vec<ConfigError>> {
@@ -141,6 +143,23 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
             r.errors.extend(check(tls));
         }
     }
+    let api_keys: Vec<ApiKey> = api_keys.into_iter().map(|(_, k)| k).collect();
+    // The keys file only once the rest is sound: its plans must exist.
+    let keys = match (&clients, &plans) {
+        (Some(c), Some(plans)) if r.errors.is_empty() => match &c.api_keys_file {
+            Some(path) => match crate::apikeys::file::load(path, &api_keys, plans) {
+                Ok(set) => Some(set),
+                Err(e) => {
+                    let at = "clients.api_keys_file";
+                    let span = r.spans.get(at).cloned();
+                    r.error(at, span.as_ref(), e.to_string());
+                    None
+                }
+            },
+            None => Some(KeySet::inline(&api_keys)),
+        },
+        _ => None,
+    };
     if !r.errors.is_empty() {
         let mut errors = r.errors;
         errors.sort_by_key(|e| e.line.unwrap_or(0));
@@ -156,7 +175,8 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         clients: clients.expect("clients read without error"),
         ip_tier,
         plans: plans.expect("plans read without error"),
-        api_keys: api_keys.into_iter().map(|(_, k)| k).collect(),
+        api_keys,
+        keys: Arc::new(keys.expect("keys read without error")),
         upstreams: upstreams.into_iter().map(|(_, u)| u).collect(),
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         cors: cors.flatten(),
@@ -179,6 +199,7 @@ fn raw_names(
     field: &str,
 ) -> Vec<(usize, String)> {
     let mut out: Vec<(usize, String)> = Vec::new();
+    let mut first: HashMap<String, usize> = HashMap::new();
     let Some(DeValue::Array(items)) = root.get(section).map(|v| v.get_ref()) else {
         return out;
     };
@@ -190,13 +211,14 @@ fn raw_names(
         let DeValue::String(name) = v.get_ref() else {
             continue;
         };
-        if let Some((first, _)) = out.iter().find(|(_, n)| n == name.as_ref()) {
+        if let Some(first) = first.get(name.as_ref()) {
             r.error(
                 &format!("{section}[{i}].{field}"),
                 Some(&v.span()),
                 format!("duplicate {field} \"{name}\" (first at {section}[{first}])"),
             );
         }
+        first.entry(name.to_string()).or_insert(i);
         out.push((i, name.to_string()));
     }
     out

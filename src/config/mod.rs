@@ -112,11 +112,16 @@ pub fn load_checked(path: &Path, check: FileCheck<'_>) -> Result<Config, LoadErr
 impl Config {
     /// Whether any plan or key counts calendar quotas.
     pub fn has_quotas(&self) -> bool {
-        self.plans.values().any(|p| !p.quotas.is_empty())
-            || self
-                .api_keys
-                .iter()
-                .any(|k| k.quotas.as_ref().is_some_and(|q| !q.is_empty()))
+        self.plans.values().any(|p| !p.quotas.is_empty()) || self.keys.has_own_quotas()
+    }
+
+    /// This config with no keys: what is kept to compare a reload with,
+    /// without holding a million keys for the life of the process.
+    pub fn without_keys(&self) -> Config {
+        Config {
+            keys: Default::default(),
+            ..self.clone()
+        }
     }
 
     /// What Redis keys and bucket names start with: `redis.key_prefix`,
@@ -143,17 +148,23 @@ impl Config {
         let plans = self
             .plans
             .iter()
-            .map(|(n, p)| (format!("plans.{n}"), &p.quotas));
+            .map(|(n, p)| (format!("plans.{n}"), p.quotas.as_slice()));
+        // Every key of the file too, which may hold a million.
         let keys = self
-            .api_keys
-            .iter()
-            .filter_map(|k| Some((format!("api_keys \"{}\"", k.id), k.quotas.as_ref()?)));
+            .keys
+            .with_own_limits()
+            .filter_map(|k| Some((format!("api_keys \"{}\"", k.id), k.quotas?)));
+        let mut never_bind = 0;
         for (at, quotas) in plans.chain(keys) {
             for short in quotas.iter() {
                 for long in quotas.iter() {
                     if short.period.as_secs_at_most() < long.period.as_secs_at_least()
                         && short.limit >= long.limit
                     {
+                        never_bind += 1;
+                        if never_bind > 20 {
+                            continue;
+                        }
                         out.push(format!(
                             "{at}.quotas: {} a {} can never bind under {} a {}",
                             short.limit,
@@ -164,6 +175,12 @@ impl Config {
                     }
                 }
             }
+        }
+        if never_bind > 20 {
+            out.push(format!(
+                "and {} more quotas that can never bind",
+                never_bind - 20
+            ));
         }
         out
     }
@@ -267,6 +284,14 @@ impl Config {
             c.ipv6_prefix_len,
             c.api_key_header
         );
+        if let Some(path) = &c.api_keys_file {
+            let _ = writeln!(
+                s,
+                "clients: api_keys_file={} ({} key(s), watched)",
+                path.display(),
+                self.keys.from_file()
+            );
+        }
         let _ = writeln!(s, "tiers:");
         match &self.ip_tier {
             Some(t) => {
@@ -276,8 +301,15 @@ impl Config {
                 let _ = writeln!(s, "  ip: (off)");
             }
         }
+        let per_plan: std::collections::HashMap<&str, usize> = self
+            .keys
+            .plans()
+            .iter()
+            .map(String::as_str)
+            .zip(self.keys.per_plan())
+            .collect();
         for (name, p) in &self.plans {
-            let keys = self.api_keys.iter().filter(|k| &k.plan == name).count();
+            let keys = per_plan.get(name.as_str()).copied().unwrap_or(0);
             let _ = writeln!(
                 s,
                 "  key plan {name}: token_bucket capacity={} refill_per_sec={}{} ({keys} key(s); priority {})",
@@ -287,8 +319,29 @@ impl Config {
                 p.priority
             );
         }
-        let _ = writeln!(s, "api keys: {}", self.api_keys.len());
-        for k in &self.api_keys {
+        let _ = writeln!(
+            s,
+            "api keys: {} ({} in the config, {} in the keys file)",
+            self.keys.len(),
+            self.api_keys.len(),
+            self.keys.from_file()
+        );
+        // Keys with limits of their own: those of the config, and the
+        // first 20 of the file (it may hold a million).
+        let file_own: Vec<ApiKey> = self
+            .keys
+            .with_own_limits()
+            .filter(|k| !self.api_keys.iter().any(|a| a.id == k.id))
+            .take(20)
+            .map(|k| ApiKey {
+                id: k.id.to_string(),
+                digest: [0; 32],
+                plan: k.plan.to_string(),
+                quotas: k.quotas.map(<[Quota]>::to_vec),
+                burst: k.burst,
+            })
+            .collect();
+        for k in self.api_keys.iter().chain(&file_own) {
             let burst = k.burst.map(|b| {
                 format!(
                     " token_bucket capacity={} refill_per_sec={}",

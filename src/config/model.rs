@@ -65,7 +65,10 @@ pub struct Config {
     pub ip_tier: Option<Limit>,
     /// Tier 2 plans by name; each is a token bucket.
     pub plans: BTreeMap<String, Plan>,
+    /// `[[api_keys]]` as written.
     pub api_keys: Vec<ApiKey>,
+    /// Every key accepted: `api_keys` and those of `clients.api_keys_file`.
+    pub keys: std::sync::Arc<crate::apikeys::KeySet>,
     pub upstreams: Vec<Upstream>,
     pub routes: Vec<Route>,
     /// `[cors]`: the policy of every route without a `cors` of its own.
@@ -249,6 +252,8 @@ pub struct Clients {
     pub deny: Vec<IpNet>,
     /// Lower-cased header name.
     pub api_key_header: String,
+    /// More keys, in a file of their own (JSON lines or CSV), watched.
+    pub api_keys_file: Option<std::path::PathBuf>,
 }
 
 /// One limiting algorithm with its parameters.

@@ -8,6 +8,14 @@
 //!
 //! `redis.password_file` is watched the same way (and re-read on SIGHUP): a
 //! rotated secret reaches the next Redis connections without a restart.
+//!
+//! `clients.api_keys_file` is part of the config: a change to it reloads
+//! the config, and a bad line refuses the reload like any bad key. It may
+//! hold a million keys, so it is watched by its metadata (size, times,
+//! inode), not its digest, and every load runs on a thread of its own at
+//! idle priority: serving keeps the cores while a second of parsing goes
+//! on beside it. The key set replaced is dropped here, not on a
+//! request's thread.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,6 +31,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use super::upstreams::Pools;
 use super::Live;
 use crate::admission::Policy;
+use crate::apikeys::KeySet;
 use crate::config::{self, Config};
 use crate::inflight::Gates;
 use crate::limiter::Fallback;
@@ -36,10 +45,78 @@ pub struct Reloader {
     /// The config the process started with: what restart-only keys are compared to.
     pub started_with: Arc<Config>,
     pub limiter: Arc<Fallback>,
+    /// Key sets replaced, freed once no request holds them.
+    pub retired: parking_lot::Mutex<Vec<Arc<KeySet>>>,
+    pub loader: Loader,
 }
 
+/// A small file's identity: its content's digest.
 fn digest(path: &PathBuf) -> std::io::Result<[u8; 32]> {
     std::fs::read(path).map(|b| Sha256::digest(&b).into())
+}
+
+/// A large file's identity: its metadata (following a symlink swap).
+fn metadata(path: &PathBuf) -> std::io::Result<[u8; 32]> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    let mut h = Sha256::new();
+    for n in [
+        m.dev(),
+        m.ino(),
+        m.len(),
+        m.mtime() as u64,
+        m.mtime_nsec() as u64,
+    ] {
+        h.update(n.to_le_bytes());
+    }
+    h.update((m.ctime() as u64).to_le_bytes());
+    h.update((m.ctime_nsec() as u64).to_le_bytes());
+    Ok(h.finalize().into())
+}
+
+/// A load for the loading thread: the config's path, and where to answer.
+type Job = (
+    PathBuf,
+    tokio::sync::oneshot::Sender<Result<Config, String>>,
+);
+
+/// One thread for every reload, at idle priority (Linux's scheduling is
+/// per thread): serving keeps the cores while a million keys are parsed
+/// beside it.
+pub struct Loader(std::sync::mpsc::Sender<Job>);
+
+impl Loader {
+    pub fn start() -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("config-load".into())
+            .spawn(move || {
+                // SCHED_IDLE: it runs only on a core nothing else wants,
+                // and a request's thread preempts it at once. Best effort:
+                // a failure leaves it at the default priority.
+                use thread_priority::unix::*;
+                if let Err(e) = set_thread_priority_and_policy(
+                    thread_native_id(),
+                    thread_priority::ThreadPriority::Min,
+                    ThreadSchedulePolicy::Normal(NormalThreadSchedulePolicy::Idle),
+                ) {
+                    tracing::warn!(error = ?e, "the config-load thread keeps the default priority");
+                }
+                for (path, reply) in rx {
+                    let _ = reply.send(config::load(&path).map_err(|e| e.to_string()));
+                }
+            })?;
+        Ok(Loader(tx))
+    }
+
+    async fn load(&self, path: PathBuf) -> Result<Config, String> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.0
+            .send((path, tx))
+            .map_err(|_| "the loading thread has stopped".to_string())?;
+        rx.await
+            .map_err(|_| "the loading thread ended without an answer".to_string())?
+    }
 }
 
 impl Reloader {
@@ -63,8 +140,8 @@ impl Reloader {
     }
 
     /// Loads the file and swaps it in; whether it was.
-    fn reload(&self, why: &str) -> bool {
-        match config::load(&self.path) {
+    async fn reload(&self, why: &str) -> bool {
+        match self.loader.load(self.path.clone()).await {
             Ok(new) => {
                 let new = Arc::new(new);
                 let current = self.live.load_full();
@@ -88,6 +165,8 @@ impl Reloader {
                     );
                 }
                 self.limiter.set_quotas(new.has_quotas());
+                self.retired.lock().push(current.policy.config.keys.clone());
+                let keys = new.keys.len();
                 let gates = Gates::build(&new, Some(&current.gates), self.limiter.replicas());
                 self.live.store(Arc::new(Live::new(
                     Arc::new(Policy::new(new)),
@@ -95,7 +174,8 @@ impl Reloader {
                     Arc::new(gates),
                 )));
                 metrics::config_reload(true);
-                tracing::info!(trigger = why, path = %self.path.display(), "config reloaded");
+                metrics::api_keys(keys);
+                tracing::info!(trigger = why, path = %self.path.display(), keys, "config reloaded");
                 true
             }
             Err(e) => {
@@ -106,6 +186,29 @@ impl Reloader {
                 );
                 false
             }
+        }
+    }
+
+    /// The keys file the live config reads, if any.
+    fn keys_file(&self) -> Option<PathBuf> {
+        self.live.load().policy.config.clients.api_keys_file.clone()
+    }
+
+    /// Drops the key sets no request holds any more.
+    fn drop_retired(&self) {
+        let done: Vec<Arc<KeySet>> = {
+            let mut r = self.retired.lock();
+            let (done, kept) = r.drain(..).partition(|k| Arc::strong_count(k) == 1);
+            *r = kept;
+            done
+        };
+        if !done.is_empty() {
+            let keys: usize = done.iter().map(|k| k.len()).sum();
+            // Here, not on the idle loader: unmapping holds the process's
+            // memory map lock, which a thread of idle priority could hold
+            // while serving threads wait to fault a page in.
+            drop(done);
+            tracing::debug!(keys, "the key sets reloads replaced are freed");
         }
     }
 
@@ -168,6 +271,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
 /// seen once and waiting to be stable.
 struct Watch {
     path: Option<PathBuf>,
+    /// How the file is told apart: `digest` or `metadata`.
+    identity: fn(&PathBuf) -> std::io::Result<[u8; 32]>,
     seen: Option<[u8; 32]>,
     pending: Option<[u8; 32]>,
     /// Why the file could not be read at the last poll (said once).
@@ -186,10 +291,15 @@ enum Polled {
 
 impl Watch {
     fn new(path: Option<&PathBuf>) -> Self {
+        Self::by(path, digest)
+    }
+
+    fn by(path: Option<&PathBuf>, identity: fn(&PathBuf) -> std::io::Result<[u8; 32]>) -> Self {
         let path = path.cloned();
-        let seen = path.as_ref().and_then(|p| digest(p).ok());
+        let seen = path.as_ref().and_then(|p| identity(p).ok());
         Watch {
             path,
+            identity,
             seen,
             pending: None,
             unreadable: None,
@@ -197,7 +307,7 @@ impl Watch {
     }
 
     fn seen_now(&mut self) {
-        self.seen = self.path.as_ref().and_then(|p| digest(p).ok());
+        self.seen = self.path.as_ref().and_then(|p| (self.identity)(p).ok());
         self.pending = None;
     }
 
@@ -207,7 +317,7 @@ impl Watch {
         let Some(path) = &self.path else {
             return Polled::Same;
         };
-        let d = match digest(path) {
+        let d = match (self.identity)(path) {
             Ok(d) => {
                 self.unreadable = None;
                 d
@@ -252,30 +362,49 @@ impl BackgroundService for Reloader {
         };
         let mut config = Watch::new(Some(&self.path));
         let mut password = Watch::new(self.password_file());
+        let mut keys = Watch::by(self.keys_file().as_ref(), metadata);
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
-                    if self.reload("SIGHUP") {
+                    if self.reload("SIGHUP").await {
                         self.reloaded().await;
                     }
                     self.reload_password("SIGHUP");
                     config.seen_now();
                     password.seen_now();
+                    keys = Watch::by(self.keys_file().as_ref(), metadata);
                 }
                 _ = tokio::time::sleep(POLL) => {
-                    match config.poll() {
-                        Polled::Changed => {
-                            if self.reload("file change") {
-                                self.reloaded().await;
+                    self.drop_retired();
+                    let reloaded = match (config.poll(), keys.poll()) {
+                        (Polled::Changed, _) => Some(self.reload("file change").await),
+                        (_, Polled::Changed) => Some(self.reload("api_keys_file change").await),
+                        (c, k) => {
+                            if let Polled::Unreadable(e) = c {
+                                tracing::warn!(
+                                    file = %self.path.display(),
+                                    error = %e,
+                                    "config file cannot be read; the running config stays in use until it can"
+                                );
                             }
+                            if let Polled::Unreadable(e) = k {
+                                tracing::warn!(
+                                    file = %self.keys_file().map_or(String::new(), |p| p.display().to_string()),
+                                    error = %e,
+                                    "clients.api_keys_file cannot be read; the keys read last stay in use until it can"
+                                );
+                            }
+                            None
                         }
-                        Polled::Unreadable(e) => tracing::warn!(
-                            file = %self.path.display(),
-                            error = %e,
-                            "config file cannot be read; the running config stays in use until it can"
-                        ),
-                        Polled::Same => {}
+                    };
+                    if let Some(ok) = reloaded {
+                        if ok {
+                            self.reloaded().await;
+                        }
+                        // The keys file the config now names, as it is now.
+                        config.seen_now();
+                        keys = Watch::by(self.keys_file().as_ref(), metadata);
                     }
                     match password.poll() {
                         Polled::Changed => self.reload_password("file change"),

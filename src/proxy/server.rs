@@ -149,6 +149,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
         }
     }
     let config = Arc::new(config);
+    crate::metrics::api_keys(config.keys.len());
     let srv = &config.server;
     // Pingora retries a taken port every second, forever: say so and stop.
     let tls_listen = srv.tls.iter().flat_map(|t| t.listen.iter());
@@ -254,8 +255,11 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
         Reloader {
             path: path.to_path_buf(),
             live,
-            started_with: config.clone(),
+            started_with: Arc::new(config.without_keys()),
             limiter: limiter.clone(),
+            retired: Default::default(),
+            loader: super::reload::Loader::start()
+                .map_err(|e| format!("cannot start the config-load thread: {e}"))?,
         },
     ));
     if let Some(redis) = &config.redis {
@@ -271,7 +275,10 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
             ));
         }
     }
-    tracing::info!(listen = ?srv.listen, admin = ?srv.admin_listen, threads = srv.threads, "gateway starting");
+    tracing::info!(listen = ?srv.listen, admin = ?srv.admin_listen, threads = srv.threads, keys = config.keys.len(), "gateway starting");
+    // From here the live policy alone holds the start-up config (and its
+    // keys, maybe a million): a reload frees them.
+    drop(config);
     server.run_forever();
 }
 
