@@ -6,6 +6,7 @@
 //! the client sees: admitted (with headers and perhaps a shaping delay), 429,
 //! or 503 when Redis is down and the operator chose "deny".
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -15,6 +16,7 @@ use std::time::Duration;
 
 use http::HeaderValue;
 
+use crate::apikeys::runtime::{RuntimeKey, RuntimeKeys};
 use crate::apikeys::KeyRef;
 use crate::attributes::{self, AttributeError};
 use crate::calendar::{self, Period, Span};
@@ -50,6 +52,8 @@ pub struct Policy {
     key_prefix: String,
     /// Each quota period's current span (`span`), by `Period::ALL` order.
     spans: parking_lot::Mutex<[Option<Span>; 5]>,
+    /// Keys issued at runtime (kept in Redis), after the config's.
+    pub runtime: Arc<RuntimeKeys>,
 }
 
 /// A route's limit: its rule, and what names a request's bucket under it.
@@ -169,6 +173,7 @@ fn shard_name(rule_prefix: &str, i: u64, k: u64) -> String {
 
 /// One rule of one tier, with the constant head of its buckets' names
 /// (`keys::rule_prefix`), built once per config load, not once per request.
+#[derive(Clone)]
 struct Rule {
     tier: Tier,
     algorithm: Algorithm,
@@ -286,14 +291,49 @@ impl Policy {
             key_prefix: p.to_string(),
             spans: parking_lot::Mutex::new([None; 5]),
             config,
+            runtime: Arc::default(),
         }
     }
 
+    /// This policy, looking up runtime keys in `keys` (one copy a process,
+    /// kept across reloads).
+    pub fn with_runtime_keys(mut self, keys: Arc<RuntimeKeys>) -> Self {
+        self.runtime = keys;
+        self
+    }
+
+    /// The key with this id: the config's, else a runtime one (held in
+    /// `hold` for the borrow).
+    fn key_by_id<'a>(
+        &'a self,
+        id: &str,
+        hold: &'a mut Option<Arc<RuntimeKey>>,
+    ) -> Option<KeyRef<'a>> {
+        if let Some(k) = self.config.keys.by_id(id) {
+            return Some(k);
+        }
+        *hold = self.runtime.by_id(id);
+        hold.as_deref().map(RuntimeKey::view)
+    }
+
     /// The burst bucket `key` is held to: its own, else its plan's.
-    fn key_rule(&self, key: &KeyRef<'_>) -> Option<&Rule> {
+    fn key_rule(&self, key: &KeyRef<'_>) -> Option<Cow<'_, Rule>> {
         match key.burst {
-            Some(_) => self.key_rules.get(key.id),
-            None => self.plan_rules.get(key.plan),
+            // A runtime key's own rule is made when it is used.
+            Some(b) => Some(match self.key_rules.get(key.id) {
+                Some(r) => Cow::Borrowed(r),
+                None => Cow::Owned(Rule::new(
+                    &self.key_prefix,
+                    Tier::Key,
+                    &format!("@{}", key.id),
+                    Algorithm::TokenBucket {
+                        capacity: b.capacity,
+                        refill_per_sec: b.refill_per_sec,
+                    },
+                    false,
+                )),
+            }),
+            None => self.plan_rules.get(key.plan).map(Cow::Borrowed),
         }
     }
 
@@ -532,9 +572,27 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
     .map_err(|KeyError::Conflicting| Refusal::ConflictingKeys)?;
     // A preflight carries no credentials (browsers never send them on one):
     // it is charged, if at all, as its client address.
+    let runtime_key;
     let key = match presented {
         _ if preflight.is_some() => None,
-        Some(secret) => Some(cfg.keys.lookup(secret).ok_or(Refusal::UnknownKey)?),
+        Some(secret) => {
+            let digest = crate::apikeys::digest_of(secret);
+            match cfg.keys.lookup_digest(&digest) {
+                Some(k) => Some(k),
+                None => {
+                    runtime_key = policy.runtime.get(&digest);
+                    let k = runtime_key
+                        .as_deref()
+                        .map(RuntimeKey::view)
+                        .ok_or(Refusal::UnknownKey)?;
+                    // A plan a reload removed: refused, never unlimited.
+                    if !cfg.plans.contains_key(k.plan) {
+                        return Err(Refusal::UnknownKey);
+                    }
+                    Some(k)
+                }
+            }
+        }
         None if r.require_api_key => return Err(Refusal::KeyRequired),
         None => None,
     };
@@ -756,10 +814,11 @@ pub fn buckets(
     }
     let cfg = &policy.config;
     // The key named, looked up once: its plan's rules and its quotas.
+    let mut hold = None;
     let key = match subject {
         Subject::Key(id) => Some(
-            cfg.keys
-                .by_id(id)
+            policy
+                .key_by_id(id, &mut hold)
                 .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?,
         ),
         _ => None,
@@ -768,7 +827,10 @@ pub fn buckets(
         Subject::Key(id) => Some((format!("k:{id}"), key.and_then(|k| policy.key_rule(&k)))),
         Subject::Ip(ip) => {
             let addr = ClientAddr::new(*ip, cfg.clients.ipv6_prefix_len);
-            Some((format!("ip:{addr}"), policy.ip_rule.as_ref()))
+            Some((
+                format!("ip:{addr}"),
+                policy.ip_rule.as_ref().map(Cow::Borrowed),
+            ))
         }
         Subject::Nobody if route.is_some() && value.is_some() => None,
         Subject::Nobody => {
@@ -864,10 +926,9 @@ fn quota_bucket(
             "a quota is the key's on every route: give quota or route, not both".into(),
         ));
     }
+    let mut hold = None;
     let key = policy
-        .config
-        .keys
-        .by_id(id)
+        .key_by_id(id, &mut hold)
         .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?;
     let mut checks = Vec::new();
     policy.quota_checks(&key, &format!("k:{id}"), SystemClock.now_us(), &mut checks);

@@ -74,6 +74,59 @@ Environment:
         #[arg(long, default_value = "csv")]
         format: String,
     },
+    /// Issue, change, revoke and list API keys at runtime: kept in Redis,
+    /// in force on every replica within a second (as `/keys` on the admin
+    /// listener). A key's secret is printed once, when it is issued.
+    Keys {
+        #[arg(short, long, default_value = "gateway.toml", global = true)]
+        config: PathBuf,
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysAction {
+    /// Issue a key; prints it with its secret (shown this once).
+    Create {
+        #[arg(long)]
+        id: String,
+        #[command(flatten)]
+        limits: KeyLimits,
+    },
+    /// Change a key's plan or its own limits.
+    Update {
+        #[arg(long)]
+        id: String,
+        #[command(flatten)]
+        limits: KeyLimits,
+    },
+    /// Revoke a key: refused (401) by every replica within a second.
+    Revoke {
+        #[arg(long)]
+        id: String,
+    },
+    /// A page of keys (never a secret): --cursor from the last page's `next`.
+    List {
+        #[arg(long, default_value_t = 0)]
+        cursor: u64,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+}
+
+#[derive(clap::Args)]
+struct KeyLimits {
+    #[arg(long)]
+    plan: Option<String>,
+    /// The key's own burst bucket (with --refill-per-sec).
+    #[arg(long)]
+    capacity: Option<u64>,
+    #[arg(long)]
+    refill_per_sec: Option<f64>,
+    /// The key's own quotas, e.g. 1000/day;30000/month ("" for none).
+    #[arg(long)]
+    quotas: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -107,6 +160,38 @@ struct LimitsArgs {
     /// Print the JSON `/limits` answers instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+impl KeyLimits {
+    /// The JSON fields given (`--quotas ""`: none of its own).
+    fn body(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        if let Some(p) = &self.plan {
+            m.insert("plan".into(), p.clone().into());
+        }
+        if let Some(c) = self.capacity {
+            m.insert("capacity".into(), c.into());
+        }
+        if let Some(r) = self.refill_per_sec {
+            m.insert("refill_per_sec".into(), r.into());
+        }
+        if let Some(q) = &self.quotas {
+            let list: Vec<serde_json::Value> = q
+                .split(';')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(|p| match p.split_once('/') {
+                    Some((l, period)) => serde_json::json!({
+                        "limit": l.trim().parse::<f64>().map_or(serde_json::Value::from(l.trim()), Into::into),
+                        "period": period.trim(),
+                    }),
+                    None => serde_json::Value::from(p),
+                })
+                .collect();
+            m.insert("quotas".into(), list.into());
+        }
+        m
+    }
 }
 
 fn main() -> ExitCode {
@@ -221,6 +306,39 @@ fn main() -> ExitCode {
                 Err((code, e)) => {
                     eprintln!("gateway usage: {e}");
                     ExitCode::from(code)
+                }
+            }
+        }
+        Command::Keys { config, action } => {
+            // The audit lines (target `audit`) go to stderr.
+            logging::init();
+            let cfg = match config::load(&config) {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let ask = match action {
+                KeysAction::Create { id, limits } => operator::KeysAsk::Create {
+                    id,
+                    body: limits.body(),
+                },
+                KeysAction::Update { id, limits } => operator::KeysAsk::Update {
+                    id,
+                    body: limits.body(),
+                },
+                KeysAction::Revoke { id } => operator::KeysAsk::Revoke { id },
+                KeysAction::List { cursor, limit } => operator::KeysAsk::List { cursor, limit },
+            };
+            match operator::keys(&cfg, ask) {
+                Ok(answer) => {
+                    let _ = writeln!(std::io::stdout().lock(), "{answer}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gateway keys: {e}");
+                    ExitCode::FAILURE
                 }
             }
         }

@@ -84,6 +84,10 @@ pub fn install() {
             "gateway_api_keys",
             "API keys accepted: [[api_keys]] and clients.api_keys_file together"
         );
+        describe_gauge!(
+            "gateway_runtime_api_keys",
+            "API keys issued at runtime (kept in Redis) this replica has read"
+        );
         describe_counter!(
             "gateway_redis_errors_total",
             "Failed Redis calls and probes, by reason: timeout, unavailable, protocol; auth, permission, database, config and tls mean Redis refuses this gateway's settings (or its certificate is not trusted)"
@@ -466,6 +470,11 @@ pub fn certificate_reload(ok: bool) {
 /// The keys the live config accepts.
 pub fn api_keys(n: usize) {
     gauge!("gateway_api_keys").set(n as f64);
+}
+
+/// The runtime keys this replica has read from Redis.
+pub fn runtime_api_keys(n: usize) {
+    gauge!("gateway_runtime_api_keys").set(n as f64);
 }
 
 pub fn config_reload(ok: bool) {

@@ -315,3 +315,60 @@ pub fn table(answer: &Value) -> String {
     }
     out
 }
+
+/// What `gateway keys` asks (the JSON fields of `/keys`).
+pub enum KeysAsk {
+    Create {
+        id: String,
+        body: serde_json::Map<String, Value>,
+    },
+    Update {
+        id: String,
+        body: serde_json::Map<String, Value>,
+    },
+    Revoke {
+        id: String,
+    },
+    List {
+        cursor: u64,
+        limit: usize,
+    },
+}
+
+/// `gateway keys`: the runtime keys in Redis, as `/keys` changes them (the
+/// replicas follow within a second).
+pub fn keys(config: &Config, ask: KeysAsk) -> Result<Value, String> {
+    let (Backend::Redis, Some(settings)) = (config.limiter.backend, &config.redis) else {
+        return Err("runtime API keys are kept in Redis, and limiter.backend is \"local\": use [[api_keys]] or clients.api_keys_file".into());
+    };
+    let redis = RedisBackend::from_settings(settings, None).map_err(|e| e.to_string())?;
+    let by = format!(
+        "cli:{}",
+        std::env::var("USER").unwrap_or_else(|_| "?".into())
+    );
+    let admin = crate::apikeys::admin::KeyAdmin {
+        redis: &redis,
+        config,
+        runtime: None,
+        by: &by,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let body = |mut m: serde_json::Map<String, Value>, id: Option<String>| {
+        if let Some(id) = id {
+            m.insert("id".into(), id.into());
+        }
+        Value::Object(m).to_string().into_bytes()
+    };
+    rt.block_on(async {
+        match ask {
+            KeysAsk::Create { id, body: b } => admin.create(&body(b, Some(id))).await,
+            KeysAsk::Update { id, body: b } => admin.update(&id, &body(b, None)).await,
+            KeysAsk::Revoke { id } => admin.revoke(&id).await,
+            KeysAsk::List { cursor, limit } => admin.list(cursor, limit).await,
+        }
+    })
+    .map_err(|r| redis.redact(&r.message))
+}

@@ -386,15 +386,62 @@ fn whole(name: &str, v: f64) -> Result<u64, String> {
 }
 
 /// A line that passed `[[api_keys]]`'s rules.
-struct Checked {
-    id: String,
-    digest: [u8; 32],
-    plan: String,
-    quotas: Option<Vec<Quota>>,
-    burst: Option<Burst>,
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    pub id: String,
+    pub digest: [u8; 32],
+    pub plan: String,
+    pub quotas: Option<Vec<Quota>>,
+    pub burst: Option<Burst>,
+}
+
+/// One key as a JSON object (a line of the file, a record in Redis),
+/// checked by `[[api_keys]]`'s rules; with `plans`, its plan must be one.
+pub fn parse_record(line: &str, plans: Option<&BTreeMap<String, Plan>>) -> Result<Checked, String> {
+    let f = json_fields(line)?;
+    match plans {
+        Some(p) => checked(f, p),
+        None => checked_with(f, |_| Ok(())),
+    }
+}
+
+/// A key as a JSON object, in sha256 form: what Redis keeps.
+pub fn record(k: &Checked) -> String {
+    let mut v = serde_json::json!({
+        "id": k.id,
+        "sha256": hex::encode(k.digest),
+        "plan": k.plan,
+    });
+    if let Some(q) = &k.quotas {
+        v["quotas"] = q
+            .iter()
+            .map(|q| serde_json::json!({"limit": q.limit, "period": q.period.as_str()}))
+            .collect();
+    }
+    if let Some(b) = k.burst {
+        v["capacity"] = b.capacity.into();
+        v["refill_per_sec"] = b.refill_per_sec.into();
+    }
+    v.to_string()
 }
 
 fn checked(f: Fields<'_>, plans: &BTreeMap<String, Plan>) -> Result<Checked, String> {
+    checked_with(f, |plan| {
+        if plans.contains_key(plan) {
+            return Ok(());
+        }
+        let names: Vec<&str> = plans.keys().map(String::as_str).collect();
+        Err(format!(
+            "plan \"{plan}\" is not defined; defined plans: [{}]",
+            names.join(", ")
+        ))
+    })
+}
+
+fn checked_with(
+    f: Fields<'_>,
+    plan_ok: impl Fn(&str) -> Result<(), String>,
+) -> Result<Checked, String> {
     let id = f.id.ok_or("missing `id`")?;
     if id.is_empty()
         || id.len() > 64
@@ -407,16 +454,10 @@ fn checked(f: Fields<'_>, plans: &BTreeMap<String, Plan>) -> Result<Checked, Str
         ));
     }
     let plan = f.plan.ok_or("missing `plan`")?;
-    if !plans.contains_key(plan.as_ref()) {
-        let names: Vec<&str> = plans.keys().map(String::as_str).collect();
-        return Err(format!(
-            "plan \"{plan}\" is not defined; defined plans: [{}]",
-            names.join(", ")
-        ));
-    }
+    plan_ok(&plan)?;
     let digest = match (f.key, f.sha256) {
         (Some(k), None) if k.is_empty() => return Err("`key`: expected a non-empty key".into()),
-        (Some(k), None) => super::digest_of(&k),
+        (Some(k), None) => super::digest_of(k.as_bytes()),
         (None, Some(h)) => {
             let mut d = [0u8; 32];
             hex::decode_to_slice(h.trim(), &mut d).map_err(|_| {

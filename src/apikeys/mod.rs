@@ -17,7 +17,9 @@
 //! `file` reads the keys file (JSON lines or CSV); `Builder` checks what
 //! the two sources give together (one id, one secret per key).
 
+pub mod admin;
 pub mod file;
+pub mod runtime;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
@@ -165,9 +167,13 @@ impl KeySet {
     /// table only ever compares digests; the last comparison is constant
     /// time, so a near miss and a far miss cost the same.
     pub fn lookup(&self, secret: &[u8]) -> Option<KeyRef<'_>> {
-        let digest: [u8; 32] = Sha256::digest(secret).into();
-        let (found, e) = self.by_digest.get_key_value(&Digest(digest))?;
-        bool::from(found.0.ct_eq(&digest)).then(|| self.view(e))
+        self.lookup_digest(&digest_of(secret))
+    }
+
+    /// `lookup` of a secret already hashed.
+    pub fn lookup_digest(&self, digest: &[u8; 32]) -> Option<KeyRef<'_>> {
+        let (found, e) = self.by_digest.get_key_value(&Digest(*digest))?;
+        bool::from(found.0.ct_eq(digest)).then(|| self.view(e))
     }
 
     /// The key with this id (a scan: for the admin API, not for requests).
@@ -423,8 +429,8 @@ impl Builder {
 }
 
 /// The digest a key's secret is stored as.
-pub fn digest_of(secret: &str) -> [u8; 32] {
-    Sha256::digest(secret.as_bytes()).into()
+pub fn digest_of(secret: impl AsRef<[u8]>) -> [u8; 32] {
+    Sha256::digest(secret.as_ref()).into()
 }
 
 #[cfg(test)]

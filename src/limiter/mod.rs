@@ -21,7 +21,7 @@ use async_trait::async_trait;
 pub use algorithms::{Decision, Micros};
 pub use fallback::{share, Fallback, FallbackState, Outcome, Reset};
 pub use local::LocalBackend;
-pub use redis::{slot, RedisBackend};
+pub use redis::{api_key_names, slot, KeyWrite, RedisBackend};
 
 use crate::config::Algorithm;
 

@@ -1,5 +1,6 @@
 //! The admin listener: `/healthz` (alive), `/readyz`, `/metrics` (Prometheus
-//! text), and `/limits` (a client's buckets: see `limits`).
+//! text), `/limits` (a client's buckets: see `limits`), `/usage`, and
+//! `/keys` (runtime API keys: see `keys`).
 //!
 //! `/readyz` answers 503 until the start-up attempt to reach Redis has ended,
 //! then 200, in fallback too: a replica on its local share still enforces
@@ -14,7 +15,7 @@ use http::Response;
 use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 
-use super::{limits, Live};
+use super::{keys, limits, Live};
 use crate::limiter::Fallback;
 use crate::metrics;
 
@@ -70,6 +71,15 @@ impl ServeHttp for Admin {
                     req.headers.get("authorization").map(|v| v.as_bytes()),
                 )
                 .await;
+                extra = a.headers;
+                (
+                    a.status,
+                    "application/json",
+                    a.body.to_string().into_bytes(),
+                )
+            }
+            p if p == "/keys" || p.starts_with("/keys/") => {
+                let a = keys::serve(&self.limiter, &self.live, session).await;
                 extra = a.headers;
                 (
                     a.status,

@@ -49,7 +49,7 @@ struct Ask {
     quota: Option<String>,
 }
 
-fn error(status: u16, message: impl Into<String>) -> Answer {
+pub(super) fn error(status: u16, message: impl Into<String>) -> Answer {
     answer(status, json!({ "error": message.into() }))
 }
 
@@ -157,6 +157,16 @@ fn authorize(config: &Config, deleting: bool, authorization: Option<&[u8]>) -> R
     if !deleting {
         return Ok(());
     }
+    authorize_change(config, authorization, "resetting buckets")
+}
+
+/// What changes state (`what`, for the message) needs `[admin] token`, or
+/// without one a loopback-only admin listener.
+pub(super) fn authorize_change(
+    config: &Config,
+    authorization: Option<&[u8]>,
+    what: &str,
+) -> Result<(), Answer> {
     match &config.admin.token {
         Some(token) => {
             // Compared as digests: the time taken says nothing about the token.
@@ -168,7 +178,7 @@ fn authorize(config: &Config, deleting: bool, authorization: Option<&[u8]>) -> R
             } else {
                 let mut a = error(
                     401,
-                    "resetting buckets needs Authorization: Bearer <[admin] token>",
+                    format!("{what} needs Authorization: Bearer <[admin] token>"),
                 );
                 a.headers
                     .push(("www-authenticate", "Bearer realm=\"gateway admin\""));
@@ -177,7 +187,7 @@ fn authorize(config: &Config, deleting: bool, authorization: Option<&[u8]>) -> R
         }
         None if !admin_loopback_only(&config.server) => Err(error(
             403,
-            "resetting buckets needs [admin] token when admin_listen is not loopback-only",
+            format!("{what} needs [admin] token when admin_listen is not loopback-only"),
         )),
         None => Ok(()),
     }

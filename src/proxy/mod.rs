@@ -17,6 +17,7 @@
 
 pub mod admin;
 mod deadline;
+mod keys;
 mod limits;
 mod reload;
 mod responses;

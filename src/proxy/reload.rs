@@ -169,7 +169,7 @@ impl Reloader {
                 let keys = new.keys.len();
                 let gates = Gates::build(&new, Some(&current.gates), self.limiter.replicas());
                 self.live.store(Arc::new(Live::new(
-                    Arc::new(Policy::new(new)),
+                    Arc::new(Policy::new(new).with_runtime_keys(current.policy.runtime.clone())),
                     pools,
                     Arc::new(gates),
                 )));

@@ -20,6 +20,7 @@ use super::reload::Reloader;
 use super::upstreams::Pools;
 use super::{Gateway, Live};
 use crate::admission::Policy;
+use crate::apikeys::runtime::RuntimeKeys;
 use crate::certs::Certificates;
 use crate::clock::SystemClock;
 use crate::config::{Backend, Config};
@@ -30,6 +31,26 @@ use crate::limiter::{Fallback, LocalBackend, RedisBackend};
 /// measure is Redis's latency, not the proxy workers'.
 /// At shutdown it gives back this replica's leases first thing in the
 /// grace period, so a stop strands no token of a shared limit.
+/// Follows the runtime API keys in Redis (`apikeys::runtime::sync`).
+struct KeySync {
+    limiter: Arc<Fallback>,
+    store: Arc<RuntimeKeys>,
+    prefix: String,
+}
+
+#[async_trait]
+impl BackgroundService for KeySync {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        if let Some(redis) = self.limiter.redis() {
+            let stop = async move {
+                let _ = shutdown.changed().await;
+            };
+            crate::apikeys::runtime::sync(self.store.clone(), redis, self.prefix.clone(), stop)
+                .await;
+        }
+    }
+}
+
 struct Prober {
     limiter: Arc<Fallback>,
     startup_wait: Duration,
@@ -190,8 +211,9 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     limiter.set_quotas(config.has_quotas());
     let pools = Pools::build(&config.upstreams)?;
     let gates = crate::inflight::Gates::build(&config, None, limiter.replicas());
+    let runtime_keys = Arc::new(RuntimeKeys::default());
     let live = Arc::new(ArcSwap::from_pointee(Live::new(
-        Arc::new(Policy::new(config.clone())),
+        Arc::new(Policy::new(config.clone()).with_runtime_keys(runtime_keys.clone())),
         Arc::new(pools),
         Arc::new(gates),
     )));
@@ -262,6 +284,16 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
                 .map_err(|e| format!("cannot start the config-load thread: {e}"))?,
         },
     ));
+    if limiter.has_redis() {
+        server.add_service(background_service(
+            "runtime api keys",
+            KeySync {
+                limiter: limiter.clone(),
+                store: runtime_keys,
+                prefix: config.key_prefix().to_string(),
+            },
+        ));
+    }
     if let Some(redis) = &config.redis {
         if limiter.has_redis() {
             server.add_service(background_service(

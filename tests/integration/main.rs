@@ -26,6 +26,7 @@ mod quota_leases;
 mod quotas;
 mod redis_tls;
 mod routing;
+mod runtime_keys;
 mod saturation;
 mod shards;
 mod tiers;

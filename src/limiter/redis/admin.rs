@@ -96,21 +96,7 @@ impl RedisBackend {
         let work = async {
             let Some(after) = after else {
                 // The newest entry (or "0-0" for none) is where reading starts.
-                let newest: Vec<(String, Vec<(String, String)>)> = query(
-                    &mut conn,
-                    redis::cmd("XREVRANGE")
-                        .arg(stream)
-                        .arg("+")
-                        .arg("-")
-                        .arg("COUNT")
-                        .arg(1),
-                )
-                .await
-                .map_err(redis_err)?;
-                let id = newest
-                    .first()
-                    .map_or("0-0".to_string(), |(id, _)| id.clone());
-                return Ok((Vec::new(), Some(id)));
+                return Ok((Vec::new(), Some(newest_entry(&mut conn, stream).await?)));
             };
             let entries: Vec<(String, Vec<(String, String)>)> = query(
                 &mut conn,
@@ -236,10 +222,29 @@ impl RedisBackend {
 
     /// The probe's connection, made first if this process has no probe
     /// (`gateway limits` talks to Redis straight).
-    async fn admin_connection(&self) -> Result<Conn, LimiterError> {
+    pub(super) async fn admin_connection(&self) -> Result<Conn, LimiterError> {
         self.inner.ensure_connected().await?;
         self.inner.probe_connection()
     }
+}
+
+/// The id of `stream`'s newest entry, "0-0" when it has none: where a
+/// reader that wants only what comes next starts.
+pub(super) async fn newest_entry(conn: &mut Conn, stream: &str) -> Result<String, LimiterError> {
+    let newest: Vec<(String, Vec<(String, String)>)> = query(
+        conn,
+        redis::cmd("XREVRANGE")
+            .arg(stream)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1),
+    )
+    .await
+    .map_err(redis_err)?;
+    Ok(newest
+        .first()
+        .map_or("0-0".to_string(), |(id, _)| id.clone()))
 }
 
 /// One node's keys matching `pattern`, a thousand a page; their values by

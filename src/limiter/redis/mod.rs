@@ -80,6 +80,7 @@ const MISPLACED_RETRIES: u32 = 3;
 const CHARGE_BATCH: usize = 200;
 
 mod admin;
+mod apikeys;
 mod cluster;
 mod connection;
 mod script;
@@ -90,6 +91,7 @@ use connection::*;
 use script::*;
 
 pub use admin::Persistence;
+pub use apikeys::{api_key_names, KeyWrite};
 pub use slots::slot;
 use slots::SlotMap;
 

@@ -1,0 +1,220 @@
+//! Issuing, changing, revoking and listing runtime API keys: what `/keys`
+//! on the admin listener and `gateway keys` both do, on Redis.
+//!
+//! A key is created by the gateway: it draws the secret (24 random bytes
+//! from the operating system, `gk_` and 48 hex digits), answers it once,
+//! and stores only its SHA-256. Every change is logged (target `audit`:
+//! the action, the id, the plan, who asked), never a secret or a digest.
+
+use serde_json::{json, Map, Value};
+
+use super::file::{parse_record, record, Checked};
+use super::runtime::RuntimeKeys;
+use crate::config::Config;
+use crate::limiter::{KeyWrite, RedisBackend};
+
+/// Why a change was refused, with the HTTP status it answers.
+#[derive(Debug)]
+pub struct Refusal {
+    pub status: u16,
+    pub message: String,
+}
+
+fn refuse(status: u16, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status,
+        message: message.into(),
+    }
+}
+
+/// Where the changes go and who asks.
+pub struct KeyAdmin<'a> {
+    pub redis: &'a RedisBackend,
+    pub config: &'a Config,
+    /// This replica's copy, updated at once (the others follow the stream).
+    pub runtime: Option<&'a RuntimeKeys>,
+    /// Who asked, for the audit log (an address, `cli`, a header's value).
+    pub by: &'a str,
+}
+
+/// The fields a request may set; `id` only on creation.
+const SETTABLE: [&str; 4] = ["plan", "quotas", "capacity", "refill_per_sec"];
+
+fn object(body: &[u8]) -> Result<Map<String, Value>, Refusal> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(refuse(400, "expected a JSON object")),
+        Err(e) => Err(refuse(400, format!("not JSON: {e}"))),
+    }
+}
+
+/// A key's public fields (never its digest).
+fn public(k: &Checked) -> Value {
+    let mut v: Value = serde_json::from_str(&record(k)).unwrap_or_default();
+    if let Some(m) = v.as_object_mut() {
+        m.remove("sha256");
+    }
+    v
+}
+
+fn unavailable(e: impl std::fmt::Display) -> Refusal {
+    refuse(503, format!("Redis cannot be written or read: {e}"))
+}
+
+impl KeyAdmin<'_> {
+    fn checked(&self, fields: Map<String, Value>) -> Result<Checked, Refusal> {
+        parse_record(&Value::Object(fields).to_string(), Some(&self.config.plans))
+            .map_err(|e| refuse(400, e))
+    }
+
+    /// `{"id", "plan", and optionally "quotas", "capacity",
+    /// "refill_per_sec"}`: the key, with its secret (shown this once).
+    pub async fn create(&self, body: &[u8]) -> Result<Value, Refusal> {
+        let mut fields = object(body)?;
+        if let Some(f) = ["key", "sha256"].iter().find(|f| fields.contains_key(**f)) {
+            return Err(refuse(
+                400,
+                format!("`{f}`: the gateway draws the secret of a key it issues"),
+            ));
+        }
+        if let Some(bad) = fields
+            .keys()
+            .find(|k| *k != "id" && !SETTABLE.contains(&k.as_str()))
+        {
+            return Err(refuse(
+                400,
+                format!(
+                    "unknown field `{bad}`; a key has id, plan, quotas, capacity, refill_per_sec"
+                ),
+            ));
+        }
+        let secret = new_secret()?;
+        fields.insert("key".into(), secret.clone().into());
+        let k = self.checked(fields)?;
+        if let Some(other) = self.config.keys.by_id(&k.id) {
+            return Err(refuse(
+                409,
+                format!(
+                    "id \"{}\" is a key of the config ([[api_keys]] or clients.api_keys_file); runtime keys take other ids",
+                    other.id
+                ),
+            ));
+        }
+        let written = self
+            .redis
+            .api_key_write(
+                self.config.key_prefix(),
+                &k.id,
+                &record(&k),
+                KeyWrite::Create,
+            )
+            .await
+            .map_err(unavailable)?;
+        if !written {
+            return Err(refuse(409, format!("a key with id \"{}\" exists", k.id)));
+        }
+        tracing::info!(target: "audit", action = "create", id = %k.id, plan = %k.plan, by = self.by, "API key issued");
+        let mut answer = public(&k);
+        answer["key"] = secret.into();
+        if let Some(r) = self.runtime {
+            r.apply(&k.id.clone(), Some(k));
+        }
+        Ok(answer)
+    }
+
+    /// The key's stored record, checked.
+    async fn current(&self, id: &str) -> Result<Checked, Refusal> {
+        let raw = self
+            .redis
+            .api_key_records(self.config.key_prefix(), &[id.to_string()])
+            .await
+            .map_err(unavailable)?
+            .pop()
+            .flatten()
+            .ok_or_else(|| refuse(404, format!("no runtime key has id \"{id}\"")))?;
+        parse_record(&raw, None).map_err(|e| refuse(500, format!("the stored record: {e}")))
+    }
+
+    pub async fn get(&self, id: &str) -> Result<Value, Refusal> {
+        Ok(public(&self.current(id).await?))
+    }
+
+    /// Changes some of `plan`, `quotas`, `capacity`, `refill_per_sec`
+    /// (`null` removes a key's own limit: its plan's applies again).
+    pub async fn update(&self, id: &str, body: &[u8]) -> Result<Value, Refusal> {
+        let change = object(body)?;
+        if let Some(bad) = change.keys().find(|k| !SETTABLE.contains(&k.as_str())) {
+            return Err(refuse(
+                400,
+                format!("`{bad}` cannot be changed; change plan, quotas, capacity, refill_per_sec (a new secret is a new key)"),
+            ));
+        }
+        let old = self.current(id).await?;
+        let mut fields = match serde_json::from_str::<Value>(&record(&old)) {
+            Ok(Value::Object(m)) => m,
+            _ => return Err(refuse(500, "the stored record is not an object")),
+        };
+        for (k, v) in change {
+            if v.is_null() {
+                fields.remove(&k);
+            } else {
+                fields.insert(k, v);
+            }
+        }
+        let k = self.checked(fields)?;
+        let written = self
+            .redis
+            .api_key_write(self.config.key_prefix(), id, &record(&k), KeyWrite::Update)
+            .await
+            .map_err(unavailable)?;
+        if !written {
+            return Err(refuse(404, format!("no runtime key has id \"{id}\"")));
+        }
+        tracing::info!(target: "audit", action = "update", id, plan = %k.plan, was = %old.plan, by = self.by, "API key changed");
+        let answer = public(&k);
+        if let Some(r) = self.runtime {
+            r.apply(id, Some(k));
+        }
+        Ok(answer)
+    }
+
+    pub async fn revoke(&self, id: &str) -> Result<Value, Refusal> {
+        let written = self
+            .redis
+            .api_key_write(self.config.key_prefix(), id, "", KeyWrite::Delete)
+            .await
+            .map_err(unavailable)?;
+        if !written {
+            return Err(refuse(404, format!("no runtime key has id \"{id}\"")));
+        }
+        tracing::info!(target: "audit", action = "revoke", id, by = self.by, "API key revoked");
+        if let Some(r) = self.runtime {
+            r.apply(id, None);
+        }
+        Ok(json!({ "id": id, "revoked": true }))
+    }
+
+    /// One page of keys from `cursor` (0: the first); `next` is null on
+    /// the last page. Redis's HSCAN: a page holds about `limit` keys.
+    pub async fn list(&self, cursor: u64, limit: usize) -> Result<Value, Refusal> {
+        let (next, page) = self
+            .redis
+            .api_key_page(self.config.key_prefix(), cursor, limit.clamp(1, 10_000))
+            .await
+            .map_err(unavailable)?;
+        let keys: Vec<Value> = page
+            .iter()
+            .filter_map(|(_, raw)| parse_record(raw, None).ok())
+            .map(|k| public(&k))
+            .collect();
+        Ok(json!({ "keys": keys, "next": (next != 0).then_some(next) }))
+    }
+}
+
+/// A new key's secret: `gk_` and 24 random bytes in hex.
+fn new_secret() -> Result<String, Refusal> {
+    let mut bytes = [0u8; 24];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| refuse(500, format!("no randomness from the system: {e}")))?;
+    Ok(format!("gk_{}", hex::encode(bytes)))
+}

@@ -1,0 +1,260 @@
+//! API keys issued at runtime (`/keys` on the admin listener, `gateway
+//! keys`): kept in Redis (`limiter::redis::apikeys`), mirrored in every
+//! replica by `sync`, and looked up after the config's keys.
+//!
+//! Each replica reads the whole hash once, then the changes' stream every
+//! `POLL`: a key issued or revoked through any replica is in force on all
+//! of them within that. While Redis cannot be read, a replica keeps the
+//! last set it read (a restarted replica starts with none until it can).
+//! A record's plan is checked when a request uses it, against the config
+//! in force then: a key whose plan a reload removed is refused, never
+//! served unlimited.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use super::file::{parse_record, Checked};
+use super::KeyRef;
+use crate::limiter::RedisBackend;
+
+/// How often a replica reads the changes.
+pub const POLL: Duration = Duration::from_millis(200);
+
+/// Records read per page of the whole hash, and changes per read.
+const PAGE: usize = 5_000;
+
+/// One key issued at runtime.
+#[derive(Debug)]
+pub struct RuntimeKey(pub Checked);
+
+impl RuntimeKey {
+    pub fn view(&self) -> KeyRef<'_> {
+        let k = &self.0;
+        KeyRef {
+            id: &k.id,
+            plan: &k.plan,
+            quotas: k.quotas.as_deref(),
+            burst: k.burst,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    by_digest: HashMap<[u8; 32], Arc<RuntimeKey>>,
+    by_id: HashMap<String, [u8; 32]>,
+}
+
+impl State {
+    fn remove(&mut self, id: &str) {
+        if let Some(d) = self.by_id.remove(id) {
+            self.by_digest.remove(&d);
+        }
+    }
+
+    fn put(&mut self, k: Checked) {
+        self.remove(&k.id);
+        self.by_id.insert(k.id.clone(), k.digest);
+        self.by_digest.insert(k.digest, Arc::new(RuntimeKey(k)));
+    }
+}
+
+/// This replica's copy of the runtime keys.
+#[derive(Default)]
+pub struct RuntimeKeys {
+    state: RwLock<State>,
+}
+
+impl RuntimeKeys {
+    pub fn get(&self, digest: &[u8; 32]) -> Option<Arc<RuntimeKey>> {
+        self.state.read().by_digest.get(digest).cloned()
+    }
+
+    pub fn by_id(&self, id: &str) -> Option<Arc<RuntimeKey>> {
+        let s = self.state.read();
+        s.by_digest.get(s.by_id.get(id)?).cloned()
+    }
+
+    pub fn len(&self) -> usize {
+        self.state.read().by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `id` as Redis now holds it (`None`: revoked).
+    pub fn apply(&self, id: &str, record: Option<Checked>) {
+        let mut s = self.state.write();
+        match record {
+            Some(k) => s.put(k),
+            None => s.remove(id),
+        }
+    }
+
+    fn replace_all(&self, keys: Vec<Checked>) {
+        let mut fresh = State::default();
+        for k in keys {
+            fresh.put(k);
+        }
+        *self.state.write() = fresh;
+    }
+}
+
+/// A record read from Redis; a bad one is logged (by id, never its
+/// content) and left out.
+fn parsed(id: &str, raw: &str) -> Option<Checked> {
+    match parse_record(raw, None) {
+        Ok(k) if k.id == id => Some(k),
+        Ok(_) => {
+            tracing::warn!(id, "a runtime API key's record names another id; left out");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(id, error = %e, "a runtime API key's record cannot be read; left out");
+            None
+        }
+    }
+}
+
+/// Reads the whole hash: the stream position to follow from, and the keys.
+async fn read_all(redis: &RedisBackend, prefix: &str) -> Result<(String, Vec<Checked>), String> {
+    // The position first: a change made during the scan is read again
+    // from the stream (applying one twice is harmless).
+    let after = redis
+        .api_key_newest_change(prefix)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut keys = Vec::new();
+    let mut cursor = 0;
+    loop {
+        let (next, page) = redis
+            .api_key_page(prefix, cursor, PAGE)
+            .await
+            .map_err(|e| e.to_string())?;
+        keys.extend(page.iter().filter_map(|(id, raw)| parsed(id, raw)));
+        if next == 0 {
+            return Ok((after, keys));
+        }
+        cursor = next;
+    }
+}
+
+/// Follows Redis's runtime keys into `store` until `stop` resolves.
+pub async fn sync(
+    store: Arc<RuntimeKeys>,
+    redis: &RedisBackend,
+    prefix: String,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(stop);
+    let mut after: Option<String> = None;
+    let mut failing = false;
+    loop {
+        let step = async {
+            match &after {
+                None => {
+                    let (pos, keys) = read_all(redis, &prefix).await?;
+                    let n = keys.len();
+                    store.replace_all(keys);
+                    tracing::info!(keys = n, "runtime API keys read from Redis");
+                    Ok::<_, String>(Some(pos))
+                }
+                Some(pos) => {
+                    let (ids, last, gap) = redis
+                        .api_key_changes(&prefix, pos, PAGE)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    if gap {
+                        tracing::warn!(
+                            "runtime API key changes were trimmed unread; reading them all again"
+                        );
+                        return Ok(None);
+                    }
+                    let mut ids = ids;
+                    ids.sort();
+                    ids.dedup();
+                    let records = redis
+                        .api_key_records(&prefix, &ids)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    for (id, raw) in ids.iter().zip(records) {
+                        store.apply(id, raw.and_then(|r| parsed(id, &r)));
+                    }
+                    Ok(Some(last))
+                }
+            }
+        };
+        match step.await {
+            Ok(pos) => {
+                if failing {
+                    tracing::info!("runtime API keys: Redis answers again");
+                }
+                failing = false;
+                after = pos;
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, keys = store.len(), "runtime API keys cannot be read from Redis; the last set read stays in force");
+                }
+                failing = true;
+            }
+        }
+        crate::metrics::runtime_api_keys(store.len());
+        tokio::select! {
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(POLL) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: &str, secret: &str, plan: &str) -> Checked {
+        Checked {
+            id: id.into(),
+            digest: super::super::digest_of(secret),
+            plan: plan.into(),
+            quotas: None,
+            burst: None,
+        }
+    }
+
+    #[test]
+    fn issue_change_and_revoke() {
+        let s = RuntimeKeys::default();
+        s.apply("a", Some(key("a", "s1", "free")));
+        let d1 = super::super::digest_of("s1");
+        assert_eq!(s.get(&d1).unwrap().view().plan, "free");
+        // A new plan and a new secret for the same id: the old secret goes.
+        s.apply("a", Some(key("a", "s2", "pro")));
+        assert!(s.get(&d1).is_none());
+        assert_eq!(s.by_id("a").unwrap().view().plan, "pro");
+        s.apply("a", None);
+        assert!(s.by_id("a").is_none() && s.is_empty());
+        s.replace_all(vec![key("x", "sx", "free"), key("y", "sy", "free")]);
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn records_read_back_as_written() {
+        let mut k = key("a", "s1", "free");
+        k.burst = Some(crate::config::Burst {
+            capacity: 3,
+            refill_per_sec: 0.5,
+        });
+        k.quotas = Some(vec![crate::config::Quota {
+            limit: 9,
+            period: crate::calendar::Period::Month,
+        }]);
+        let raw = super::super::file::record(&k);
+        assert!(!raw.contains("s1"));
+        assert_eq!(parsed("a", &raw), Some(k));
+        assert_eq!(parsed("b", &raw), None);
+    }
+}
