@@ -52,10 +52,10 @@ limit = {limit}
 /// Admits everything: the tests measure availability and latency, not limits.
 const OPEN: &str = r#"{ algorithm = "token_bucket", capacity = 1000000000, refill_per_sec = 1000000000, scope = "global" }"#;
 
-/// Load on the gateway, two clients, already flowing for 300 ms.
+/// Load on the gateway, two clients, already flowing (200 answered).
 fn steady_load(gw: &GatewayGuard) -> Load {
     let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 30);
-    std::thread::sleep(Duration::from_millis(300));
+    load.wait_answers(200);
     load
 }
 
@@ -69,7 +69,7 @@ fn after_failback(
     recover: Duration,
 ) -> Report {
     gw.wait_backend("redis", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(300));
+    load.wait_answers(200);
     finish(load, name, fault, recover)
 }
 
@@ -105,7 +105,7 @@ fn kill_9_then_restart() {
     let fault = load.now();
     drop(redis); // SIGKILL, reaped
     gw.wait_backend("local", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(700));
+    load.wait_answers(500);
     let recover = load.now();
     let _redis = RedisGuard::start_on(port, &[]);
     let r = after_failback(&gw, load, "kill-9+restart", fault, recover);
@@ -136,7 +136,7 @@ fn sigstop_then_sigcont() {
     let fault = load.now();
     redis.signal("STOP");
     gw.wait_backend("local", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(1000));
+    load.wait_answers(700);
     let recover = load.now();
     redis.signal("CONT");
     let r = after_failback(&gw, load, "sigstop+sigcont", fault, recover);
@@ -170,12 +170,13 @@ fn script_flush_reloads_without_failing_over() {
     let gw = GatewayGuard::start(&config(redis.port, &up, 1, "local", OPEN));
     let load = steady_load(&gw);
     let fault = load.now();
+    // Each flush with requests between it and the next.
     for _ in 0..5 {
         assert!(redis.cmd(&["SCRIPT", "FLUSH"]).contains("OK"));
-        std::thread::sleep(Duration::from_millis(100));
+        load.wait_answers(70);
     }
     let recover = load.now();
-    std::thread::sleep(Duration::from_millis(200));
+    load.wait_answers(150);
     let r = finish(load, "script-flush", fault, recover);
     assert_eq!(
         r.backend_at("local", fault),
@@ -215,7 +216,7 @@ fn a_full_redis_fails_over_and_back() {
         .expect("used_memory");
     redis.cmd(&["CONFIG", "SET", "maxmemory", &(used - 500_000).to_string()]);
     gw.wait_backend("local", Duration::from_secs(15));
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let recover = load.now();
     assert!(redis.cmd(&["FLUSHALL"]).contains("OK"));
     after_failback(&gw, load, "oom", fault, recover);

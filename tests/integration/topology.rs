@@ -211,7 +211,7 @@ fn kill_under_load(
     cluster.wait_ok(); // a replica has been promoted
     let recovered = load.now();
     gw.wait_backend("redis", Duration::from_secs(30));
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let r = load.stop();
     r.print_figures(name, fault, recovered);
     (r, fault)
@@ -224,7 +224,7 @@ fn cluster_master_killed_under_load() {
     let redis = cluster.redis_section();
     let gw = GatewayGuard::start(&config(&redis, &up, OPEN));
     let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 60);
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let before = cluster.evalsha_calls();
     let victim = cluster.masters()[0];
     let (r, _) = kill_under_load(&mut cluster, victim, &gw, load, "cluster-master-killed");
@@ -248,7 +248,7 @@ fn sentinel_failover_is_followed() {
     let gw = GatewayGuard::start(&config(&redis, &up, OPEN));
     let replica_port = s.replica.as_ref().map(|r| r.port).expect("replica");
     let load = Load::start(vec![gw.addr], gw.admin, "/r", 2, 60);
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let fault = load.now();
     s.master = None; // kill -9 the master
     gw.wait_backend("local", Duration::from_secs(10));
@@ -260,7 +260,7 @@ fn sentinel_failover_is_followed() {
     let recovered = load.now();
     gw.wait_backend("redis", Duration::from_secs(30));
     let calls = s.replica.as_ref().map(|r| r.calls("evalsha")).unwrap_or(0);
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let r = load.stop();
     r.print_figures("sentinel-failover", fault, recovered);
     assert_eq!(r.server_errors(), 0);
@@ -340,12 +340,12 @@ fn cluster_slot_migrated_under_load() {
         .find(|&&m| m != from)
         .expect("another master");
     let load = Load::start(vec![gw.addr], gw.admin, "/m", 2, 60);
-    std::thread::sleep(Duration::from_millis(300));
+    load.wait_answers(200);
     let fault = load.now();
     cluster.migrate_slot(slot, to, Duration::from_millis(400));
     let moved = load.now();
     assert_eq!(cluster.owner(slot), to, "slot {slot} moved");
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let r = load.stop();
     r.print_figures("cluster-slot-migrated", fault, moved);
     let (ran, bound) = bucket.bound(&r);
@@ -398,7 +398,7 @@ fn cluster_master_killed_under_load_keeps_the_bound() {
     let gw = GatewayGuard::start(&config(&redis, &up, &bucket.tiers()));
     let victim = cluster.owner(bucket.slot());
     let load = Load::start(vec![gw.addr], gw.admin, "/k", 2, 60);
-    std::thread::sleep(Duration::from_millis(500));
+    load.wait_answers(300);
     let (r, fault) = kill_under_load(
         &mut cluster,
         victim,

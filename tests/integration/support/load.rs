@@ -3,7 +3,7 @@
 //! a watcher polls `/readyz` to time the backend's transitions.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,6 +22,8 @@ pub struct Sample {
 pub struct Load {
     pub started: Instant,
     stop: Arc<AtomicBool>,
+    /// Requests answered (any status) so far.
+    answered: Arc<AtomicUsize>,
     samples: Arc<Mutex<Vec<Sample>>>,
     backends: Arc<Mutex<Vec<(Duration, String)>>>,
     threads: Vec<JoinHandle<()>>,
@@ -39,11 +41,13 @@ impl Load {
     ) -> Self {
         let started = Instant::now();
         let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicUsize::new(0));
         let samples = Arc::new(Mutex::new(Vec::new()));
         let backends = Arc::new(Mutex::new(Vec::new()));
         let mut threads = Vec::new();
         for i in 0..clients {
             let (stop, samples, targets) = (stop.clone(), samples.clone(), targets.clone());
+            let answered = answered.clone();
             threads.push(std::thread::spawn(move || {
                 let mut conns: Vec<Option<Client>> = targets.iter().map(|_| None).collect();
                 let mut n = i;
@@ -69,6 +73,9 @@ impl Load {
                         latency: t.elapsed(),
                     };
                     samples.lock().expect("samples").push(s);
+                    if status != 0 {
+                        answered.fetch_add(1, Ordering::Relaxed);
+                    }
                     // ~500 requests/s per client: steady, not a flood.
                     std::thread::sleep(Duration::from_millis(2));
                 }
@@ -98,6 +105,7 @@ impl Load {
         Load {
             started,
             stop,
+            answered,
             samples,
             backends,
             threads,
@@ -106,6 +114,18 @@ impl Load {
 
     pub fn now(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// Waits until `n` more requests have been answered: a window of load
+    /// counted in requests, not in time, so a busy machine (fewer requests
+    /// a second) still puts as many through the state under test.
+    pub fn wait_answers(&self, n: usize) {
+        let from = self.answered.load(Ordering::Relaxed);
+        super::wait_for(
+            &format!("{n} more requests answered under load"),
+            Duration::from_secs(60),
+            || (self.answered.load(Ordering::Relaxed) >= from + n).then_some(()),
+        );
     }
 
     pub fn stop(mut self) -> Report {
