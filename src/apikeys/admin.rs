@@ -61,7 +61,67 @@ fn unavailable(e: impl std::fmt::Display) -> Refusal {
     refuse(503, format!("Redis cannot be written or read: {e}"))
 }
 
+/// What a write left in Redis, as read back after it failed.
+enum Outcome {
+    /// The write landed (its answer was lost).
+    Landed,
+    /// It did not: try again.
+    Absent,
+    /// Something else is there (another writer's).
+    Other,
+}
+
 impl KeyAdmin<'_> {
+    /// Writes `id` as `mode` says. A write whose answer is lost (a timeout
+    /// on a slow Redis: with `appendfsync always` under load, one in ten
+    /// thousand) may have landed or not; the record is read back to tell,
+    /// and the write is sent again if it did not, up to three times. A
+    /// secret is never answered for a key Redis does not hold, nor lost
+    /// for one it does.
+    async fn write(&self, id: &str, rec: &str, mode: KeyWrite) -> Result<bool, Refusal> {
+        let prefix = self.config.key_prefix();
+        let mut last = String::new();
+        for attempt in 0..3 {
+            match self.redis.api_key_write(prefix, id, rec, mode).await {
+                // A retry refused: maybe because the first attempt landed
+                // late. Read on and let what is there decide.
+                Ok(false) if attempt > 0 => {}
+                Ok(done) => return Ok(done),
+                Err(e) => {
+                    tracing::warn!(id, error = %e, "an API key write went unanswered; reading the record back to tell whether it landed");
+                    last = e.to_string();
+                }
+            }
+            // What is there now? Read it (again, if the read fails too),
+            // never write again before knowing.
+            let mut now = None;
+            for _ in 0..5 {
+                if let Ok(mut r) = self.redis.api_key_records(prefix, &[id.to_string()]).await {
+                    now = Some(r.pop().flatten());
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            let Some(now) = now else {
+                break;
+            };
+            let outcome = match (now, mode) {
+                (Some(r), KeyWrite::Create | KeyWrite::Update) if r == rec => Outcome::Landed,
+                (None, KeyWrite::Delete) => Outcome::Landed,
+                (None, KeyWrite::Create) | (Some(_), KeyWrite::Delete | KeyWrite::Update) => {
+                    Outcome::Absent
+                }
+                (Some(_), KeyWrite::Create) | (None, KeyWrite::Update) => Outcome::Other,
+            };
+            match outcome {
+                Outcome::Landed => return Ok(true),
+                Outcome::Other => return Ok(false),
+                Outcome::Absent => {}
+            }
+        }
+        Err(unavailable(last))
+    }
+
     fn checked(&self, fields: Map<String, Value>) -> Result<Checked, Refusal> {
         parse_record(&Value::Object(fields).to_string(), Some(&self.config.plans))
             .map_err(|e| refuse(400, e))
@@ -100,16 +160,7 @@ impl KeyAdmin<'_> {
                 ),
             ));
         }
-        let written = self
-            .redis
-            .api_key_write(
-                self.config.key_prefix(),
-                &k.id,
-                &record(&k),
-                KeyWrite::Create,
-            )
-            .await
-            .map_err(unavailable)?;
+        let written = self.write(&k.id, &record(&k), KeyWrite::Create).await?;
         if !written {
             return Err(refuse(409, format!("a key with id \"{}\" exists", k.id)));
         }
@@ -162,11 +213,7 @@ impl KeyAdmin<'_> {
             }
         }
         let k = self.checked(fields)?;
-        let written = self
-            .redis
-            .api_key_write(self.config.key_prefix(), id, &record(&k), KeyWrite::Update)
-            .await
-            .map_err(unavailable)?;
+        let written = self.write(id, &record(&k), KeyWrite::Update).await?;
         if !written {
             return Err(refuse(404, format!("no runtime key has id \"{id}\"")));
         }
@@ -179,11 +226,7 @@ impl KeyAdmin<'_> {
     }
 
     pub async fn revoke(&self, id: &str) -> Result<Value, Refusal> {
-        let written = self
-            .redis
-            .api_key_write(self.config.key_prefix(), id, "", KeyWrite::Delete)
-            .await
-            .map_err(unavailable)?;
+        let written = self.write(id, "", KeyWrite::Delete).await?;
         if !written {
             return Err(refuse(404, format!("no runtime key has id \"{id}\"")));
         }

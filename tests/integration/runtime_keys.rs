@@ -142,6 +142,29 @@ fn keys_issued_at_runtime_reach_every_replica_and_survive_restarts() {
         assert!(v["error"].as_str().unwrap_or("").contains(says), "{v}");
     }
 
+    // Redis holds writes for 1.5 s (CLIENT PAUSE WRITE): the create's
+    // answer is lost to the timeout while its script waits, then runs.
+    // The gateway reads the record back and answers the secret Redis
+    // holds: never a secret for a key Redis lacks, never a lost one.
+    redis.cmd(&["CLIENT", "PAUSE", "1500", "WRITE"]);
+    let (s, v) = api(
+        &mut admin0,
+        "POST",
+        "/keys",
+        &json!({"id": "paused", "plan": "free"}),
+    );
+    assert_eq!(s, 201, "{v}");
+    let paused = v["key"].as_str().expect("the secret").to_string();
+    assert!(
+        gws[0]
+            .log()
+            .contains("went unanswered; reading the record back"),
+        "the write timed out"
+    );
+    everywhere(&gws, &paused, 200);
+    let (s, _) = api(&mut admin0, "DELETE", "/keys/paused", &Value::Null);
+    assert_eq!(s, 200);
+
     // Moved to the tiny plan through replica 1: replica 2 holds it to 2.
     let mut admin1 = Client::connect(gws[1].admin).expect("admin");
     let (s, v) = api(
