@@ -233,6 +233,7 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
         content_length: None,
         query: None,
         headers: &headers,
+        jwt: None,
     };
     let mut group = c.benchmark_group("request path");
     group.bench_function("classify", |b| {

@@ -22,6 +22,12 @@
 #                         what Pingora itself costs per request
 #   gateway_off           the gateway with no limits configured
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
+#   gateway_jwt           gateway_local, the client named by a verified RS256 JWT
+#                         (Authorization: Bearer, [auth.jwt] with a key file made
+#                         per run) instead of an API key: #37's CPU per request
+#                         against gateway_local's, with a hot client
+#   gateway_key_padded    gateway_local with a header as long as that token beside
+#                         its key: the token's bytes without the JWT work (context)
 #   gateway_redis         all three tiers on Redis, admitting everything
 #   gateway_redis_cluster the same on a Redis Cluster: three masters, no
 #                         replicas, on 127.0.0.1 (redis-cli --cluster create);

@@ -1,7 +1,7 @@
 //! Admission: from a request's facts to its fate, without touching a socket.
 //!
 //! `classify` runs everything that needs no limiter: deny list, path, route,
-//! CORS preflight, API key. It either refuses the request or returns a `Plan` with the tier
+//! CORS preflight, API key or verified JWT. It either refuses the request or returns a `Plan` with the tier
 //! checks to decide. `conclude` turns the limiter's outcome into the response
 //! the client sees: admitted (with headers and perhaps a shaping delay), 429,
 //! or 503 when Redis is down and the operator chose "deny".
@@ -24,6 +24,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, Attribute, Config, HeaderStyle, LimitKey, Missing, Quota, Scope};
 use crate::cors::{self, CorsError, CorsRules};
 use crate::identity::{self, ClientAddr, KeyError};
+use crate::jwt::{TokenError, Verified};
 use crate::limiter::algorithms::quota;
 use crate::limiter::keys::{bucket_key, bucket_name, rule_prefix};
 use crate::limiter::{Check, Decision, LimitKind, Micros, Outcome, Tier};
@@ -54,6 +55,8 @@ pub struct Policy {
     spans: parking_lot::Mutex<[Option<Span>; 5]>,
     /// Keys issued at runtime (kept in Redis), after the config's.
     pub runtime: Arc<RuntimeKeys>,
+    /// `[auth.jwt]`'s issuers, when there are any.
+    pub jwt: Option<crate::jwt::Verifier>,
 }
 
 /// A route's limit: its rule, and what names a request's bucket under it.
@@ -290,6 +293,10 @@ impl Policy {
             plan_route_rules,
             key_prefix: p.to_string(),
             spans: parking_lot::Mutex::new([None; 5]),
+            jwt: config
+                .jwt
+                .as_ref()
+                .map(|j| crate::jwt::Verifier::new(j, route_claims(&config), config.plans.keys())),
             config,
             runtime: Arc::default(),
         }
@@ -444,6 +451,9 @@ pub struct RequestView<'a> {
     pub query: Option<&'a str>,
     /// Every header, for limits keyed on a header.
     pub headers: &'a http::HeaderMap,
+    /// The bearer JWT's verdict, when it carries one and `[auth.jwt]` is
+    /// set (its `Authorization` is then not in `authorization`).
+    pub jwt: Option<&'a Result<Arc<Verified>, TokenError>>,
 }
 
 /// A host as routes match it: lower-case, without its port.
@@ -475,6 +485,8 @@ pub enum Refusal {
     BadAttribute(Attribute, AttributeError),
     /// A CORS preflight the route's policy does not allow.
     Cors(CorsError),
+    /// A bearer JWT that failed verification (or cannot be checked now).
+    InvalidToken(TokenError),
 }
 
 /// A request that may proceed once its checks admit it.
@@ -485,7 +497,11 @@ pub struct Plan {
     pub path: String,
     pub client_ip: IpAddr,
     pub client: ClientAddr,
+    /// The client's id as logs show it: an API key's id, `jwt:` and a
+    /// verified token's id claim.
     pub key_id: Option<String>,
+    /// The client's bucket identity (`k:ID`, `j:ISSUER:ID` or `ip:ADDR`).
+    pub client_identity: String,
     /// Shared with the limiter (and its batch) rather than copied.
     pub checks: Arc<[Check]>,
     /// A CORS preflight, answered by the gateway (never the upstream) with
@@ -570,6 +586,14 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         req.authorization.iter().copied(),
     )
     .map_err(|KeyError::Conflicting| Refusal::ConflictingKeys)?;
+    // A bad token is refused before any bucket is named or charged.
+    let token = match req.jwt {
+        _ if preflight.is_some() => None,
+        Some(Err(e)) => return Err(Refusal::InvalidToken(e.clone())),
+        Some(Ok(v)) if presented.is_none() => Some(v.as_ref()),
+        Some(Ok(_)) => return Err(Refusal::ConflictingKeys),
+        None => None,
+    };
     // A preflight carries no credentials (browsers never send them on one):
     // it is charged, if at all, as its client address.
     let runtime_key;
@@ -593,12 +617,23 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
                 }
             }
         }
-        None if r.require_api_key => return Err(Refusal::KeyRequired),
-        None => None,
+        None => match token {
+            Some(t) => Some(KeyRef {
+                id: &t.id,
+                plan: &t.plan,
+                quotas: None,
+                burst: None,
+            }),
+            None if r.require_api_key => return Err(Refusal::KeyRequired),
+            None => None,
+        },
     };
     let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
     let ip_identity = format!("ip:{client}");
-    let key_identity = key.map(|k| format!("k:{}", k.id));
+    let key_identity = match token {
+        Some(t) => Some(t.identity.clone()),
+        None => key.map(|k| format!("k:{}", k.id)),
+    };
     let client_identity = key_identity.as_deref().unwrap_or(&ip_identity);
     // Read even for allow-listed clients: a route that needs the attribute
     // refuses a request without it whoever sends it.
@@ -614,6 +649,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             rr,
             client_identity,
             req,
+            token,
             preflight.is_some(),
         )?),
         _ => None,
@@ -638,7 +674,11 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         path,
         client_ip,
         client,
-        key_id: key.map(|k| k.id.to_string()),
+        key_id: match token {
+            Some(t) => Some(format!("jwt:{}", t.id)),
+            None => key.map(|k| k.id.to_string()),
+        },
+        client_identity: key_identity.unwrap_or(ip_identity),
         checks: checks.into(),
         preflight,
         route_plan,
@@ -707,6 +747,22 @@ fn preflight_route(
     }
 }
 
+/// The claims the config's route limits key on (`key = "claim:NAME"`).
+fn route_claims(config: &Config) -> Vec<String> {
+    let mut out: Vec<String> = config
+        .routes
+        .iter()
+        .flat_map(|r| r.limit.iter().chain(r.limit_by_plan.values()))
+        .filter_map(|l| match l.key.attribute() {
+            Some(Attribute::Claim(c)) => Some(c.clone()),
+            _ => None,
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// The identity of a request's bucket under its route's limit: everyone's
 /// (`global`), the client's (`k:ID` or `ip:ADDR`), the attribute's
 /// (`h:VALUE`, `q:VALUE`) or the client's and the attribute's together.
@@ -714,6 +770,7 @@ fn route_identity(
     rr: &RouteRule,
     client: &str,
     req: &RequestView<'_>,
+    token: Option<&Verified>,
     preflight: bool,
 ) -> Result<String, Refusal> {
     let attribute = match (&rr.scope, &rr.key) {
@@ -721,7 +778,7 @@ fn route_identity(
         (Scope::Client, LimitKey::Client) => return Ok(client.into()),
         (Scope::Client, LimitKey::Attribute(a) | LimitKey::ClientAnd(a)) => a,
     };
-    let value = match attributes::value(attribute, req.headers, req.query) {
+    let value = match attributes::value(attribute, req.headers, req.query, token) {
         Ok(v) => v,
         Err(AttributeError::Missing) if rr.missing == Missing::Client || preflight => {
             return Ok(client.into())
@@ -969,6 +1026,7 @@ fn tag(a: &Attribute) -> &'static str {
     match a {
         Attribute::Header(_) => "h",
         Attribute::Query(_) => "q",
+        Attribute::Claim(_) => "c",
     }
 }
 

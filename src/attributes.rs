@@ -1,5 +1,6 @@
 //! The request attributes a route limit can key on (`key = "header:NAME"`,
-//! `"query:NAME"`): reading one value from a request, or saying why not.
+//! `"query:NAME"`, `"claim:NAME"` of a verified JWT): reading one value
+//! from a request, or saying why not.
 //!
 //! A value names a bucket, so it must name exactly one: an attribute sent
 //! twice is refused rather than guessed (the upstream may read the other
@@ -41,10 +42,13 @@ pub fn value(
     attribute: &Attribute,
     headers: &HeaderMap,
     query: Option<&str>,
+    token: Option<&crate::jwt::Verified>,
 ) -> Result<String, AttributeError> {
     let v = match attribute {
         Attribute::Header(name) => header(headers, name)?,
         Attribute::Query(name) => query_param(query.unwrap_or(""), name)?,
+        // Read (and checked) when the token was verified.
+        Attribute::Claim(name) => token.ok_or(AttributeError::Missing)?.claim(name)?,
     };
     if v.is_empty() {
         Err(AttributeError::Missing)
@@ -119,7 +123,7 @@ mod tests {
     #[test]
     fn header_values() {
         let a = Attribute::Header("x-tenant-id".into());
-        let v = |h: &HeaderMap| value(&a, h, None);
+        let v = |h: &HeaderMap| value(&a, h, None, None);
         assert_eq!(
             v(&headers(&[("X-Tenant-Id", b" acme ")])),
             Ok("acme".into())
@@ -145,7 +149,7 @@ mod tests {
     #[test]
     fn query_values_are_decoded_and_unique() {
         let a = Attribute::Query("tenant".into());
-        let v = |q: &str| value(&a, &HeaderMap::new(), Some(q));
+        let v = |q: &str| value(&a, &HeaderMap::new(), Some(q), None);
         assert_eq!(v("tenant=acme"), Ok("acme".into()));
         assert_eq!(v("x=1&tenant=%61cme&y"), Ok("acme".into()));
         assert_eq!(v("ten%61nt=a+b%20c"), Ok("a b c".into()));
@@ -156,7 +160,7 @@ mod tests {
         assert_eq!(v("tenant=%ff"), Err(AttributeError::Unreadable));
         assert_eq!(v("tenant=%6"), Err(AttributeError::Unreadable));
         assert_eq!(
-            value(&a, &HeaderMap::new(), None),
+            value(&a, &HeaderMap::new(), None, None),
             Err(AttributeError::Missing)
         );
     }

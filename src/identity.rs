@@ -132,6 +132,17 @@ pub fn presented_key<'a>(
     Ok(found)
 }
 
+/// The bearer JWT among `Authorization` values (`Bearer eyJ...`, shaped as
+/// a JWS), and which value carried it.
+pub fn bearer_jwt<'a>(authorization: &[&'a [u8]]) -> Option<(usize, &'a [u8])> {
+    authorization.iter().enumerate().find_map(|(i, v)| {
+        let v = trim(v);
+        let token =
+            (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| trim(&v[7..]))?;
+        crate::jwt::looks_like_jwt(token).then_some((i, token))
+    })
+}
+
 fn trim(v: &[u8]) -> &[u8] {
     let start = v
         .iter()

@@ -13,6 +13,7 @@ pub mod config;
 pub mod cors;
 pub mod identity;
 pub mod inflight;
+pub mod jwt;
 pub mod limiter;
 pub mod logging;
 pub mod metrics;

@@ -190,6 +190,25 @@ pub fn install() {
         for result in ["ok", "error"] {
             counter!("gateway_tls_certificate_reloads_total", "result" => result).absolute(0);
         }
+        describe_counter!(
+            "gateway_jwt_refusals_total",
+            "Bearer JWTs refused, by reason (malformed, algorithm, issuer, key, signature, expired, not_yet_valid, audience, claim: answered 401; keys_unavailable: the issuer's keys were never fetched or are older than jwks_max_stale_secs, answered 503)"
+        );
+        for reason in crate::jwt::TokenError::LABELS {
+            counter!("gateway_jwt_refusals_total", "reason" => *reason).absolute(0);
+        }
+        describe_counter!(
+            "gateway_jwks_fetches_total",
+            "JWKS fetches by issuer and result (ok, error: the last keys serve until jwks_max_stale_secs)"
+        );
+        describe_gauge!(
+            "gateway_jwks_keys",
+            "Signing keys held for an issuer's JWKS endpoint"
+        );
+        describe_gauge!(
+            "gateway_jwt_verified_cached",
+            "Verified tokens remembered (each until its exp), so a returning client pays no signature check"
+        );
         Some(handle)
     });
 }
@@ -475,6 +494,23 @@ pub fn api_keys(n: usize) {
 /// The runtime keys this replica has read from Redis.
 pub fn runtime_api_keys(n: usize) {
     gauge!("gateway_runtime_api_keys").set(n as f64);
+}
+
+pub fn jwt_refused(reason: &'static str) {
+    counter!("gateway_jwt_refusals_total", "reason" => reason).increment(1);
+}
+
+/// A JWKS fetch for `issuer` (a configured `iss`: a closed set), and the
+/// keys held after it.
+pub fn jwks_fetched(issuer: &str, ok: bool, keys: usize) {
+    let result = if ok { "ok" } else { "error" };
+    counter!("gateway_jwks_fetches_total", "issuer" => issuer.to_string(), "result" => result)
+        .increment(1);
+    gauge!("gateway_jwks_keys", "issuer" => issuer.to_string()).set(keys as f64);
+}
+
+pub fn jwt_cached(n: usize) {
+    gauge!("gateway_jwt_verified_cached").set(n as f64);
 }
 
 pub fn config_reload(ok: bool) {

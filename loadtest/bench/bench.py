@@ -17,6 +17,10 @@ Targets, side by side (see BENCHMARKS.md):
     pingora_bare          Pingora alone: examples/bare_proxy.rs, default settings
     gateway_off           the gateway with no limiter work at all
     gateway_local         all three tiers on the local backend
+    gateway_jwt           gateway_local with the client named by a verified RS256 JWT
+                          ([auth.jwt], a key file) instead of an API key: one hot client
+    gateway_key_padded    gateway_local with a header the token's length beside its key:
+                          the token's bytes without the JWT work (context for gateway_jwt)
     gateway_redis         all three tiers on Redis, admitting everything
     gateway_redis_cluster the same on a Redis Cluster of three masters
     gateway_redis_denied  one client over its route limit, flooding: all 429

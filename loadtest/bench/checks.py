@@ -31,12 +31,21 @@ CHECKS = [
      "Redis CPU µs per request above Redis's idle CPU, gateway_redis (#24)", "<=", 0.5),
     ("cluster_vs_standalone_redis_cpu_above_idle",
      "Redis CPU per request above idle, cluster (summed over its nodes) / standalone (#17, #24)", "<=", 1.5),
+    # #37, verified JWTs: a hot client's token is checked once, then cached.
+    ("jwt_vs_key_cpu", "gateway CPU per request, gateway_jwt (RS256 JWT) / gateway_local (API key), hot client (#37)",
+     "<=", 1.1),
 ]
 
 # Context, not targets of the issue (never pass/fail, no effect on the exit
 # status): how much of the gateway's CPU per request is Pingora's own.
 CONTEXT = [
     ("off_vs_bare_cpu", "gateway_off CPU / pingora_bare CPU per request", "gateway_off", "pingora_bare"),
+    ("jwt_vs_padded_key_cpu",
+     "gateway_jwt CPU / gateway_key_padded CPU per request: JWT work beyond the token's bytes (#37)",
+     "gateway_jwt", "gateway_key_padded"),
+    ("padded_vs_key_cpu",
+     "gateway_key_padded CPU / gateway_local CPU per request: what a token-sized header costs (#37)",
+     "gateway_key_padded", "gateway_local"),
     ("bare_vs_nginx_cpu", "pingora_bare CPU / nginx_limit_req CPU per request", "pingora_bare", "nginx_limit_req"),
 ]
 
@@ -200,6 +209,7 @@ def compute_checks(s: dict) -> list[dict]:
         "script_calls_per_req": get("gateway_redis", "script_calls_per_req"),
         "redis_cpu_us_per_req": get("gateway_redis", "redis_cpu_us_per_req"),
         "redis_cpu_us_per_req_above_idle": get("gateway_redis", "redis_cpu_us_per_req_above_idle"),
+        "jwt_vs_key_cpu": ratio(get("gateway_jwt", "cpu_us_per_req"), get("gateway_local", "cpu_us_per_req")),
         "cluster_vs_standalone_redis_cpu_above_idle": ratio(
             get("gateway_redis_cluster", "redis_cpu_us_per_req_above_idle"),
             get("gateway_redis", "redis_cpu_us_per_req_above_idle")),

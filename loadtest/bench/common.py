@@ -27,6 +27,8 @@ TARGETS = [
     "pingora_bare",
     "gateway_off",
     "gateway_local",
+    "gateway_jwt",
+    "gateway_key_padded",
     "gateway_redis",
     "gateway_redis_cluster",
     "gateway_redis_denied",
@@ -43,6 +45,12 @@ LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster", "g
 # the others keep one client (the denied target's point is one client over).
 MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster"]
 NGINX_TARGETS = ["nginx_limit_req", "nginx_tls"]
+# gateway_local with the client named by a verified JWT (RS256, a key file)
+# instead of an API key: the same hot client, the same tiers.
+JWT_TARGETS = ["gateway_jwt"]
+# gateway_local with a header as long as gateway_jwt's token beside its API
+# key: what the token's bytes cost (read, parsed, sent upstream) with no JWT work.
+PADDED_TARGETS = ["gateway_key_padded"]
 TLS_TARGETS = ["gateway_tls", "nginx_tls"]
 API_KEY = "bench-key-0001"
 PATH = "/api/bench"

@@ -22,7 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import common
-from common import (API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, LIMITED_TARGETS,
+from common import (API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, JWT_TARGETS, LIMITED_TARGETS,
+                    PADDED_TARGETS,
                     MOCK, NGINX_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
 from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
@@ -147,6 +148,50 @@ def make_tls_files(d: Path) -> dict:
     openssl(["x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-days", "2", "-extfile", "tls.ext", "-out", "tls.crt"], d)
     return {"ca": d / "ca.crt", "cert": d / "tls.crt", "key": d / "tls.key"}
+
+
+def make_jwt_files(d: Path) -> dict:
+    """An RS256 key pair (openssl) and one token it signs, good for a day:
+    gateway_jwt's issuer reads the public key as a key file, and every
+    request of the run sends the token (a hot client)."""
+    import base64
+
+    d.mkdir(exist_ok=True)
+    openssl(["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "jwt.key"], d)
+    openssl(["pkey", "-in", "jwt.key", "-pubout", "-out", "jwt.pub.pem"], d)
+
+    def b64(b: bytes) -> str:
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+    header = b64(json.dumps({"alg": "RS256", "typ": "JWT", "kid": "bench"}).encode())
+    claims = {"iss": "bench-issuer", "aud": "bench", "sub": "bench-client", "exp": int(time.time()) + 86400}
+    msg = f"{header}.{b64(json.dumps(claims).encode())}"
+    sig = subprocess.run(["openssl", "dgst", "-sha256", "-sign", str(d / "jwt.key")], input=msg.encode(),
+                         capture_output=True, check=True).stdout
+    return {"public": d / "jwt.pub.pem", "token": f"{msg}.{b64(sig)}"}
+
+
+def jwt_section(public: Path) -> str:
+    return (
+        "[[auth.jwt.issuers]]\n"
+        'issuer = "bench-issuer"\n'
+        f'key_files = ["{public}"]\n'
+        'audiences = ["bench"]\n'
+        'algorithms = ["RS256"]\n'
+        'default_plan = "bench"\n'
+    )
+
+
+def headers_of(t: str, jwt: dict | None) -> dict:
+    """What a target's requests carry: the API key, gateway_jwt's token, or
+    (gateway_key_padded) the key and a header the token's length."""
+    if t in LIMITED_TARGETS:
+        return {"x-api-key": API_KEY}
+    if t in JWT_TARGETS and jwt:
+        return {"authorization": f"Bearer {jwt['token']}"}
+    if t in PADDED_TARGETS and jwt:
+        return {"x-api-key": API_KEY, "x-pad": "p" * len(jwt["token"])}
+    return {}
 
 
 def negotiated_tls(addr: str) -> dict:
@@ -329,6 +374,7 @@ class Targets:
         self.t["direct"] = {"url": f"http://{upstream}{PATH}", "pids": lambda: [self.mock_proc.pid],
                             "headers": {}, "proc": self.mock_proc}
 
+        jwt = make_jwt_files(out / "jwt") if any(t in JWT_TARGETS + PADDED_TARGETS for t in targets) else None
         if any(t in TLS_TARGETS for t in targets):
             self.tls = make_tls_files(out / "tls")
             self.tls_client = ssl.create_default_context(cafile=str(self.tls["ca"]))
@@ -384,7 +430,7 @@ class Targets:
                 self.render("gateway.tls.toml", dest, **subs, TLS_LISTEN_ADDR=f"127.0.0.1:{tls_port}",
                             CERT_FILE=self.tls["cert"], KEY_FILE=self.tls["key"])
             else:
-                backend = "local" if t == "gateway_local" else "redis"
+                backend = "local" if t in ["gateway_local", *JWT_TARGETS, *PADDED_TARGETS] else "redis"
                 denied = t == "gateway_redis_denied"
                 section = cluster_section if t in CLUSTER_TARGETS else redis_section
                 self.render(
@@ -399,6 +445,7 @@ class Targets:
                     TRUSTED_PROXIES='trusted_proxies = ["127.0.0.1/32"]   # --clients: wrk plays the load balancer'
                     if many else "# one client: no trusted proxy",
                     OVER_ROUTE=over_route if many else "",
+                    AUTH_SECTION=jwt_section(jwt["public"]) if t in JWT_TARGETS and jwt else "# no [auth.jwt]",
                 )
             chk = subprocess.run([str(self.gateway), "check", "-c", str(dest)], capture_output=True, text=True)
             (logs / f"{t}-check.txt").write_text(chk.stdout + chk.stderr)
@@ -410,7 +457,8 @@ class Targets:
             admin = f"127.0.0.1:{admin_port}"
             url = f"https://127.0.0.1:{tls_port}{PATH}" if tls_port else f"http://127.0.0.1:{port}{PATH}"
             self.t[t] = {"url": url, "pids": lambda p=p: [p.pid], "admin": admin,
-                         "headers": {"x-api-key": API_KEY} if t in LIMITED_TARGETS else {}, "proc": p, "log": gl,
+                         "headers": headers_of(t, jwt),
+                         "proc": p, "log": gl,
                          "ssl": self.tls_client if tls_port else None}
             self.our_pids.append(p.pid)
 

@@ -35,7 +35,7 @@ use crate::config::{ApiKey, Burst, Quota};
 /// A SHA-256 digest as a table key. Its hash is its first 8 bytes: a digest
 /// is already uniform, and an attacker controls only the secret hashed.
 #[derive(Clone, Copy, PartialEq, Eq)]
-struct Digest([u8; 32]);
+pub(crate) struct Digest(pub(crate) [u8; 32]);
 
 impl Hash for Digest {
     fn hash<H: Hasher>(&self, state: &mut H) {
@@ -47,7 +47,7 @@ impl Hash for Digest {
 
 /// Passes `Digest`'s word through.
 #[derive(Default)]
-struct DigestHasher(u64);
+pub(crate) struct DigestHasher(u64);
 
 impl Hasher for DigestHasher {
     fn finish(&self) -> u64 {

@@ -3,7 +3,8 @@
 //! routes and keys).
 //!
 //! Each section has a file of its own (`server`, `tls`, `admin`, `log`,
-//! `limiter`, `redis`, `clients`, `limits`, `upstreams`, `routes`, `cors`),
+//! `limiter`, `redis`, `clients`, `auth`, `limits`, `upstreams`, `routes`,
+//! `cors`),
 //! written with the typed helpers of `reader.rs`, that lists the keys it knows
 //! (anything else is an error), reads them with their types and ranges, and
 //! applies the documented default when a key is absent.
@@ -49,6 +50,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
             "routes",
             "cors",
             "log",
+            "auth",
         ],
     );
 
@@ -75,6 +77,8 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
     let plan_names: Vec<String> = plans_t
         .map(|t| t.iter().map(|(k, _)| k.get_ref().to_string()).collect())
         .unwrap_or_default();
+    let auth_t = section(&mut r, root, "auth", false);
+    let jwt = super::auth::read(&mut r, auth_t, &plan_names);
     let upstream_names: Vec<String> = raw_names(&mut r, root, "upstreams", "name")
         .into_iter()
         .map(|(_, n)| n)
@@ -98,6 +102,27 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         super::routes::route(r, p, t, s, &upstream_names, &plan_names)
     });
 
+    if let Some(None) = &jwt {
+        for (i, route) in &routes {
+            let claim = route
+                .limit
+                .iter()
+                .chain(route.limit_by_plan.values())
+                .find_map(|l| match l.key.attribute() {
+                    Some(Attribute::Claim(c)) => Some(c.clone()),
+                    _ => None,
+                });
+            if let Some(c) = claim {
+                let at = format!("routes[{i}]");
+                let span = r.spans.get(&format!("{at}.name")).cloned();
+                r.error(
+                    &at,
+                    span.as_ref(),
+                    format!("a limit keyed on claim:{c} needs [[auth.jwt.issuers]] to verify it"),
+                );
+            }
+        }
+    }
     if let Some(limiter) = &limiter {
         if limiter.backend == Backend::Redis && redis.is_none() {
             r.error(
@@ -180,6 +205,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         upstreams: upstreams.into_iter().map(|(_, u)| u).collect(),
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         cors: cors.flatten(),
+        jwt: jwt.flatten(),
     })
 }
 

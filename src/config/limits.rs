@@ -220,10 +220,10 @@ fn shards(
     Some(k)
 }
 
-/// A route limit's `key`: `client`, `header:NAME`, `query:NAME`, or
-/// `client+` either of those.
+/// A route limit's `key`: `client`, `header:NAME`, `query:NAME`,
+/// `claim:NAME` (of a verified JWT), or `client+` any of those.
 fn limit_key(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<LimitKey> {
-    const EXPECTED: &str = "expected \"client\", \"header:NAME\", \"query:NAME\", \"client+header:NAME\" or \"client+query:NAME\"";
+    const EXPECTED: &str = "expected \"client\", \"header:NAME\", \"query:NAME\", \"claim:NAME\", or one of those after \"client+\"";
     let s = r.string(path, v)?;
     if s == "client" {
         return Some(LimitKey::Client);
@@ -255,6 +255,7 @@ fn limit_key(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<LimitKey> 
             );
             return None;
         }
+        Some(("claim", name)) if !name.is_empty() => Attribute::Claim(name.to_string()),
         _ => {
             r.error(path, Some(&v.span()), format!("{EXPECTED}, found \"{s}\""));
             return None;

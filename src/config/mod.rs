@@ -4,6 +4,7 @@
 //! upstream pools and the metric handles together.
 
 mod admin;
+mod auth;
 mod clients;
 mod cors;
 mod file;
@@ -182,6 +183,23 @@ impl Config {
                 never_bind - 20
             ));
         }
+        let issuers = self.jwt.iter().flat_map(|j| j.issuers.iter().enumerate());
+        for (i, issuer) in issuers {
+            let JwtKeys::Url(u) = &issuer.keys else {
+                continue;
+            };
+            let loopback = crate::jwt::fetch::Target::parse(&u.url).is_ok_and(|t| {
+                t.host == "localhost"
+                    || t.host
+                        .parse::<std::net::IpAddr>()
+                        .is_ok_and(|ip| ip.is_loopback())
+            });
+            if u.url.starts_with("http://") && !loopback {
+                out.push(format!(
+                    "auth.jwt.issuers[{i}].jwks_url: keys fetched over plain http can be replaced on the way; use https"
+                ));
+            }
+        }
         out
     }
 
@@ -290,6 +308,29 @@ impl Config {
                 "clients: api_keys_file={} ({} key(s), watched)",
                 path.display(),
                 self.keys.from_file()
+            );
+        }
+        for issuer in self.jwt.iter().flat_map(|j| j.issuers.iter()) {
+            let keys = match &issuer.keys {
+                JwtKeys::Url(u) => format!(
+                    "jwks_url={} (refresh {} s, refetch at most every {} s, keys serve {} s past their fetch)",
+                    u.url, u.refresh_secs, u.min_refetch_secs, u.max_stale_secs
+                ),
+                JwtKeys::Files { paths, keys } => {
+                    format!("key_files={} ({} key(s))", paths.len(), keys.len())
+                }
+            };
+            let algs: Vec<String> = issuer.algorithms.iter().map(|a| format!("{a:?}")).collect();
+            let _ = writeln!(
+                s,
+                "jwt issuer {}: {keys} algorithms={} audiences={} leeway_secs={} id_claim={} plan_claim={} default_plan={}",
+                issuer.issuer,
+                algs.join(","),
+                if issuer.audiences.is_empty() { "(not checked)".to_string() } else { issuer.audiences.join(",") },
+                issuer.leeway_secs,
+                issuer.id_claim,
+                issuer.plan_claim.as_deref().unwrap_or("-"),
+                issuer.default_plan
             );
         }
         let _ = writeln!(s, "tiers:");

@@ -74,6 +74,60 @@ pub struct Config {
     /// `[cors]`: the policy of every route without a `cors` of its own.
     pub cors: Option<Cors>,
     pub log: LogSettings,
+    /// `[auth.jwt]`: verified JWTs as the key tier's identity.
+    pub jwt: Option<JwtSettings>,
+}
+
+/// `[auth.jwt]`: the issuers whose tokens name a client, and how many
+/// verified tokens are remembered (so a hot client pays one signature check).
+#[derive(Debug, Clone)]
+pub struct JwtSettings {
+    pub issuers: Vec<JwtIssuer>,
+    pub cache_max_entries: usize,
+}
+
+/// One `[[auth.jwt.issuers]]` entry.
+#[derive(Debug, Clone)]
+pub struct JwtIssuer {
+    /// The `iss` its tokens carry.
+    pub issuer: String,
+    pub keys: JwtKeys,
+    /// One must be in a token's `aud`; empty: `aud` is not checked.
+    pub audiences: Vec<String>,
+    pub algorithms: Vec<jsonwebtoken::Algorithm>,
+    pub leeway_secs: u64,
+    pub id_claim: String,
+    pub plan_claim: Option<String>,
+    /// A claim value to the plan it means; a value not here is a plan's own name.
+    pub plan_map: BTreeMap<String, String>,
+    pub default_plan: String,
+}
+
+/// Where an issuer's keys come from.
+#[derive(Debug, Clone)]
+pub enum JwtKeys {
+    Url(JwksUrl),
+    /// Read when the config is (at start and every reload).
+    Files {
+        paths: Vec<std::path::PathBuf>,
+        keys: std::sync::Arc<crate::jwt::keys::KeySet>,
+    },
+}
+
+/// A JWKS endpoint and how it is kept.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct JwksUrl {
+    pub url: String,
+    /// Fetched again this often.
+    pub refresh_secs: u64,
+    /// A token naming an unknown `kid` fetches the set again, at most this often.
+    pub min_refetch_secs: u64,
+    pub timeout_ms: u64,
+    /// While the endpoint cannot be reached, the last keys fetched serve
+    /// this long after they were; then its tokens are refused.
+    pub max_stale_secs: u64,
+    /// Trusted for an `https` endpoint besides the system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// `[log]`: the access log. Refusals (the gateway's own 429 and 503) are
@@ -400,6 +454,8 @@ pub enum LimitKey {
 pub enum Attribute {
     Header(String),
     Query(String),
+    /// A claim of the request's verified JWT (`[auth.jwt]`).
+    Claim(String),
 }
 
 impl Attribute {
@@ -408,6 +464,7 @@ impl Attribute {
         match self {
             Attribute::Header(n) => format!("header:{n}"),
             Attribute::Query(n) => format!("query:{n}"),
+            Attribute::Claim(n) => format!("claim:{n}"),
         }
     }
 }

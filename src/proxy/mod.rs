@@ -37,6 +37,7 @@ use pingora::upstreams::peer::Peer;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 
 use crate::admission::{self, Conclusion, Plan, Policy, RequestView};
+use crate::identity;
 use crate::inflight::{ClientSlot, Gates, Permit};
 use crate::limiter::{Fallback, LimitKind};
 use crate::metrics::{DecisionLabel, RouteMetrics};
@@ -115,6 +116,8 @@ pub struct Ctx {
     upstream_slot: Option<Permit>,
     /// Why the in-flight caps refused it (or dropped it: `client_left`).
     in_flight_refusal: Option<&'static str>,
+    /// Why its bearer JWT was refused.
+    token_refusal: Option<&'static str>,
     /// Dropped with the context, after `logging` counted the request.
     _in_flight: crate::metrics::InFlight,
 }
@@ -176,11 +179,7 @@ impl Gateway {
         let route = &live.policy.config.routes[i];
         let gates = &live.gates;
         if let Some(per_client) = gates.per_client(i) {
-            let client = match &plan.key_id {
-                Some(id) => format!("k:{id}"),
-                None => format!("ip:{}", plan.client),
-            };
-            match per_client.enter(&client) {
+            match per_client.enter(&plan.client_identity) {
                 Some(slot) => ctx.client_slot = Some(slot),
                 None => {
                     crate::metrics::in_flight_refused("route", &route.name, "per_client");
@@ -370,6 +369,7 @@ impl ProxyHttp for Gateway {
             route_slot: None,
             upstream_slot: None,
             in_flight_refusal: None,
+            token_refusal: None,
             _in_flight: crate::metrics::InFlight::start(),
         }
     }
@@ -413,6 +413,22 @@ impl ProxyHttp for Gateway {
                 .map(|v| v.as_bytes())
                 .collect::<Vec<_>>()
         };
+        // A bearer JWT is verified here (its issuer's keys fetched first if
+        // it names one not yet seen); the verdict is the client's identity.
+        let mut authorization = all("authorization");
+        let token = match &policy.jwt {
+            Some(verifier) => match identity::bearer_jwt(&authorization) {
+                Some((i, token)) => {
+                    authorization.remove(i);
+                    Some(crate::jwt::verdict(verifier, token).await)
+                }
+                None => None,
+            },
+            None => None,
+        };
+        if let Some(Err(e)) = &token {
+            ctx.token_refusal = Some(e.label());
+        }
         let view = RequestView {
             method: req.method.as_str(),
             path: req.uri.path(),
@@ -424,7 +440,8 @@ impl ProxyHttp for Gateway {
                 .filter_map(|v| v.to_str().ok())
                 .collect(),
             api_key: all(&cfg.clients.api_key_header),
-            authorization: all("authorization"),
+            authorization,
+            jwt: token.as_ref(),
             // HTTP/2 carries the host in `:authority`, which Pingora keeps in the URI.
             host: req
                 .uri
@@ -850,9 +867,10 @@ impl ProxyHttp for Gateway {
                 names.join(",")
             }
         };
-        let rejected_by = match ctx.in_flight_refusal {
-            Some(reason) => format!("in_flight:{reason}"),
-            None => tiers_with(DecisionLabel::Rejected),
+        let rejected_by = match (ctx.in_flight_refusal, ctx.token_refusal) {
+            (Some(reason), _) => format!("in_flight:{reason}"),
+            (None, Some(reason)) => format!("token:{reason}"),
+            (None, None) => tiers_with(DecisionLabel::Rejected),
         };
         let shadow_rejected_by = tiers_with(DecisionLabel::ShadowRejected);
         let req = session.req_header();

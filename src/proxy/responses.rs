@@ -99,6 +99,7 @@ pub fn refusal(r: &Refusal) -> Reply {
             let what = match a {
                 crate::config::Attribute::Header(n) => format!("header {n}"),
                 crate::config::Attribute::Query(n) => format!("query parameter {n}"),
+                crate::config::Attribute::Claim(n) => format!("token's claim {n}"),
             };
             json(
                 400,
@@ -107,7 +108,32 @@ pub fn refusal(r: &Refusal) -> Reply {
             )
         }
         Refusal::Cors(e) => json(403, "cors_rejected", &e.to_string()),
+        Refusal::InvalidToken(e) => invalid_token(e),
     }
+}
+
+/// A bearer JWT refused: 401 with the RFC 6750 challenge naming why (the
+/// reason is the gateway's own words, never the token); 503 with
+/// `Retry-After` when the issuer's keys cannot be had to check it.
+fn invalid_token(e: &crate::jwt::TokenError) -> Reply {
+    let reason = e.to_string();
+    if e.status() == 503 {
+        let mut reply = json(503, "unavailable", &reason);
+        reply
+            .headers
+            .push(("retry-after", HeaderValue::from_static("5")));
+        reply.retry_after_ms = Some(5000);
+        return reply;
+    }
+    let mut reply = json(401, "invalid_token", &reason);
+    let challenge = format!(
+        "Bearer error=\"invalid_token\", error_description=\"{}\"",
+        reason.replace(['"', '\\'], "'")
+    );
+    if let Ok(v) = HeaderValue::try_from(challenge) {
+        reply.headers.push(("www-authenticate", v));
+    }
+    reply
 }
 
 /// The answer to an allowed CORS preflight: 204 with its headers.

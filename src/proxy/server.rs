@@ -51,6 +51,20 @@ impl BackgroundService for KeySync {
     }
 }
 
+/// Keeps the JWKS of every `[[auth.jwt.issuers]]` endpoint fresh
+/// (`jwt::source::keep_fresh`).
+struct JwksRefresh;
+
+#[async_trait]
+impl BackgroundService for JwksRefresh {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        crate::jwt::source::keep_fresh(async move {
+            let _ = shutdown.changed().await;
+        })
+        .await;
+    }
+}
+
 struct Prober {
     limiter: Arc<Fallback>,
     startup_wait: Duration,
@@ -284,6 +298,8 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
                 .map_err(|e| format!("cannot start the config-load thread: {e}"))?,
         },
     ));
+    // Always: a reload may add an issuer with a JWKS endpoint.
+    server.add_service(background_service("jwks refresh", JwksRefresh));
     if limiter.has_redis() {
         server.add_service(background_service(
             "runtime api keys",

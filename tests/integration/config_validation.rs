@@ -888,3 +888,151 @@ fn a_quota_that_can_never_bind_is_warned_about() {
     let (ok, _, err) = check(&fine);
     assert!(ok && !err.contains("warning"), "{err}");
 }
+
+#[test]
+fn jwt_issuers_are_checked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let keys = dir.path().join("keys.json");
+    std::fs::write(
+        &keys,
+        r#"{"keys": [{"kty": "oct", "kid": "h1", "k": "c2VjcmV0LXNlY3JldC1zZWNyZXQ"}]}"#,
+    )
+    .expect("write");
+    let empty = dir.path().join("empty.json");
+    std::fs::write(&empty, r#"{"keys": []}"#).expect("write");
+    let with = |issuers: &str| {
+        format!(
+            "{MINIMAL}\n[plans.free]\ncapacity = 5\nrefill_per_sec = 1\n[plans.pro]\ncapacity = 50\nrefill_per_sec = 10\n{issuers}\n"
+        )
+    };
+    let good = with(&format!(
+        r#"
+[auth.jwt]
+cache_max_entries = 5000
+
+[[auth.jwt.issuers]]
+issuer = "https://auth.example.com/"
+jwks_url = "https://auth.example.com/.well-known/jwks.json"
+audiences = ["api.example.com"]
+algorithms = ["RS256", "ES256", "EdDSA"]
+leeway_secs = 30
+id_claim = "sub"
+plan_claim = "plan"
+plan_map = {{ gold = "pro" }}
+default_plan = "free"
+jwks_refresh_secs = 60
+jwks_min_refetch_secs = 5
+jwks_timeout_ms = 1500
+jwks_max_stale_secs = 3600
+
+[[auth.jwt.issuers]]
+issuer = "internal"
+key_files = ["{}"]
+algorithms = ["HS256"]
+default_plan = "pro"
+"#,
+        keys.display()
+    ));
+    let (ok, out, err) = check(&good);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("jwt issuer https://auth.example.com/: jwks_url=https://auth.example.com/.well-known/jwks.json (refresh 60 s, refetch at most every 5 s, keys serve 3600 s past their fetch) algorithms=RS256,ES256,EdDSA audiences=api.example.com leeway_secs=30 id_claim=sub plan_claim=plan default_plan=free"),
+        "{out}"
+    );
+    assert!(
+        out.contains("jwt issuer internal: key_files=1 (1 key(s))"),
+        "{out}"
+    );
+    // A route keyed on a claim.
+    let claim_route = format!(
+        "{good}\n[[routes]]\nname = \"t\"\npath_prefix = \"/t\"\nupstream = \"a\"\nlimit = {{ algorithm = \"fixed_window\", limit = 5, window_secs = 60, key = \"claim:tenant\" }}\n"
+    );
+    let (ok, _, err) = check(&claim_route);
+    assert!(ok, "{err}");
+    let (ok, _, err) = check(&format!(
+        "{MINIMAL}\n[[routes]]\nname = \"t\"\npath_prefix = \"/t\"\nupstream = \"a\"\nlimit = {{ algorithm = \"fixed_window\", limit = 5, window_secs = 60, key = \"claim:tenant\" }}\n"
+    ));
+    assert!(!ok);
+    assert!(
+        err.contains("keyed on claim:tenant needs [[auth.jwt.issuers]]"),
+        "{err}"
+    );
+    // Plain http to a host that is not loopback: a warning, not an error.
+    let (ok, out, err) = check(&good.replace("jwks_url = \"https://", "jwks_url = \"http://"));
+    assert!(ok, "{err}");
+    assert!(
+        (out.clone() + &err).contains("auth.jwt.issuers[0].jwks_url: keys fetched over plain http"),
+        "{out}{err}"
+    );
+
+    let issuer = |body: &str| with(&format!("[[auth.jwt.issuers]]\nissuer = \"i\"\n{body}\n"));
+    let file = keys.display().to_string();
+    for (body, problem) in [
+        (
+            format!("key_files = [\"{file}\"]\nalgorithms = [\"none\"]\ndefault_plan = \"free\""),
+            "auth.jwt.issuers[0].algorithms[0] (line 22): \"none\" is never accepted",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\nalgorithms = [\"XS999\"]\ndefault_plan = \"free\""),
+            "expected one of RS256",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"gold\""),
+            "auth.jwt.issuers[0].default_plan (line 23): unknown plan \"gold\"",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\"\nplan_map = {{ x = \"platinum\" }}"),
+            "auth.jwt.issuers[0].plan_map.x",
+        ),
+        (
+            "algorithms = [\"HS256\"]\ndefault_plan = \"free\"".to_string(),
+            "needs jwks_url or key_files",
+        ),
+        (
+            format!("jwks_url = \"https://a/\"\nkey_files = [\"{file}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\""),
+            "give jwks_url or key_files, not both",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\njwks_refresh_secs = 5\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\""),
+            "auth.jwt.issuers[0].jwks_refresh_secs (line 22): only with jwks_url",
+        ),
+        (
+            "jwks_url = \"ftp://a/\"\nalgorithms = [\"RS256\"]\ndefault_plan = \"free\"".to_string(),
+            "expected an http:// or https:// URL",
+        ),
+        (
+            "key_files = [\"/nonexistent/keys.json\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\"".to_string(),
+            "auth.jwt.issuers[0].key_files[0] (line 21): cannot read /nonexistent/keys.json",
+        ),
+        (
+            format!("key_files = [\"{}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\"", empty.display()),
+            "holds no signing key",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\"\nleeway_secs = 99999"),
+            "auth.jwt.issuers[0].leeway_secs",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\"\nsecret = \"x\""),
+            "auth.jwt.issuers[0].secret (line 24): unknown key",
+        ),
+        (
+            format!("key_files = [\"{file}\"]\ndefault_plan = \"free\""),
+            "auth.jwt.issuers[0].algorithms",
+        ),
+    ] {
+        let (ok, _, err) = check(&issuer(&body));
+        assert!(!ok, "{body}: passed");
+        assert!(err.contains(problem), "{body}: {err}");
+    }
+    // Two issuers with one `iss`.
+    let twice = format!(
+        "[[auth.jwt.issuers]]\nissuer = \"i\"\nkey_files = [\"{file}\"]\nalgorithms = [\"HS256\"]\ndefault_plan = \"free\"\n"
+    );
+    let (ok, _, err) = check(&with(&format!("{twice}{twice}")));
+    assert!(!ok);
+    assert!(
+        err.contains("issuer \"i\" is already auth.jwt.issuers[0]"),
+        "{err}"
+    );
+}

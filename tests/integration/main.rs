@@ -14,6 +14,7 @@ mod fallback;
 mod grpc;
 mod hostile;
 mod inflight;
+mod jwt;
 mod key_files;
 mod keys;
 mod leases;

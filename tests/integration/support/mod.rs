@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod issuer;
 pub mod load;
 pub mod pki;
 pub mod topology;

@@ -10,7 +10,8 @@ pub struct Pki {
     dir: tempfile::TempDir,
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
+/// Runs the `openssl` CLI in `dir`, failing the test with its stderr.
+pub fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl")
         .current_dir(dir)
         .args(args)

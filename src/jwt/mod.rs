@@ -1,0 +1,682 @@
+//! Verified JWTs as the client's identity (`[auth.jwt]`).
+//!
+//! A bearer token shaped like a JWS (`header.payload.signature`) is checked
+//! against the issuer its `iss` names: the algorithm must be one the issuer
+//! accepts and fit the key its `kid` names; the signature, `exp` and `nbf`
+//! (with the leeway), `iss` and `aud` are checked by `jsonwebtoken`. The
+//! verified claims then name the key tier's client (`id_claim`), its plan
+//! (`plan_claim`, through `plan_map`, else `default_plan`) and the values
+//! route limits key on (`key = "claim:NAME"`).
+//!
+//! Signature checks are the expensive part, so a verified token is kept by
+//! its hash until it expires (`cache`). Keys come from files read with the
+//! config, or from a JWKS endpoint kept fresh by `source`.
+
+mod cache;
+pub mod fetch;
+pub mod keys;
+pub mod source;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use jsonwebtoken::errors::ErrorKind;
+use jsonwebtoken::Validation;
+use serde_json::{Map, Value};
+use sha2::{Digest as _, Sha256};
+
+use crate::attributes::{AttributeError, MAX_VALUE_BYTES};
+use crate::clock::Clock as _;
+use crate::config::{JwtIssuer, JwtKeys, JwtSettings};
+use cache::Cache;
+use keys::{KeySet, Missing};
+use source::{Source, Unusable};
+
+/// A token the gateway verified: who it names and what routes read of it.
+#[derive(Debug)]
+pub struct Verified {
+    /// The key tier's bucket identity: `j:` + a tag of the issuer + the id,
+    /// so two issuers' `sub`s never share a bucket.
+    pub identity: String,
+    /// The `id_claim`'s value (logs show it as `jwt:ID`).
+    pub id: String,
+    pub plan: String,
+    /// The values of the claims route limits key on, read once.
+    claims: Vec<(String, Result<String, AttributeError>)>,
+    exp: u64,
+    leeway: u64,
+    issuer: usize,
+    kid: Option<String>,
+}
+
+impl Verified {
+    /// A route's `claim:NAME`: its value as text (a string, or a number or
+    /// boolean as JSON writes it).
+    pub fn claim(&self, name: &str) -> Result<String, AttributeError> {
+        self.claims
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(Err(AttributeError::Missing), |(_, v)| v.clone())
+    }
+
+    fn usable_at(&self, now_secs: u64) -> bool {
+        now_secs <= self.exp.saturating_add(self.leeway)
+    }
+}
+
+/// Why a token is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenError {
+    Malformed(&'static str),
+    /// An algorithm the issuer does not accept (or `none`).
+    Algorithm(String),
+    NoIssuer,
+    UnknownIssuer,
+    /// No key of the issuer has this `kid` (after a refetch).
+    UnknownKid,
+    /// The named key is of another algorithm than the token's.
+    KeyMismatch,
+    BadSignature,
+    Expired,
+    NotYetValid,
+    Audience,
+    Issuer,
+    MissingClaim(String),
+    /// The issuer's keys are not there to check with (never fetched, or
+    /// older than `jwks_max_stale_secs`): the token is not known bad.
+    KeysUnavailable,
+}
+
+impl TokenError {
+    /// 401, except when the gateway cannot tell (503).
+    pub fn status(&self) -> u16 {
+        match self {
+            TokenError::KeysUnavailable => 503,
+            _ => 401,
+        }
+    }
+
+    /// A short label for metrics and the access log.
+    pub fn label(&self) -> &'static str {
+        match self {
+            TokenError::Malformed(_) => "malformed",
+            TokenError::Algorithm(_) => "algorithm",
+            TokenError::NoIssuer | TokenError::UnknownIssuer | TokenError::Issuer => "issuer",
+            TokenError::UnknownKid | TokenError::KeyMismatch => "key",
+            TokenError::BadSignature => "signature",
+            TokenError::Expired => "expired",
+            TokenError::NotYetValid => "not_yet_valid",
+            TokenError::Audience => "audience",
+            TokenError::MissingClaim(_) => "claim",
+            TokenError::KeysUnavailable => "keys_unavailable",
+        }
+    }
+
+    pub const LABELS: &'static [&'static str] = &[
+        "malformed",
+        "algorithm",
+        "issuer",
+        "key",
+        "signature",
+        "expired",
+        "not_yet_valid",
+        "audience",
+        "claim",
+        "keys_unavailable",
+    ];
+}
+
+impl fmt::Display for TokenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenError::Malformed(what) => write!(f, "malformed token: {what}"),
+            TokenError::Algorithm(a) => write!(f, "algorithm {a} is not accepted"),
+            TokenError::NoIssuer => f.write_str("the token has no iss"),
+            TokenError::UnknownIssuer => f.write_str("the token's issuer is not trusted"),
+            TokenError::UnknownKid => f.write_str("no key of the issuer signed it"),
+            TokenError::KeyMismatch => f.write_str("the algorithm does not fit the key"),
+            TokenError::BadSignature => f.write_str("bad signature"),
+            TokenError::Expired => f.write_str("the token has expired"),
+            TokenError::NotYetValid => f.write_str("the token is not valid yet"),
+            TokenError::Audience => f.write_str("the token is not meant for this audience"),
+            TokenError::Issuer => f.write_str("the token's iss does not match"),
+            TokenError::MissingClaim(c) => write!(f, "the token has no usable {c} claim"),
+            TokenError::KeysUnavailable => {
+                f.write_str("the issuer's keys are unavailable; the token cannot be checked")
+            }
+        }
+    }
+}
+
+/// What `verify` came to.
+pub enum Outcome {
+    Verified(Arc<Verified>),
+    Refused(TokenError),
+    /// The issuer's keys lack what the token needs: fetch them
+    /// (`Source::refetch`), then verify again with `fetched = true`.
+    Fetch(Arc<Source>),
+}
+
+/// Where an issuer's keys are.
+enum Keys {
+    Files(Arc<KeySet>),
+    Fetched(Arc<Source>),
+}
+
+struct Issuer {
+    settings: JwtIssuer,
+    tag: String,
+    /// One per accepted algorithm: `jsonwebtoken` wants every algorithm
+    /// of a validation to be of the key's family.
+    validations: Vec<(jsonwebtoken::Algorithm, Validation)>,
+    keys: Keys,
+}
+
+fn validation(settings: &JwtIssuer, alg: jsonwebtoken::Algorithm) -> Validation {
+    let mut v = Validation::new(alg);
+    v.leeway = settings.leeway_secs;
+    v.validate_nbf = true;
+    v.set_issuer(&[&settings.issuer]);
+    let mut required = vec!["exp", "iss"];
+    if settings.audiences.is_empty() {
+        v.validate_aud = false;
+    } else {
+        v.set_audience(&settings.audiences);
+        required.push("aud");
+    }
+    v.set_required_spec_claims(&required);
+    v
+}
+
+impl Issuer {
+    fn new(settings: &JwtIssuer) -> Issuer {
+        let digest = Sha256::digest(settings.issuer.as_bytes());
+        Issuer {
+            tag: hex::encode(&digest[..4]),
+            validations: settings
+                .algorithms
+                .iter()
+                .map(|a| (*a, validation(settings, *a)))
+                .collect(),
+            keys: match &settings.keys {
+                JwtKeys::Files { keys, .. } => Keys::Files(keys.clone()),
+                JwtKeys::Url(url) => Keys::Fetched(source::source_for(url, &settings.issuer)),
+            },
+            settings: settings.clone(),
+        }
+    }
+
+    fn keys(&self, now: Instant) -> Result<Arc<KeySet>, Unusable> {
+        match &self.keys {
+            Keys::Files(k) => Ok(k.clone()),
+            Keys::Fetched(s) => s.keys(now),
+        }
+    }
+}
+
+/// The issuers of one config, and the tokens they signed that were seen.
+pub struct Verifier {
+    issuers: Vec<Issuer>,
+    by_iss: HashMap<String, usize>,
+    /// The claims route limits key on.
+    route_claims: Vec<String>,
+    /// The config's plans: a plan claim may name one directly.
+    plans: std::collections::HashSet<String>,
+    cache: Cache,
+}
+
+impl Verifier {
+    pub fn new<'a>(
+        settings: &JwtSettings,
+        route_claims: Vec<String>,
+        plans: impl IntoIterator<Item = &'a String>,
+    ) -> Verifier {
+        let issuers: Vec<Issuer> = settings.issuers.iter().map(Issuer::new).collect();
+        Verifier {
+            by_iss: issuers
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (x.settings.issuer.clone(), i))
+                .collect(),
+            issuers,
+            route_claims,
+            plans: plans.into_iter().cloned().collect(),
+            cache: Cache::new(settings.cache_max_entries),
+        }
+    }
+
+    /// How many verified tokens are kept.
+    pub fn cached(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Checks `token` at `now_secs` (Unix seconds). `fetched`: the issuer's
+    /// keys were just fetched for it, so a key still missing is final.
+    pub fn verify(&self, token: &[u8], now_secs: u64, fetched: bool) -> Outcome {
+        let digest = cache::Digest(Sha256::digest(token).into());
+        let now = Instant::now();
+        if let Some(v) = self.cache.get(&digest) {
+            let issuer = &self.issuers[v.issuer];
+            let key_kept = issuer.keys(now).is_ok_and(|k| k.has_kid(v.kid.as_deref()));
+            if v.usable_at(now_secs) && key_kept {
+                return Outcome::Verified(v);
+            }
+            self.cache.remove(&digest);
+        }
+        match self.check(token, now, fetched) {
+            Ok(v) => {
+                let v = Arc::new(v);
+                self.cache.insert(digest, v.clone(), now_secs);
+                // A miss paid a signature check: counting shards is cheap beside it.
+                crate::metrics::jwt_cached(self.cache.len());
+                Outcome::Verified(v)
+            }
+            Err(Err(source)) => Outcome::Fetch(source),
+            Err(Ok(e)) => Outcome::Refused(e),
+        }
+    }
+
+    /// The signature and claims of an uncached token: `Err(Err(source))`
+    /// when its issuer's keys must be fetched first.
+    fn check(
+        &self,
+        token: &[u8],
+        now: Instant,
+        fetched: bool,
+    ) -> Result<Verified, Result<TokenError, Arc<Source>>> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| Ok(bad_header(token)))?;
+        #[derive(serde::Deserialize)]
+        struct Iss {
+            iss: Option<Value>,
+        }
+        let iss = jsonwebtoken::dangerous::insecure_decode_claims::<Iss>(token)
+            .map_err(|_| Ok(TokenError::Malformed("the payload is not a JSON object")))?
+            .iss;
+        let i = match &iss {
+            Some(Value::String(s)) => *self.by_iss.get(s).ok_or(Ok(TokenError::UnknownIssuer))?,
+            _ => return Err(Ok(TokenError::NoIssuer)),
+        };
+        let issuer = &self.issuers[i];
+        let Some((_, validation)) = issuer.validations.iter().find(|(a, _)| *a == header.alg)
+        else {
+            return Err(Ok(TokenError::Algorithm(format!("{:?}", header.alg))));
+        };
+        let fetch = |e: TokenError| match (&issuer.keys, fetched) {
+            (Keys::Fetched(s), false) => Err(s.clone()),
+            _ => Ok(e),
+        };
+        let keys = issuer
+            .keys(now)
+            .map_err(|_| fetch(TokenError::KeysUnavailable))?;
+        let candidates =
+            keys.candidates(header.kid.as_deref(), header.alg)
+                .map_err(|m| match m {
+                    Missing::Kid => fetch(TokenError::UnknownKid),
+                    Missing::Mismatch => Ok(TokenError::KeyMismatch),
+                    Missing::NoKey => Ok(TokenError::UnknownKid),
+                })?;
+        let mut last = TokenError::BadSignature;
+        for key in candidates {
+            match jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, validation) {
+                Ok(data) => return self.verified(i, key.kid.clone(), data.claims).map_err(Ok),
+                Err(e) => {
+                    last = refusal(e.kind());
+                    if last != TokenError::BadSignature {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(Ok(last))
+    }
+
+    fn verified(
+        &self,
+        i: usize,
+        kid: Option<String>,
+        claims: Map<String, Value>,
+    ) -> Result<Verified, TokenError> {
+        let issuer = &self.issuers[i];
+        let s = &issuer.settings;
+        let id = claims
+            .get(&s.id_claim)
+            .and_then(|v| text(v).ok())
+            .ok_or_else(|| TokenError::MissingClaim(s.id_claim.clone()))?;
+        let named = s
+            .plan_claim
+            .as_ref()
+            .and_then(|c| claims.get(c))
+            .and_then(|v| v.as_str());
+        let plan = match named {
+            Some(p) => match s.plan_map.get(p) {
+                Some(mapped) => mapped.clone(),
+                None if self.plans.contains(p) => p.to_string(),
+                None => s.default_plan.clone(),
+            },
+            None => s.default_plan.clone(),
+        };
+        let exp = claims.get("exp").and_then(Value::as_u64).unwrap_or(0);
+        Ok(Verified {
+            identity: format!("j:{}:{id}", issuer.tag),
+            id,
+            plan,
+            claims: self
+                .route_claims
+                .iter()
+                .map(|c| {
+                    let v = claims.get(c).map_or(Err(AttributeError::Missing), text);
+                    (c.clone(), v)
+                })
+                .collect(),
+            exp,
+            leeway: s.leeway_secs,
+            issuer: i,
+            kid,
+        })
+    }
+}
+
+/// A claim's value as a bucket name: a string as it is, a number or a
+/// boolean as JSON writes it; never empty, never longer than an
+/// attribute may be.
+fn text(v: &Value) -> Result<String, AttributeError> {
+    let s = match v {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        Value::Bool(b) => b.to_string(),
+        _ => return Err(AttributeError::Unreadable),
+    };
+    match s.len() {
+        0 => Err(AttributeError::Missing),
+        n if n > MAX_VALUE_BYTES => Err(AttributeError::TooLong),
+        _ => Ok(s),
+    }
+}
+
+/// A header `jsonwebtoken` would not read: say `none` (or another unknown
+/// algorithm) by name, else that the token is malformed.
+fn bad_header(token: &[u8]) -> TokenError {
+    use base64::Engine as _;
+    let alg = token
+        .split(|b| *b == b'.')
+        .next()
+        .and_then(|h| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(h)
+                .ok()
+        })
+        .and_then(|h| serde_json::from_slice::<Map<String, Value>>(&h).ok())
+        .and_then(|h| h.get("alg")?.as_str().map(str::to_string));
+    match alg {
+        // Named back only if it reads as an algorithm: never echo a header.
+        Some(a) if a.len() <= 12 && a.bytes().all(|b| b.is_ascii_alphanumeric()) => {
+            TokenError::Algorithm(a)
+        }
+        Some(_) => TokenError::Algorithm("(unreadable)".into()),
+        None => TokenError::Malformed("the header is not a JOSE header"),
+    }
+}
+
+fn refusal(kind: &ErrorKind) -> TokenError {
+    match kind {
+        ErrorKind::InvalidSignature => TokenError::BadSignature,
+        ErrorKind::ExpiredSignature => TokenError::Expired,
+        ErrorKind::ImmatureSignature => TokenError::NotYetValid,
+        ErrorKind::InvalidAudience => TokenError::Audience,
+        ErrorKind::InvalidIssuer => TokenError::Issuer,
+        ErrorKind::InvalidAlgorithm => TokenError::KeyMismatch,
+        ErrorKind::MissingRequiredClaim(c) if c == "aud" => TokenError::Audience,
+        ErrorKind::MissingRequiredClaim(c) => TokenError::MissingClaim(c.clone()),
+        ErrorKind::InvalidClaimFormat(_) => TokenError::Malformed("a time claim is not a number"),
+        _ => TokenError::Malformed("it cannot be decoded"),
+    }
+}
+
+/// The verdict on a bearer token: verified (from the cache, or checked
+/// now), or why not. A token whose issuer's keys lack its `kid` (or were
+/// never fetched, or are too old) waits for one fetch of them, shared with
+/// every request waiting on the same endpoint.
+pub async fn verdict(verifier: &Verifier, token: &[u8]) -> Result<Arc<Verified>, TokenError> {
+    let now = || (crate::clock::SystemClock.now_us() / 1_000_000).max(0) as u64;
+    let outcome = match verifier.verify(token, now(), false) {
+        Outcome::Fetch(source) => {
+            source.refetch().await;
+            verifier.verify(token, now(), true)
+        }
+        done => done,
+    };
+    let result = match outcome {
+        Outcome::Verified(v) => Ok(v),
+        Outcome::Refused(e) => Err(e),
+        Outcome::Fetch(_) => Err(TokenError::KeysUnavailable),
+    };
+    if let Err(e) = &result {
+        crate::metrics::jwt_refused(e.label());
+    }
+    result
+}
+
+/// Whether a bearer credential is a JWT rather than an API key: three
+/// base64url parts, the first a JSON object (`eyJ` is `{"`).
+pub fn looks_like_jwt(v: &[u8]) -> bool {
+    v.starts_with(b"eyJ")
+        && v.iter().filter(|b| **b == b'.').count() == 2
+        && v.iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'='))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::{JwtIssuer, JwtKeys, JwtSettings};
+
+    const SECRET: &[u8] = b"a-test-secret-of-32-bytes-length";
+
+    fn now() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    }
+
+    fn verifier(algorithms: Vec<Algorithm>, route_claims: &[&str]) -> Verifier {
+        let jwks = format!(
+            r#"{{"keys": [{{"kty": "oct", "kid": "h1", "k": "{}"}}]}}"#,
+            base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, SECRET)
+        );
+        let (keys, _) = KeySet::from_jwks(jwks.as_bytes()).unwrap();
+        let issuer = JwtIssuer {
+            issuer: "iss-a".into(),
+            keys: JwtKeys::Files {
+                paths: vec![],
+                keys: Arc::new(keys),
+            },
+            audiences: vec!["api".into()],
+            algorithms,
+            leeway_secs: 5,
+            id_claim: "sub".into(),
+            plan_claim: Some("tier".into()),
+            plan_map: BTreeMap::from([("gold".to_string(), "pro".to_string())]),
+            default_plan: "free".into(),
+        };
+        let plans = ["free".to_string(), "pro".to_string(), "team".to_string()];
+        Verifier::new(
+            &JwtSettings {
+                issuers: vec![issuer],
+                cache_max_entries: 100,
+            },
+            route_claims.iter().map(|s| s.to_string()).collect(),
+            plans.iter(),
+        )
+    }
+
+    fn token(claims: serde_json::Value, kid: Option<&str>) -> String {
+        let mut h = Header::new(Algorithm::HS256);
+        h.kid = kid.map(str::to_string);
+        encode(&h, &claims, &EncodingKey::from_secret(SECRET)).unwrap()
+    }
+
+    fn good(extra: serde_json::Value) -> serde_json::Value {
+        let mut c = json!({"iss": "iss-a", "aud": "api", "sub": "u1", "exp": now() + 600});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    /// The token with one character of its signature changed (in the
+    /// middle: a last character's spare bits would make it bad base64).
+    fn tamper(t: &str) -> String {
+        let mut b = t.as_bytes().to_vec();
+        let i = t.rfind('.').unwrap() + 5;
+        b[i] = if b[i] == b'A' { b'B' } else { b'A' };
+        String::from_utf8(b).unwrap()
+    }
+
+    fn refused(v: &Verifier, t: &str) -> TokenError {
+        match v.verify(t.as_bytes(), now(), false) {
+            Outcome::Refused(e) => e,
+            Outcome::Verified(x) => panic!("verified {x:?}"),
+            Outcome::Fetch(_) => panic!("asked for a fetch"),
+        }
+    }
+
+    fn verified(v: &Verifier, t: &str) -> Arc<Verified> {
+        match v.verify(t.as_bytes(), now(), false) {
+            Outcome::Verified(x) => x,
+            Outcome::Refused(e) => panic!("refused: {e}"),
+            Outcome::Fetch(_) => panic!("asked for a fetch"),
+        }
+    }
+
+    #[test]
+    fn claims_name_the_client_its_plan_and_route_values_and_are_cached() {
+        let v = verifier(vec![Algorithm::HS256], &["tenant", "n"]);
+        let t = token(
+            good(json!({"tier": "gold", "tenant": "acme", "n": 7})),
+            Some("h1"),
+        );
+        let a = verified(&v, &t);
+        assert!(
+            a.identity.starts_with("j:") && a.identity.ends_with(":u1"),
+            "{}",
+            a.identity
+        );
+        assert_eq!((a.id.as_str(), a.plan.as_str()), ("u1", "pro"));
+        assert_eq!(a.claim("tenant"), Ok("acme".into()));
+        assert_eq!(a.claim("n"), Ok("7".into()), "a number as JSON writes it");
+        assert_eq!(a.claim("other"), Err(AttributeError::Missing));
+        let b = verified(&v, &t);
+        assert!(Arc::ptr_eq(&a, &b), "the second time from the cache");
+        assert_eq!(v.cached(), 1);
+        // Plans: mapped, named directly, unknown (the default), absent.
+        for (tier, plan) in [
+            (json!("team"), "team"),
+            (json!("platinum"), "free"),
+            (json!(3), "free"),
+        ] {
+            let t = token(good(json!({"tier": tier})), None);
+            assert_eq!(verified(&v, &t).plan, plan, "{tier}");
+        }
+        assert_eq!(verified(&v, &token(good(json!({})), None)).plan, "free");
+        // A numeric sub is an id too; an object is not.
+        assert_eq!(
+            verified(&v, &token(good(json!({"sub": 42})), None)).id,
+            "42"
+        );
+        // (jsonwebtoken itself stops at a `sub` that is not text.)
+        assert!(matches!(
+            refused(&v, &token(good(json!({"sub": {"a": 1}})), None)),
+            TokenError::Malformed(_) | TokenError::MissingClaim(_)
+        ));
+        let long = "x".repeat(300);
+        assert_eq!(
+            refused(&v, &token(good(json!({"sub": long})), None)),
+            TokenError::MissingClaim("sub".into())
+        );
+    }
+
+    #[test]
+    fn every_bad_token_is_refused_for_its_reason() {
+        let v = verifier(vec![Algorithm::HS256], &[]);
+        assert_eq!(
+            refused(&v, &token(good(json!({"exp": now() - 60})), None)),
+            TokenError::Expired
+        );
+        // Within the leeway: still good.
+        verified(&v, &token(good(json!({"exp": now() - 2})), None));
+        assert_eq!(
+            refused(&v, &token(good(json!({"nbf": now() + 60})), None)),
+            TokenError::NotYetValid
+        );
+        assert!(matches!(
+            refused(&v, &token(good(json!({"nbf": "soon"})), None)),
+            TokenError::Malformed(_)
+        ));
+        assert_eq!(
+            refused(&v, &token(good(json!({"aud": "elsewhere"})), None)),
+            TokenError::Audience
+        );
+        let mut no_aud = good(json!({}));
+        no_aud.as_object_mut().unwrap().remove("aud");
+        assert_eq!(refused(&v, &token(no_aud, None)), TokenError::Audience);
+        let mut no_exp = good(json!({}));
+        no_exp.as_object_mut().unwrap().remove("exp");
+        assert_eq!(
+            refused(&v, &token(no_exp, None)),
+            TokenError::MissingClaim("exp".into())
+        );
+        assert_eq!(
+            refused(&v, &token(good(json!({"iss": "iss-b"})), None)),
+            TokenError::UnknownIssuer
+        );
+        assert_eq!(
+            refused(&v, &token(good(json!({"iss": 5})), None)),
+            TokenError::NoIssuer
+        );
+        assert_eq!(
+            refused(&v, &token(good(json!({})), Some("h2"))),
+            TokenError::UnknownKid,
+            "a key file has no other keys to fetch"
+        );
+        assert_eq!(
+            refused(&v, &tamper(&token(good(json!({})), None))),
+            TokenError::BadSignature
+        );
+        // alg none, and an algorithm the issuer does not accept.
+        let none = {
+            use base64::Engine as _;
+            let b = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+            format!(
+                "{}.{}.",
+                b(r#"{"alg":"none"}"#),
+                b(&good(json!({})).to_string())
+            )
+        };
+        assert_eq!(refused(&v, &none), TokenError::Algorithm("none".into()));
+        let v384 = verifier(vec![Algorithm::HS384], &[]);
+        assert_eq!(
+            refused(&v384, &token(good(json!({})), None)),
+            TokenError::Algorithm("HS256".into())
+        );
+        assert!(matches!(refused(&v, "eyJ.e30.x"), TokenError::Malformed(_)));
+        // Nothing refused was cached.
+        assert_eq!(v.cached(), 1, "only the token within the leeway");
+    }
+
+    #[test]
+    fn jwts_are_told_from_api_keys() {
+        assert!(looks_like_jwt(b"eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln"));
+        assert!(!looks_like_jwt(b"gk_0123456789abcdef"));
+        assert!(!looks_like_jwt(b"eyJ.only-one-dot"));
+        assert!(!looks_like_jwt(b"eyJa.b.c.d"));
+    }
+}

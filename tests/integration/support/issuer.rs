@@ -1,0 +1,208 @@
+//! A token issuer of the tests' own: signing keys made with the `openssl`
+//! CLI (RSA, P-256, Ed25519) or random (HMAC), tokens signed with
+//! `jsonwebtoken`, and a JWKS endpoint on a loopback port whose set can be
+//! rotated, whose fetches are counted, and which can be stopped (the port
+//! refuses) and started again on the same port.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use jsonwebtoken::jwk::{Jwk, JwkSet};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use serde_json::{json, Value};
+
+use super::pki::openssl;
+
+/// One signing key and its public JWK.
+pub struct SigningKey {
+    pub kid: String,
+    pub alg: Algorithm,
+    pub encoding: EncodingKey,
+    pub jwk: Jwk,
+    /// The public key as PEM (RSA, EC, Ed25519), for the confusion attack.
+    pub public_pem: Option<Vec<u8>>,
+}
+
+impl SigningKey {
+    /// A new key for `alg` (RS256, ES256, EdDSA or HS256) named `kid`.
+    pub fn new(kid: &str, alg: Algorithm) -> SigningKey {
+        if alg == Algorithm::HS256 {
+            let secret: Vec<u8> = (0..32).map(|_| fastrand::u8(..)).collect();
+            let encoding = EncodingKey::from_secret(&secret);
+            let mut jwk = Jwk::from_encoding_key(&encoding, alg).expect("oct jwk");
+            jwk.common.key_id = Some(kid.to_string());
+            return SigningKey {
+                kid: kid.into(),
+                alg,
+                encoding,
+                jwk,
+                public_pem: None,
+            };
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let gen: &[&str] = match alg {
+            Algorithm::RS256 => &["-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048"],
+            Algorithm::ES256 => &["-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"],
+            Algorithm::EdDSA => &["-algorithm", "ED25519"],
+            other => panic!("no test key for {other:?}"),
+        };
+        let mut args = vec!["genpkey"];
+        args.extend_from_slice(gen);
+        args.extend_from_slice(&["-out", "key.pem"]);
+        openssl(dir.path(), &args);
+        openssl(
+            dir.path(),
+            &["pkey", "-in", "key.pem", "-pubout", "-out", "pub.pem"],
+        );
+        let private = std::fs::read(dir.path().join("key.pem")).expect("key.pem");
+        let public = std::fs::read(dir.path().join("pub.pem")).expect("pub.pem");
+        let encoding = match alg {
+            Algorithm::RS256 => EncodingKey::from_rsa_pem(&private),
+            Algorithm::ES256 => EncodingKey::from_ec_pem(&private),
+            _ => EncodingKey::from_ed_pem(&private),
+        }
+        .expect("encoding key");
+        let mut jwk = Jwk::from_encoding_key(&encoding, alg).expect("public jwk");
+        jwk.common.key_id = Some(kid.to_string());
+        SigningKey {
+            kid: kid.into(),
+            alg,
+            encoding,
+            jwk,
+            public_pem: Some(public),
+        }
+    }
+
+    /// A token with these claims, its header naming this key.
+    pub fn sign(&self, claims: &Value) -> String {
+        let mut header = Header::new(self.alg);
+        header.kid = Some(self.kid.clone());
+        jsonwebtoken::encode(&header, claims, &self.encoding).expect("sign")
+    }
+}
+
+/// Unix seconds now.
+pub fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+}
+
+/// Claims good for an hour from `iss` for `aud`, naming `sub`.
+pub fn claims(iss: &str, aud: &str, sub: &str) -> Value {
+    json!({ "iss": iss, "aud": aud, "sub": sub, "iat": now(), "exp": now() + 3600 })
+}
+
+/// A JWKS document of these keys.
+pub fn jwks(keys: &[&SigningKey]) -> String {
+    serde_json::to_string(&JwkSet {
+        keys: keys.iter().map(|k| k.jwk.clone()).collect(),
+    })
+    .expect("jwks json")
+}
+
+/// A JWKS endpoint: `GET /jwks` answers the current set.
+pub struct JwksServer {
+    pub addr: SocketAddr,
+    body: Arc<Mutex<String>>,
+    fetches: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl JwksServer {
+    pub fn start(body: String) -> JwksServer {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let mut s = JwksServer {
+            addr,
+            body: Arc::new(Mutex::new(body)),
+            fetches: Arc::new(AtomicUsize::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: None,
+        };
+        s.serve(listener);
+        s
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        listener.set_nonblocking(true).expect("nonblocking");
+        let (body, fetches, stop) = (self.body.clone(), self.fetches.clone(), self.stop.clone());
+        self.thread = Some(std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let (conn, _) = match listener.accept() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                };
+                let _ = conn.set_nonblocking(false);
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut reader = BufReader::new(conn.try_clone().expect("clone"));
+                let mut line = String::new();
+                let _ = reader.read_line(&mut line);
+                // The rest of the request head.
+                loop {
+                    let mut h = String::new();
+                    match reader.read_line(&mut h) {
+                        Ok(n) if n > 2 => continue,
+                        _ => break,
+                    }
+                }
+                let (status, text) = if line.starts_with("GET /jwks ") {
+                    fetches.fetch_add(1, Ordering::SeqCst);
+                    ("200 OK", body.lock().unwrap().clone())
+                } else {
+                    ("404 Not Found", String::from("{}"))
+                };
+                let mut conn = conn;
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+            }
+            // The listener is dropped here: the port refuses from now on.
+        }));
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/jwks", self.addr)
+    }
+
+    pub fn set(&self, body: String) {
+        *self.body.lock().unwrap() = body;
+    }
+
+    pub fn fetches(&self) -> usize {
+        self.fetches.load(Ordering::SeqCst)
+    }
+
+    /// Stops serving: connections to the port are refused.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Serves again on the same port.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.stop.store(false, Ordering::SeqCst);
+        let listener = TcpListener::bind(self.addr).expect("bind the same port again");
+        self.serve(listener);
+    }
+}
+
+impl Drop for JwksServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
