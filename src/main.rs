@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -232,6 +233,26 @@ fn main() -> ExitCode {
                             path.display()
                         );
                         }
+                    }
+                    // The runtime keys live in Redis: read if it answers soon,
+                    // so an id both they and this config hold is named.
+                    match operator::runtime_key_check(&cfg, Duration::from_secs(2)) {
+                        None => {}
+                        Some(Ok((n, conflicts))) if conflicts.is_empty() => {
+                            let _ = writeln!(
+                                out,
+                                "runtime api keys: {n} in Redis, none sharing an id or a secret with the config's"
+                            );
+                        }
+                        Some(Ok((_, conflicts))) => {
+                            for c in &conflicts {
+                                eprintln!("error: {c}");
+                            }
+                            return ExitCode::from(2);
+                        }
+                        Some(Err(e)) => eprintln!(
+                            "warning: runtime api keys not checked against the config's (Redis: {e})"
+                        ),
                     }
                     ExitCode::SUCCESS
                 }

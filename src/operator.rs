@@ -335,6 +335,38 @@ pub enum KeysAsk {
     },
 }
 
+/// What `gateway check` says of the runtime keys in Redis (with the Redis
+/// backend): `Ok((count, conflicts))`, or why they could not be read
+/// within `budget` (the message redacted). `None` without Redis.
+pub fn runtime_key_check(
+    config: &Config,
+    budget: std::time::Duration,
+) -> Option<Result<(usize, Vec<String>), String>> {
+    let (Backend::Redis, Some(settings)) = (config.limiter.backend, &config.redis) else {
+        return None;
+    };
+    let redis = match RedisBackend::from_settings(settings, None) {
+        Ok(r) => r,
+        Err(e) => return Some(Err(e.to_string())),
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return Some(Err(e.to_string())),
+    };
+    let read = rt.block_on(async {
+        tokio::time::timeout(
+            budget,
+            crate::apikeys::runtime::conflicts(&redis, config.key_prefix(), &config.keys),
+        )
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} ms", budget.as_millis())))
+    });
+    Some(read.map_err(|e| redis.redact(&e)))
+}
+
 /// `gateway keys`: the runtime keys in Redis, as `/keys` changes them (the
 /// replicas follow within a second).
 pub fn keys(config: &Config, ask: KeysAsk) -> Result<Value, String> {

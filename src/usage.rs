@@ -167,21 +167,32 @@ pub fn rows(
     reclaimable: &HashMap<String, u64>,
 ) -> Vec<Row> {
     let prefix = format!("{}k:", period_prefix(config.key_prefix(), period, span));
-    // Keys by id, once: a report may have a row for each of a million.
-    let keys: HashMap<&str, KeyRef<'_>> = config.keys.iter().map(|k| (k.id, k)).collect();
     let mut rows: Vec<Row> = found
         .into_iter()
         .filter_map(|(key, value)| {
             let back = reclaimable.get(&key).copied().unwrap_or(0);
             let id = unescape(key.strip_prefix(&prefix)?)?;
             let used = count_of(&value?, span.end)?.saturating_sub(back);
-            let limit = keys
-                .get(id.as_str())
-                .and_then(|k| limit_of(config, k, period));
-            Some(Row { id, used, limit })
+            Some(Row {
+                id,
+                used,
+                limit: None,
+            })
         })
         .collect();
     rows.sort_by(|a, b| a.id.cmp(&b.id));
+    // Each row's limit in one pass over the keys (maybe a million), with a
+    // map of the rows' ids only, not of every key.
+    let at: HashMap<String, usize> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id.clone(), i))
+        .collect();
+    for k in config.keys.iter() {
+        if let Some(&i) = at.get(k.id) {
+            rows[i].limit = limit_of(config, &k, period);
+        }
+    }
     rows
 }
 

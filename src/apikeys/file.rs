@@ -23,7 +23,7 @@ use serde_json::value::RawValue;
 
 use super::{Builder, KeySet, Origin, Refused};
 use crate::calendar::Period;
-use crate::config::{ApiKey, Burst, Plan, Quota};
+use crate::config::{rules, ApiKey, Burst, Plan, Quota};
 
 /// Problems listed at most; the rest are counted.
 const SHOWN: usize = 20;
@@ -362,25 +362,17 @@ fn quota(limit: f64, period: &str) -> Result<Quota, String> {
 }
 
 fn one_per_period(q: &[Quota]) -> Result<(), String> {
-    for (i, a) in q.iter().enumerate() {
-        if q[..i].iter().any(|b| b.period == a.period) {
-            return Err(format!(
-                "a {} quota is already given: one quota per period",
-                a.period.as_str()
-            ));
-        }
-    }
-    Ok(())
+    (0..q.len()).try_for_each(|i| rules::new_period(&q[..i], q[i].period))
 }
 
 /// A whole number in 1..=2^40, as `[[api_keys]]` takes it.
 fn whole(name: &str, v: f64) -> Result<u64, String> {
-    if v.fract() == 0.0 && (1.0..=(1u64 << 40) as f64).contains(&v) {
+    if v.fract() == 0.0 && (1.0..=rules::MAX_COUNT as f64).contains(&v) {
         Ok(v as u64)
     } else {
         Err(format!(
             "`{name}`: expected a whole number from 1 to {}",
-            1u64 << 40
+            rules::MAX_COUNT
         ))
     }
 }
@@ -427,14 +419,7 @@ pub fn record(k: &Checked) -> String {
 
 fn checked(f: Fields<'_>, plans: &BTreeMap<String, Plan>) -> Result<Checked, String> {
     checked_with(f, |plan| {
-        if plans.contains_key(plan) {
-            return Ok(());
-        }
-        let names: Vec<&str> = plans.keys().map(String::as_str).collect();
-        Err(format!(
-            "plan \"{plan}\" is not defined; defined plans: [{}]",
-            names.join(", ")
-        ))
+        rules::plan(plan, plans.keys().map(String::as_str))
     })
 }
 
@@ -442,32 +427,17 @@ fn checked_with(
     f: Fields<'_>,
     plan_ok: impl Fn(&str) -> Result<(), String>,
 ) -> Result<Checked, String> {
-    let id = f.id.ok_or("missing `id`")?;
-    if id.is_empty()
-        || id.len() > 64
-        || !id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        return Err(format!(
-            "`id`: expected 1-64 characters of [A-Za-z0-9._-], found \"{id}\""
-        ));
+    // The value rules are the config's (`config::rules`), named by field.
+    fn at(field: &'static str) -> impl Fn(String) -> String {
+        move |e| format!("`{field}`: {e}")
     }
+    let id = f.id.ok_or("missing `id`")?;
+    rules::name(&id).map_err(at("id"))?;
     let plan = f.plan.ok_or("missing `plan`")?;
     plan_ok(&plan)?;
     let digest = match (f.key, f.sha256) {
-        (Some(k), None) if k.is_empty() => return Err("`key`: expected a non-empty key".into()),
-        (Some(k), None) => super::digest_of(k.as_bytes()),
-        (None, Some(h)) => {
-            let mut d = [0u8; 32];
-            hex::decode_to_slice(h.trim(), &mut d).map_err(|_| {
-                format!(
-                    "`sha256`: expected 64 hex digits (a SHA-256 digest), found {} characters",
-                    h.chars().count()
-                )
-            })?;
-            d
-        }
+        (Some(k), None) => rules::secret(&k).map_err(at("key"))?,
+        (None, Some(h)) => rules::sha256(&h).map_err(at("sha256"))?,
         (Some(_), Some(_)) => return Err("give either `key` or `sha256`, not both".into()),
         (None, None) => return Err("missing `key` or `sha256`".into()),
     };

@@ -373,34 +373,32 @@ impl Builder {
             s.hash(&mut h);
             h.finish()
         };
-        let mut order: SysVec<(u64, u32), System> =
+        // (hash, start, length): an entry knows where its id lies.
+        let mut order: SysVec<(u64, u32, u8), System> =
             SysVec::with_capacity_in(self.set.len(), System);
         order.extend(
             self.set
                 .by_digest
                 .values()
-                .map(|e| (hash(self.set.view(e).id), e.id_start)),
+                .map(|e| (hash(self.set.view(e).id), e.id_start, e.id_len)),
         );
         order.sort_unstable();
-        fn id_at<'a>(start: u32, ids: &'a [u8], origins: &[(u32, u32)]) -> &'a [u8] {
-            let i = origins.partition_point(|(s, _)| *s < start);
-            let end = origins.get(i + 1).map_or(ids.len(), |(s, _)| *s as usize);
-            &ids[start as usize..end]
-        }
+        let ids = &self.set.ids;
+        let id_at = |start: u32, len: u8| &ids[start as usize..start as usize + len as usize];
         let mut refused = Vec::new();
-        let mut first = order.first().map_or(0, |(_, s)| *s);
+        let mut first = order.first().map_or((0, 0), |(_, s, l)| (*s, *l));
         for pair in order.windows(2) {
-            let ((ha, a), (hb, b)) = (pair[0], pair[1]);
+            let ((ha, a, la), (hb, b, lb)) = (pair[0], pair[1]);
             if ha != hb {
-                first = b;
+                first = (b, lb);
                 continue;
             }
-            let id = id_at(b, &self.set.ids, &self.origins);
+            let id = id_at(b, lb);
             // `first`: the earliest of this run of equal hashes (ids that
             // only share a hash are as rare as 64-bit collisions).
-            let earliest = if id == id_at(first, &self.set.ids, &self.origins) {
-                first
-            } else if id == id_at(a, &self.set.ids, &self.origins) {
+            let earliest = if id == id_at(first.0, first.1) {
+                first.0
+            } else if id == id_at(a, la) {
                 a
             } else {
                 continue;

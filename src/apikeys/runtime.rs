@@ -120,6 +120,40 @@ fn parsed(id: &str, raw: &str) -> Option<Checked> {
     }
 }
 
+/// What `gateway check` finds of the runtime keys in Redis against the
+/// config's (`[[api_keys]]` and the keys file): how many there are, and
+/// each id or secret both hold. The API refuses such an id at creation; a
+/// keys file can still gain one later, which only a check can see.
+pub async fn conflicts(
+    redis: &RedisBackend,
+    prefix: &str,
+    config_keys: &super::KeySet,
+) -> Result<(usize, Vec<String>), String> {
+    let (_, runtime) = read_all(redis, prefix).await?;
+    let ids: std::collections::HashSet<&str> = runtime.iter().map(|k| k.id.as_str()).collect();
+    let mut out: Vec<String> = config_keys
+        .iter()
+        .filter(|k| ids.contains(k.id))
+        .map(|k| {
+            format!(
+                "api key id \"{}\" is in the config and a runtime key in Redis: both secrets would share its buckets (revoke one: gateway keys revoke --id {0})",
+                k.id
+            )
+        })
+        .collect();
+    for k in &runtime {
+        if let Some(c) = config_keys.lookup_digest(&k.digest) {
+            if c.id != k.id {
+                out.push(format!(
+                    "runtime key \"{}\" in Redis has the secret of the config's key \"{}\"",
+                    k.id, c.id
+                ));
+            }
+        }
+    }
+    Ok((runtime.len(), out))
+}
+
 /// Reads the whole hash: the stream position to follow from, and the keys.
 async fn read_all(redis: &RedisBackend, prefix: &str) -> Result<(String, Vec<Checked>), String> {
     // The position first: a change made during the scan is read again

@@ -4,12 +4,12 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use sha2::{Digest, Sha256};
 use toml::de::DeTable;
 
 use super::model::*;
 use super::reader::{join, Reader, Value};
 use super::reader::{name, opt, req};
+use super::rules;
 
 /// An algorithm table: `algorithm` plus its own parameters (others are unknown keys).
 pub(super) fn limit(
@@ -338,7 +338,7 @@ fn quotas(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<Quota>> {
         r.only_keys(&at, qt, &["limit", "period"]);
         let span = item.span();
         let limit = req(r, qt, &at, Some(&span), "limit", |r, path, v| {
-            r.int(path, v, 1, 1 << 40)
+            r.int(path, v, 1, rules::MAX_COUNT)
         });
         let period = req(r, qt, &at, Some(&span), "period", |r, path, v| {
             r.choice(path, v, &crate::calendar::Period::ALL)
@@ -347,15 +347,8 @@ fn quotas(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<Quota>> {
             ok = false;
             continue;
         };
-        if out.iter().any(|q| q.period == period) {
-            r.error(
-                &join(&at, "period"),
-                Some(&span),
-                format!(
-                    "a {} quota is already given: one quota per period",
-                    period.as_str()
-                ),
-            );
+        if let Err(e) = rules::new_period(&out, period) {
+            r.error(&join(&at, "period"), Some(&span), e);
             ok = false;
             continue;
         }
@@ -388,52 +381,29 @@ pub(super) fn api_key(
     let own_quotas = t.get("quotas").map(|v| quotas(r, &join(p, "quotas"), v));
     let own_burst = burst(r, p, t, span);
     let id = req(r, t, p, Some(span), "id", name);
+    // The value rules are `rules.rs`'s, shared with the keys file.
+    let ruled = |r: &mut Reader<'_>, path: &str, v: &Value<'_>, rule: Result<(), String>| {
+        rule.map_err(|e| r.error(path, Some(&v.span()), e)).ok()
+    };
     let plan = req(r, t, p, Some(span), "plan", |r, path, v| {
         let plan = r.string(path, v)?;
-        if plans.contains(&plan) {
-            Some(plan)
-        } else {
-            r.error(
-                path,
-                Some(&v.span()),
-                format!(
-                    "plan \"{plan}\" is not defined; defined plans: [{}]",
-                    plans.join(", ")
-                ),
-            );
-            None
-        }
+        let rule = rules::plan(&plan, plans.iter().map(String::as_str));
+        ruled(r, path, v, rule).map(|()| plan)
     });
     let digest = match (t.get("key"), t.get("sha256")) {
         (Some(k), None) => {
             let path = join(p, "key");
             let secret = r.string(&path, k)?;
-            if secret.is_empty() {
-                r.error(&path, Some(&k.span()), "expected a non-empty key");
-                None
-            } else {
-                Some(Sha256::digest(secret.as_bytes()).into())
-            }
+            rules::secret(&secret)
+                .map_err(|e| r.error(&path, Some(&k.span()), e))
+                .ok()
         }
         (None, Some(h)) => {
             let path = join(p, "sha256");
             let hex_str = r.string(&path, h)?;
-            let mut digest = [0u8; 32];
-            match hex::decode_to_slice(hex_str.trim(), &mut digest) {
-                Ok(()) => Some(digest),
-                Err(_) => {
-                    // The digest is not the secret, but say only its shape.
-                    r.error(
-                        &path,
-                        Some(&h.span()),
-                        format!(
-                            "expected 64 hex digits (a SHA-256 digest), found {} characters",
-                            hex_str.chars().count()
-                        ),
-                    );
-                    None
-                }
-            }
+            rules::sha256(&hex_str)
+                .map_err(|e| r.error(&path, Some(&h.span()), e))
+                .ok()
         }
         (Some(_), Some(_)) => {
             r.error(p, Some(span), "give either `key` or `sha256`, not both");

@@ -16,6 +16,7 @@ pub mod model;
 mod reader;
 mod redis;
 mod routes;
+pub mod rules;
 mod server;
 mod tls;
 mod upstreams;

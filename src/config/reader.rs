@@ -468,19 +468,12 @@ pub(super) fn cidrs(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec
 /// Names that end up in metric labels and Redis keys: a closed, safe alphabet.
 pub(super) fn name(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<String> {
     let s = r.string(path, v)?;
-    if !s.is_empty()
-        && s.len() <= 64
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        Some(s)
-    } else {
-        r.error(
-            path,
-            Some(&v.span()),
-            format!("expected 1-64 characters of [A-Za-z0-9._-], found \"{s}\""),
-        );
-        None
+    match super::rules::name(&s) {
+        Ok(()) => Some(s),
+        Err(e) => {
+            r.error(path, Some(&v.span()), e);
+            None
+        }
     }
 }
 

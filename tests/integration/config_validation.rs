@@ -5,16 +5,8 @@ use std::path::Path;
 use std::process::Command;
 
 fn check_file(path: &Path) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
-        .args(["check", "--config"])
-        .arg(path)
-        .output()
-        .expect("run gateway check");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).to_string(),
-        String::from_utf8_lossy(&out.stderr).to_string(),
-    )
+    let (code, out, err) = crate::support::gateway_cli(&["check"], path);
+    (code == Some(0), out, err)
 }
 
 fn check(src: &str) -> (bool, String, String) {

@@ -6,48 +6,16 @@
 use crate::support;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
-use support::{GatewayGuard, UpstreamGuard, SERVER};
+use support::{GatewayGuard, UpstreamGuard};
 
 fn config(up: &UpstreamGuard, keys_file: &Path) -> String {
-    format!(
-        r#"
-{SERVER}
-
-[limiter]
-backend = "local"
-
-[clients]
-api_keys_file = "{}"
-
-[plans.free]
-capacity = 1000
-refill_per_sec = 1000
-
-[plans.tiny]
-capacity = 2
-refill_per_sec = 0.001
-
-[[api_keys]]
-id = "inline"
-key = "inline-secret"
-plan = "free"
-
-[[upstreams]]
-name = "up"
-servers = ["{}"]
-
-[[routes]]
-name = "r"
-path_prefix = "/r"
-upstream = "up"
-require_api_key = true
-"#,
-        keys_file.display(),
-        up.addr
-    )
+    let head = format!(
+        "[limiter]\nbackend = \"local\"\n\n[clients]\napi_keys_file = \"{}\"",
+        keys_file.display()
+    );
+    support::key_test_config(&head, up)
 }
 
 /// Replaces the file the way a deployment does: write aside, rename over.
@@ -58,10 +26,7 @@ fn swap(path: &Path, text: &str) {
 }
 
 fn status(g: &GatewayGuard, secret: &str) -> u16 {
-    g.client()
-        .request("GET", "/r", &[("x-api-key", secret)], b"")
-        .expect("request")
-        .status
+    support::key_status(g, secret)
 }
 
 fn line(id: &str, secret: &str, plan: &str) -> String {
@@ -172,19 +137,8 @@ fn check(config: &str) -> (bool, String) {
         .replace("{listen}", "127.0.0.1:18080")
         .replace("{admin}", "127.0.0.1:18081");
     std::fs::write(&path, config).expect("write");
-    let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
-        .args(["check", "--config"])
-        .arg(&path)
-        .output()
-        .expect("run gateway check");
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    let (code, out, err) = support::gateway_cli(&["check"], &path);
+    (code == Some(0), format!("{out}{err}"))
 }
 
 #[test]

@@ -5,51 +5,16 @@
 
 use crate::support;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{free_port, wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
+use support::{free_port, wait_for, Client, GatewayGuard, RedisGuard, UpstreamGuard};
 
 fn config(redis_url: &str, up: &UpstreamGuard) -> String {
-    format!(
-        r#"
-{SERVER}
-
-[limiter]
-backend = "redis"
-retry_after_jitter_ms = 0
-
-[redis]
-urls = ["{redis_url}"]
-timeout_ms = 200
-probe_interval_ms = 100
-
-[plans.free]
-capacity = 1000
-refill_per_sec = 1000
-
-[plans.tiny]
-capacity = 2
-refill_per_sec = 0.001
-
-[[api_keys]]
-id = "inline"
-key = "inline-secret"
-plan = "free"
-
-[[upstreams]]
-name = "up"
-servers = ["{}"]
-
-[[routes]]
-name = "r"
-path_prefix = "/r"
-upstream = "up"
-require_api_key = true
-"#,
-        up.addr
-    )
+    let head = format!(
+        "[limiter]\nbackend = \"redis\"\nretry_after_jitter_ms = 0\n\n[redis]\nurls = [\"{redis_url}\"]\ntimeout_ms = 200\nprobe_interval_ms = 100"
+    );
+    support::key_test_config(&head, up)
 }
 
 fn api(c: &mut Client, method: &str, path: &str, body: &Value) -> (u16, Value) {
@@ -66,10 +31,7 @@ fn api(c: &mut Client, method: &str, path: &str, body: &Value) -> (u16, Value) {
 }
 
 fn status(g: &GatewayGuard, secret: &str) -> u16 {
-    g.client()
-        .request("GET", "/r", &[("x-api-key", secret)], b"")
-        .expect("request")
-        .status
+    support::key_status(g, secret)
 }
 
 /// Waits until every replica answers `want` for `secret`; how long it took.
@@ -286,18 +248,10 @@ fn the_keys_cli_issues_lists_and_revokes() {
     )
     .expect("write");
     let cli = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
-            .arg("keys")
-            .args(args)
-            .arg("--config")
-            .arg(&path)
-            .output()
-            .expect("gateway keys");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).to_string(),
-            String::from_utf8_lossy(&out.stderr).to_string(),
-        )
+        let mut all = vec!["keys"];
+        all.extend_from_slice(args);
+        let (code, out, err) = support::gateway_cli(&all, &path);
+        (code == Some(0), out, err)
     };
     let (ok, out, err) = cli(&[
         "create", "--id", "cli-1", "--plan", "tiny", "--quotas", "5/day",
@@ -330,4 +284,67 @@ fn the_keys_cli_issues_lists_and_revokes() {
     wait_for("the CLI's key revoked", Duration::from_secs(10), || {
         (status(&g, &secret) == 401).then_some(())
     });
+}
+
+/// `gateway check` reads the runtime keys when Redis answers: an id (or a
+/// secret) both they and the config's keys file hold is an error naming
+/// it; a Redis that does not answer is a warning, never a wait.
+#[test]
+fn check_names_an_id_both_redis_and_the_keys_file_hold() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let keys = dir.path().join("keys.jsonl");
+    std::fs::write(
+        &keys,
+        "{\"id\": \"file-1\", \"key\": \"file-secret-1\", \"plan\": \"free\"}\n",
+    )
+    .expect("write");
+    let path = dir.path().join("gateway.toml");
+    let cfg = config(&redis.url(), &up)
+        .replace("{listen}", "127.0.0.1:1")
+        .replace("{admin}", "127.0.0.1:2")
+        .replace(
+            "[plans.free]",
+            &format!(
+                "[clients]\napi_keys_file = \"{}\"\n\n[plans.free]",
+                keys.display()
+            ),
+        );
+    std::fs::write(&path, &cfg).expect("write");
+    let run = |cmd: &[&str]| support::gateway_cli(cmd, &path);
+    let (code, out, err) = run(&["check"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("runtime api keys: 0 in Redis, none sharing"),
+        "{out}"
+    );
+    let (code, _, err) = run(&["keys", "create", "--id", "rider-7", "--plan", "free"]);
+    assert_eq!(code, Some(0), "{err}");
+    // The file gains the runtime key's id afterwards.
+    std::fs::write(
+        &keys,
+        "{\"id\": \"file-1\", \"key\": \"file-secret-1\", \"plan\": \"free\"}\n{\"id\": \"rider-7\", \"key\": \"other-secret\", \"plan\": \"free\"}\n",
+    )
+    .expect("write");
+    let (code, _, err) = run(&["check"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("api key id \"rider-7\" is in the config and a runtime key in Redis"),
+        "{err}"
+    );
+    // Redis gone: a warning, quickly.
+    drop(redis);
+    let t0 = Instant::now();
+    let (code, _, err) = run(&["check"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("warning: runtime api keys not checked"),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "bounded: {:?}",
+        t0.elapsed()
+    );
 }

@@ -21,6 +21,68 @@ use tempfile::TempDir;
 
 pub use http::{Client, Response};
 
+/// Runs the gateway binary's `args` on the config at `config`: its exit
+/// code, stdout and stderr.
+pub fn gateway_cli(args: &[&str], config: &std::path::Path) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gateway"))
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .expect("run the gateway binary");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// A config for the API-key tests: `head` (the `[limiter]`, `[redis]`
+/// and `[clients]` a test needs), then plans free (1,000 a second) and
+/// tiny (2, no refill), the inline key `inline-secret`, and route `/r`,
+/// which needs a key.
+pub fn key_test_config(head: &str, up: &UpstreamGuard) -> String {
+    format!(
+        r#"
+{SERVER}
+
+{head}
+
+[plans.free]
+capacity = 1000
+refill_per_sec = 1000
+
+[plans.tiny]
+capacity = 2
+refill_per_sec = 0.001
+
+[[api_keys]]
+id = "inline"
+key = "inline-secret"
+plan = "free"
+
+[[upstreams]]
+name = "up"
+servers = ["{}"]
+
+[[routes]]
+name = "r"
+path_prefix = "/r"
+upstream = "up"
+require_api_key = true
+"#,
+        up.addr
+    )
+}
+
+/// The status of `GET /r` with `secret` as its API key.
+pub fn key_status(g: &GatewayGuard, secret: &str) -> u16 {
+    g.client()
+        .request("GET", "/r", &[("x-api-key", secret)], b"")
+        .expect("request")
+        .status
+}
+
 /// A port nothing listens on right now, and never handed out before by
 /// this test binary: the kernel may give a port just let go to the next
 /// bind, so two calls could otherwise name one port for two services.
@@ -383,10 +445,7 @@ impl UpstreamGuard {
     /// When the upstream received each request for `path` (microseconds
     /// on its own clock, in order).
     pub fn times(&self, path: &str) -> Vec<u64> {
-        let r = Client::connect(self.addr)
-            .and_then(|mut c| c.get(&format!("/stats/times?path={path}")))
-            .expect("GET /stats/times");
-        serde_json::from_slice(&r.body).expect("times JSON")
+        self.arrivals(path).into_iter().map(|(t, _)| t).collect()
     }
 
     /// When the upstream received each request for `path`, with the
