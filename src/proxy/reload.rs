@@ -9,6 +9,8 @@
 //! `redis.password_file` is watched the same way (and re-read on SIGHUP): a
 //! rotated secret reaches the next Redis connections without a restart.
 //!
+//! `[auth.jwt]` key files are watched too (by their digest): a change
+//! reloads the config, and with it the issuers' keys.
 //! `clients.api_keys_file` is part of the config: a change to it reloads
 //! the config, and a bad line refuses the reload like any bad key. It may
 //! hold a million keys, so it is watched by its metadata (size, times,
@@ -194,6 +196,19 @@ impl Reloader {
         self.live.load().policy.config.clients.api_keys_file.clone()
     }
 
+    /// The `[auth.jwt]` key files the live config reads, each watched.
+    fn jwt_key_files(&self) -> Vec<Watch> {
+        let live = self.live.load();
+        let issuers = live.policy.config.jwt.iter().flat_map(|j| j.issuers.iter());
+        issuers
+            .flat_map(|i| match &i.keys {
+                crate::config::JwtKeys::Files { paths, .. } => paths.clone(),
+                crate::config::JwtKeys::Url(_) => Vec::new(),
+            })
+            .map(|p| Watch::new(Some(&p)))
+            .collect()
+    }
+
     /// Drops the key sets no request holds any more.
     fn drop_retired(&self) {
         let done: Vec<Arc<KeySet>> = {
@@ -363,6 +378,7 @@ impl BackgroundService for Reloader {
         let mut config = Watch::new(Some(&self.path));
         let mut password = Watch::new(self.password_file());
         let mut keys = Watch::by(self.keys_file().as_ref(), metadata);
+        let mut jwt_keys = self.jwt_key_files();
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return,
@@ -374,12 +390,19 @@ impl BackgroundService for Reloader {
                     config.seen_now();
                     password.seen_now();
                     keys = Watch::by(self.keys_file().as_ref(), metadata);
+                    jwt_keys = self.jwt_key_files();
                 }
                 _ = tokio::time::sleep(POLL) => {
                     self.drop_retired();
+                    // Every JWT key file polled (each keeps its own debounce).
+                    let mut jwt_changed = false;
+                    for w in &mut jwt_keys {
+                        jwt_changed |= matches!(w.poll(), Polled::Changed);
+                    }
                     let reloaded = match (config.poll(), keys.poll()) {
                         (Polled::Changed, _) => Some(self.reload("file change").await),
                         (_, Polled::Changed) => Some(self.reload("api_keys_file change").await),
+                        _ if jwt_changed => Some(self.reload("auth.jwt key file change").await),
                         (c, k) => {
                             if let Polled::Unreadable(e) = c {
                                 tracing::warn!(
@@ -402,9 +425,10 @@ impl BackgroundService for Reloader {
                         if ok {
                             self.reloaded().await;
                         }
-                        // The keys file the config now names, as it is now.
+                        // The keys files the config now names, as they are now.
                         config.seen_now();
                         keys = Watch::by(self.keys_file().as_ref(), metadata);
+                        jwt_keys = self.jwt_key_files();
                     }
                     match password.poll() {
                         Polled::Changed => self.reload_password("file change"),

@@ -304,6 +304,20 @@ default_plan = "pro"
         "the dropped key's token, cached before: {}",
         r.text()
     );
+    // A key file is watched: a new HMAC key in it is in force within a
+    // few polls, and the old key's tokens (cached before) are refused.
+    let hs2 = SigningKey::new("hs-2", Algorithm::HS256);
+    let aside = dir.path().join("hs.json.tmp");
+    std::fs::write(&aside, jwks(&[&hs2])).expect("write key file");
+    std::fs::rename(&aside, &hs_file).expect("swap key file");
+    wait_for("the new key file in force", Duration::from_secs(10), || {
+        (get(&g, "/r", &hs2.sign(&internal)).status == 200).then_some(())
+    });
+    assert_eq!(
+        get(&g, "/r", &hs.sign(&internal)).status,
+        401,
+        "the old key's token"
+    );
     // The log names the refusal's reason, never a token.
     let log = g.log();
     assert!(log.contains("rejected_by=\"token:"), "access lines say why");
@@ -470,4 +484,39 @@ fn tokens_keep_working_while_the_jwks_endpoint_is_down_then_stop_when_stale() {
     wait_for("tokens accepted again", Duration::from_secs(5), || {
         (get(&g, "/r", &seen).status == 200).then_some(())
     });
+}
+
+#[test]
+fn an_https_jwks_endpoint_is_trusted_through_its_ca_file_only() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let pki = support::pki::Pki::new();
+    pki.ca("ca");
+    pki.leaf("ca", "jwks", &["IP:127.0.0.1", "localhost"]);
+    let es = SigningKey::new("es-1", Algorithm::ES256);
+    let server = JwksServer::start_tls(jwks(&[&es]), &pki.path("jwks.crt"), &pki.path("jwks.key"));
+    assert!(server.url().starts_with("https://127.0.0.1:"));
+    let cfg = config(&redis, &up, &server.url(), "", 100, 300);
+    let trusted = cfg.replace(
+        "jwks_min_refetch_secs = 2",
+        &format!(
+            "jwks_min_refetch_secs = 2\njwks_ca_file = \"{}\"",
+            pki.path("ca.crt").display()
+        ),
+    );
+    let g = GatewayGuard::start(&trusted);
+    let token = es.sign(&claims(ISS, AUD, "tls-user"));
+    let r = get(&g, "/r", &token);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(server.fetches() >= 1);
+    // Without the CA file the endpoint's certificate is not trusted: no
+    // keys, so the token cannot be checked (503), and the log says why.
+    let g2 = GatewayGuard::start(&cfg);
+    let r = get(&g2, "/r", &token);
+    assert_eq!(r.status, 503, "{}", r.text());
+    let log = g2.log();
+    assert!(
+        log.contains("jwks: fetch failed") && log.contains("TLS"),
+        "{log}"
+    );
 }

@@ -2,9 +2,9 @@
 //! CLI (RSA, P-256, Ed25519) or random (HMAC), tokens signed with
 //! `jsonwebtoken`, and a JWKS endpoint on a loopback port whose set can be
 //! rotated, whose fetches are counted, and which can be stopped (the port
-//! refuses) and started again on the same port.
+//! refuses) and started again on the same port; over plain HTTP or TLS.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -106,17 +106,71 @@ pub fn jwks(keys: &[&SigningKey]) -> String {
     .expect("jwks json")
 }
 
-/// A JWKS endpoint: `GET /jwks` answers the current set.
+/// A JWKS endpoint: `GET /jwks` answers the current set, over plain HTTP
+/// or (`start_tls`) TLS.
 pub struct JwksServer {
     pub addr: SocketAddr,
     body: Arc<Mutex<String>>,
     fetches: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+    tls: Option<Arc<rustls::ServerConfig>>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// Answers one request on `conn`.
+fn answer(conn: impl Read + Write, body: &Mutex<String>, fetches: &AtomicUsize) {
+    let mut reader = BufReader::new(conn);
+    let mut line = String::new();
+    let _ = reader.read_line(&mut line);
+    // The rest of the request head.
+    loop {
+        let mut h = String::new();
+        match reader.read_line(&mut h) {
+            Ok(n) if n > 2 => continue,
+            _ => break,
+        }
+    }
+    let (status, text) = if line.starts_with("GET /jwks ") {
+        fetches.fetch_add(1, Ordering::SeqCst);
+        ("200 OK", body.lock().unwrap().clone())
+    } else {
+        ("404 Not Found", String::from("{}"))
+    };
+    let conn = reader.get_mut();
+    let _ = write!(
+        conn,
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+        text.len()
+    );
+    let _ = conn.flush();
 }
 
 impl JwksServer {
     pub fn start(body: String) -> JwksServer {
+        Self::start_with(body, None)
+    }
+
+    /// Over TLS, with the certificate and key (PEM files) given.
+    pub fn start_tls(body: String, cert: &std::path::Path, key: &std::path::Path) -> JwksServer {
+        use rustls_pki_types::pem::PemObject;
+        use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+            .expect("cert")
+            .collect::<Result<_, _>>()
+            .expect("certs");
+        let key = PrivateKeyDer::from_pem_file(key).expect("key");
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .expect("server config");
+        Self::start_with(body, Some(Arc::new(config)))
+    }
+
+    fn start_with(body: String, tls: Option<Arc<rustls::ServerConfig>>) -> JwksServer {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr");
         let mut s = JwksServer {
@@ -124,6 +178,7 @@ impl JwksServer {
             body: Arc::new(Mutex::new(body)),
             fetches: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
+            tls,
             thread: None,
         };
         s.serve(listener);
@@ -133,6 +188,7 @@ impl JwksServer {
     fn serve(&mut self, listener: TcpListener) {
         listener.set_nonblocking(true).expect("nonblocking");
         let (body, fetches, stop) = (self.body.clone(), self.fetches.clone(), self.stop.clone());
+        let tls = self.tls.clone();
         self.thread = Some(std::thread::spawn(move || {
             while !stop.load(Ordering::SeqCst) {
                 let (conn, _) = match listener.accept() {
@@ -144,36 +200,23 @@ impl JwksServer {
                 };
                 let _ = conn.set_nonblocking(false);
                 let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
-                let mut reader = BufReader::new(conn.try_clone().expect("clone"));
-                let mut line = String::new();
-                let _ = reader.read_line(&mut line);
-                // The rest of the request head.
-                loop {
-                    let mut h = String::new();
-                    match reader.read_line(&mut h) {
-                        Ok(n) if n > 2 => continue,
-                        _ => break,
+                match &tls {
+                    None => answer(conn, &body, &fetches),
+                    Some(config) => {
+                        let Ok(session) = rustls::ServerConnection::new(config.clone()) else {
+                            continue;
+                        };
+                        answer(rustls::StreamOwned::new(session, conn), &body, &fetches);
                     }
                 }
-                let (status, text) = if line.starts_with("GET /jwks ") {
-                    fetches.fetch_add(1, Ordering::SeqCst);
-                    ("200 OK", body.lock().unwrap().clone())
-                } else {
-                    ("404 Not Found", String::from("{}"))
-                };
-                let mut conn = conn;
-                let _ = write!(
-                    conn,
-                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
-                    text.len()
-                );
             }
             // The listener is dropped here: the port refuses from now on.
         }));
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}/jwks", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}/jwks", self.addr)
     }
 
     pub fn set(&self, body: String) {
