@@ -86,16 +86,19 @@ impl Source {
     }
 
     /// Fetches again because a token named a `kid` the set lacks (or keys
-    /// are missing): once per `jwks_min_refetch_secs`; a caller arriving
-    /// while a fetch runs waits for it rather than starting another.
+    /// are missing): once per `jwks_min_refetch_secs`. A caller arriving
+    /// while a fetch runs (the start-up one, a refresh, another caller's)
+    /// waits for it and uses what it brought, rather than starting another
+    /// or giving up before it lands.
     pub async fn refetch(&self) {
         let min = Duration::from_secs(self.settings.min_refetch_secs);
-        let recent = |s: &Self| s.state.lock().tried_at.is_some_and(|t| t.elapsed() < min);
-        if recent(self) {
-            return;
-        }
         let _turn = self.fetching.lock().await;
-        if !recent(self) {
+        let recent = self
+            .state
+            .lock()
+            .tried_at
+            .is_some_and(|t| t.elapsed() < min);
+        if !recent {
             self.fetch_now().await;
         }
     }

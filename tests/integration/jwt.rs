@@ -520,3 +520,30 @@ fn an_https_jwks_endpoint_is_trusted_through_its_ca_file_only() {
         "{log}"
     );
 }
+
+/// The first requests after start-up arrive while the start-up fetch of
+/// the JWKS is on its way: they wait for it and are served, rather than
+/// being told the keys are unavailable (found by the ten runs: under load
+/// the fetch took long enough for a request to give up on it).
+#[test]
+fn a_request_waits_for_the_fetch_already_on_its_way() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let rsa = SigningKey::new("rsa-1", Algorithm::RS256);
+    let server = JwksServer::start(jwks(&[&rsa]));
+    server.set_delay(1500);
+    let cfg = config(&redis, &up, &server.url(), "", 100, 300);
+    let g = GatewayGuard::start(&cfg);
+    let t0 = Instant::now();
+    let r = get(&g, "/r", &rsa.sign(&claims(ISS, AUD, "early")));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        server.fetches(),
+        1,
+        "one fetch: the start-up one, waited for"
+    );
+    println!(
+        "first token while the start-up fetch was on its way: 200 after {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+}

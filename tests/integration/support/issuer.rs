@@ -6,7 +6,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -113,12 +113,14 @@ pub struct JwksServer {
     body: Arc<Mutex<String>>,
     fetches: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+    /// How long each answer waits before it is written.
+    delay_ms: Arc<AtomicU64>,
     tls: Option<Arc<rustls::ServerConfig>>,
     thread: Option<JoinHandle<()>>,
 }
 
 /// Answers one request on `conn`.
-fn answer(conn: impl Read + Write, body: &Mutex<String>, fetches: &AtomicUsize) {
+fn answer(conn: impl Read + Write, body: &Mutex<String>, fetches: &AtomicUsize, delay_ms: u64) {
     let mut reader = BufReader::new(conn);
     let mut line = String::new();
     let _ = reader.read_line(&mut line);
@@ -136,6 +138,7 @@ fn answer(conn: impl Read + Write, body: &Mutex<String>, fetches: &AtomicUsize) 
     } else {
         ("404 Not Found", String::from("{}"))
     };
+    std::thread::sleep(Duration::from_millis(delay_ms));
     let conn = reader.get_mut();
     let _ = write!(
         conn,
@@ -178,6 +181,7 @@ impl JwksServer {
             body: Arc::new(Mutex::new(body)),
             fetches: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
+            delay_ms: Arc::new(AtomicU64::new(0)),
             tls,
             thread: None,
         };
@@ -188,7 +192,7 @@ impl JwksServer {
     fn serve(&mut self, listener: TcpListener) {
         listener.set_nonblocking(true).expect("nonblocking");
         let (body, fetches, stop) = (self.body.clone(), self.fetches.clone(), self.stop.clone());
-        let tls = self.tls.clone();
+        let (tls, delay) = (self.tls.clone(), self.delay_ms.clone());
         self.thread = Some(std::thread::spawn(move || {
             while !stop.load(Ordering::SeqCst) {
                 let (conn, _) = match listener.accept() {
@@ -200,13 +204,15 @@ impl JwksServer {
                 };
                 let _ = conn.set_nonblocking(false);
                 let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+                let delay_ms = delay.load(Ordering::SeqCst);
                 match &tls {
-                    None => answer(conn, &body, &fetches),
+                    None => answer(conn, &body, &fetches, delay_ms),
                     Some(config) => {
                         let Ok(session) = rustls::ServerConnection::new(config.clone()) else {
                             continue;
                         };
-                        answer(rustls::StreamOwned::new(session, conn), &body, &fetches);
+                        let stream = rustls::StreamOwned::new(session, conn);
+                        answer(stream, &body, &fetches, delay_ms);
                     }
                 }
             }
@@ -221,6 +227,11 @@ impl JwksServer {
 
     pub fn set(&self, body: String) {
         *self.body.lock().unwrap() = body;
+    }
+
+    /// Each answer from now on waits `ms` before it is written.
+    pub fn set_delay(&self, ms: u64) {
+        self.delay_ms.store(ms, Ordering::SeqCst);
     }
 
     pub fn fetches(&self) -> usize {
