@@ -354,7 +354,17 @@ impl Fallback {
                     .collect(),
                 None => checks.clone(),
             };
-            let result = redis.decide_shared(asked.clone(), epoch).await;
+            let mut result = redis.decide_shared(asked.clone(), epoch).await;
+            // A call that reached Redis past its deadline wrote nothing, and
+            // Redis answered it: the lateness may be this replica's own (a
+            // saturated process sends late). Sent once more before the
+            // breaker blames Redis, unless something has opened it since.
+            if matches!(result, Err(LimiterError::Late(_)))
+                && redis.epoch() == epoch
+                && self.redis_up.load(Ordering::Acquire)
+            {
+                result = redis.decide_shared(asked.clone(), epoch).await;
+            }
             metrics::redis_call(started.elapsed());
             match result {
                 Ok(mut verdict) => {
