@@ -116,10 +116,7 @@ pub fn presented_key<'a>(
     authorization: impl Iterator<Item = &'a [u8]>,
 ) -> Result<Option<&'a [u8]>, KeyError> {
     let mut found: Option<&[u8]> = None;
-    let bearer = authorization.filter_map(|v| {
-        let v = trim(v);
-        (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| trim(&v[7..]))
-    });
+    let bearer = authorization.filter_map(bearer);
     for k in key_headers.map(trim).chain(bearer) {
         if k.is_empty() {
             continue;
@@ -136,11 +133,16 @@ pub fn presented_key<'a>(
 /// a JWS), and which value carried it.
 pub fn bearer_jwt<'a>(authorization: &[&'a [u8]]) -> Option<(usize, &'a [u8])> {
     authorization.iter().enumerate().find_map(|(i, v)| {
-        let v = trim(v);
-        let token =
-            (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| trim(&v[7..]))?;
-        crate::jwt::looks_like_jwt(token).then_some((i, token))
+        bearer(v)
+            .filter(|t| crate::jwt::looks_like_jwt(t))
+            .map(|t| (i, t))
     })
+}
+
+/// The credential of one `Authorization: Bearer` value, trimmed.
+fn bearer(v: &[u8]) -> Option<&[u8]> {
+    let v = trim(v);
+    (v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer ")).then(|| trim(&v[7..]))
 }
 
 fn trim(v: &[u8]) -> &[u8] {
