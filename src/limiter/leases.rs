@@ -25,6 +25,14 @@
 //!   the shared limit under-admits by them, never over-admits.
 //! - A graceful stop and a reload release every lease (`release`): no
 //!   request spends them after that, and they are owed at once.
+//! - A quota's spending and returns are money: each report of them is
+//!   numbered, and one whose call failed is told again with its number
+//!   (`failed`), ran or not: Redis counts a number once
+//!   (`algorithms::lease::told_before`). So a call that ran and whose
+//!   answer was lost (a Redis stalled between running it and answering)
+//!   bills nothing twice, and one that never ran loses nothing. Numbers
+//!   count in order, so a bucket has at most one call carrying its reports
+//!   out at a time (`Entry::reporting`); spending meanwhile waits for it.
 //! - The books balance: granted = spent + returned + lost + held, where
 //!   held (a gauge) is what this replica still has, live, owed or taken by
 //!   a request in flight.
@@ -34,7 +42,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -63,6 +71,12 @@ fn running_low(tokens: u64, demand: u64) -> bool {
     tokens <= demand / 4
 }
 
+/// How long a quota's reports wait for the call carrying earlier ones
+/// before they go anyway. A call is always answered or failed well within
+/// this (`Settle`); past it, a report of that call told later than newer
+/// ones would not count (numbers count in order).
+const REPORT_WAIT: Duration = Duration::from_secs(10);
+
 /// A lease request for one bucket, sent with a call.
 #[derive(Debug, Clone)]
 pub struct Ask {
@@ -77,6 +91,9 @@ pub struct Ask {
     /// A quota's leased tokens spent since this replica last said so: Redis
     /// takes back itself what a dead holder did not spend (`Ledger`).
     pub spent: u64,
+    /// A quota's report (`spent`, `ret`) number: counted once however
+    /// often it is told (0: nothing to report, or not a quota).
+    pub report: u64,
 }
 
 impl Ask {
@@ -88,6 +105,7 @@ impl Ask {
             ret: o.tokens,
             until: o.until,
             spent: 0,
+            report: 0,
         }
     }
 }
@@ -156,6 +174,12 @@ struct Entry {
     owed: Vec<Owed>,
     /// A quota's leased tokens spent and not yet reported (`Ask::spent`).
     unreported: u64,
+    /// A quota's reports whose call failed: told again first, with their
+    /// numbers, by the next call that reports this bucket.
+    doubts: Vec<Ask>,
+    /// When the call carrying this quota's reports left (cleared by its
+    /// answer or failure): the next reports wait for it (`REPORT_WAIT`).
+    reporting: Option<Instant>,
     /// Tokens requests wanted in this period and in the previous one.
     demand: u64,
     demand_prev: u64,
@@ -216,7 +240,39 @@ impl Entry {
     }
 
     fn holds_any(&self) -> bool {
-        self.tokens > 0 || !self.owed.is_empty() || self.unreported > 0
+        self.tokens > 0
+            || !self.owed.is_empty()
+            || self.unreported > 0
+            || !self.doubts.is_empty()
+            || self.reporting.is_some()
+    }
+
+    /// A quota's reports are out on a call not yet answered.
+    fn reports_out(&self, now: Instant) -> bool {
+        self.reporting
+            .is_some_and(|t| now.saturating_duration_since(t) < REPORT_WAIT)
+    }
+
+    /// Numbers the quota reports a call takes (`asks`, this bucket's, the
+    /// doubts told again already numbered); the bucket's next reports then
+    /// wait for that call.
+    fn number(&mut self, asks: &mut [Ask], reports: &AtomicU64, now: Instant) {
+        if !matches!(self.algorithm, Algorithm::Calendar { .. }) {
+            return;
+        }
+        for a in asks.iter_mut() {
+            if a.report == 0 && (a.spent > 0 || a.ret > 0) {
+                a.report = reports.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if asks.iter().any(|a| a.report > 0) {
+            self.reporting = Some(now);
+        }
+    }
+
+    /// Whether anything waits to be told with the next call.
+    fn pending(&self) -> bool {
+        self.unreported > 0 || !self.owed.is_empty() || !self.doubts.is_empty()
     }
 
     fn new(algorithm: Algorithm, now: Instant) -> Self {
@@ -229,6 +285,8 @@ impl Entry {
             reset_generation: 0,
             owed: Vec::new(),
             unreported: 0,
+            doubts: Vec::new(),
+            reporting: None,
             demand: 0,
             demand_prev: 0,
             period_start: now,
@@ -332,6 +390,36 @@ pub fn debit(requests: &[&[Check]], verdicts: &mut [Verdict], asks: &Asks, grant
     }
 }
 
+/// A call's asks until its answer or failure is applied. Dropped unsettled
+/// (its caller gave up on it: a clustered batch abandoned when the breaker
+/// opened), the call counts as failed after it may have run, so a quota's
+/// reports it carried are told again (`Leases::failed`).
+pub struct Settle<'a> {
+    leases: &'a Leases,
+    asks: &'a Asks,
+    done: bool,
+}
+
+impl Settle<'_> {
+    pub fn granted(mut self, grants: &[Grant], sent: Instant, now_us: Micros) {
+        self.done = true;
+        self.leases.granted(self.asks, grants, sent, now_us);
+    }
+
+    pub fn failed(mut self, ran: bool) {
+        self.done = true;
+        self.leases.failed(self.asks, ran);
+    }
+}
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.leases.failed(self.asks, true);
+        }
+    }
+}
+
 pub struct Leases {
     period: Duration,
     per_shard: usize,
@@ -354,6 +442,9 @@ pub struct Leases {
     /// This process's id in quota ledgers: random, so a replica restarted
     /// after a SIGKILL never takes over what the killed one held.
     holder: std::sync::Arc<str>,
+    /// The next quota report's number (`Ask::report`): increasing, so Redis
+    /// keeps only the last one counted per holder and bucket.
+    reports: AtomicU64,
 }
 
 impl Leases {
@@ -370,6 +461,16 @@ impl Leases {
             replicas: AtomicU32::new(1),
             hasher: Default::default(),
             holder: format!("{:016x}", fastrand::u64(..)).into(),
+            reports: AtomicU64::new(1),
+        }
+    }
+
+    /// Settles `asks` once their call is answered, failed, or given up on.
+    pub fn settle<'a>(&'a self, asks: &'a Asks) -> Settle<'a> {
+        Settle {
+            leases: self,
+            asks,
+            done: false,
         }
     }
 
@@ -565,6 +666,12 @@ impl Leases {
                 continue;
             };
             e.settle(now);
+            if e.reports_out(now) {
+                // Sent when that call's answer comes (`reported`).
+                continue;
+            }
+            let start = asks.len();
+            asks.append(&mut e.doubts);
             let first = asks.len();
             asks.extend(e.owed.drain(..).map(|o| Ask::back(&c, o)));
             let spent = std::mem::take(&mut e.unreported);
@@ -582,6 +689,7 @@ impl Leases {
                 }),
                 None => {}
             }
+            e.number(&mut asks[start..], &self.reports, now);
         }
         self.sized(asks)
     }
@@ -633,6 +741,24 @@ impl Leases {
         if e.tokens == 0 {
             self.leased.lock().remove(&c.key);
         }
+        if e.reports_out(now) {
+            // A quota's reports wait for the call carrying earlier ones
+            // (`reported` asks for them again); a top-up does not.
+            e.owed = owed;
+            if asking {
+                out.push(Ask {
+                    check: c.clone(),
+                    want,
+                    ret: 0,
+                    until: e.until,
+                    spent: 0,
+                    report: 0,
+                });
+            }
+            return;
+        }
+        let start = out.len();
+        out.append(&mut e.doubts);
         let first = owed.first().copied();
         let spent = std::mem::take(&mut e.unreported);
         if asking || first.is_some() || spent > 0 {
@@ -642,9 +768,26 @@ impl Leases {
                 ret: first.map_or(0, |o| o.tokens),
                 until: first.map_or(e.until, |o| o.until),
                 spent,
+                report: 0,
             });
         }
         out.extend(owed.iter().skip(1).map(|o| Ask::back(c, *o)));
+        e.number(&mut out[start..], &self.reports, now);
+    }
+
+    /// The call carrying a quota's reports was answered or failed: the
+    /// bucket's next reports may go, and go with the next call.
+    fn reported(&self, c: &Check) {
+        let pending = match self.shard(&c.key).lock().get_mut(&c.key) {
+            Some(e) => {
+                e.reporting = None;
+                e.pending()
+            }
+            None => false,
+        };
+        if pending {
+            self.owing.lock().insert(c.key.clone(), c.clone());
+        }
     }
 
     /// Applies a call's grants (one per ask, in order). `sent`: when the
@@ -652,8 +795,17 @@ impl Leases {
     pub fn granted(&self, asks: &Asks, grants: &[Grant], sent: Instant, now_us: Micros) {
         let period_us = self.period.as_micros() as i64;
         for (a, g) in asks.asks.iter().zip(grants) {
-            self.book(LeaseEvent::Returned, g.taken_back);
-            self.book(LeaseEvent::Lost, a.ret - g.taken_back.min(a.ret));
+            if a.report > 0 {
+                self.reported(&a.check);
+            }
+            if g.told {
+                // Told again after its answer was lost: its return was
+                // taken back then (a quota's, up to what the ledger held).
+                self.book(LeaseEvent::Returned, a.ret);
+            } else {
+                self.book(LeaseEvent::Returned, g.taken_back);
+                self.book(LeaseEvent::Lost, a.ret - g.taken_back.min(a.ret));
+            }
             if g.tokens == 0 {
                 // Nothing to spare: `asking` stays set, so the bucket is not
                 // asked for again for a period.
@@ -722,16 +874,37 @@ impl Leases {
     /// A call carrying `asks` failed: its buckets may be asked for again.
     /// What it gave back is owed again when the call cannot have run
     /// (`ran`: false), else counted lost: it may have arrived, and a return
-    /// is never sent twice. A quota's are sent again either way: Redis
-    /// takes a return back only up to what its ledger holds for this
-    /// replica, and a call that ran late wrote nothing (`Fence`), so a
-    /// Redis stall does not swallow the spending it reported. (A call that
-    /// ran in time and whose answer was lost has its spending told twice:
-    /// the quota then bills that call's spending twice. Not telling it
-    /// again would give it back with the lease on every stall instead.)
+    /// is never sent twice. A quota's reports are told again either way,
+    /// with their numbers: Redis counts a number once, so a call that ran
+    /// and whose answer was lost bills nothing twice, and one that did not
+    /// run (or ran late and wrote nothing: `Fence`) loses nothing.
     pub fn failed(&self, asks: &Asks, ran: bool) {
         for a in &asks.asks {
-            let again = !ran || matches!(a.check.algorithm, Algorithm::Calendar { .. });
+            if a.report > 0 {
+                let mut shard = self.shard(&a.check.key).lock();
+                let kept = match shard.get_mut(&a.check.key) {
+                    Some(e) => {
+                        e.asking = None;
+                        e.reporting = None;
+                        e.doubts.push(Ask {
+                            want: 0,
+                            ..a.clone()
+                        });
+                        true
+                    }
+                    None => false,
+                };
+                drop(shard);
+                if kept {
+                    self.owing
+                        .lock()
+                        .insert(a.check.key.clone(), a.check.clone());
+                } else {
+                    self.book(LeaseEvent::Lost, a.ret);
+                }
+                continue;
+            }
+            let again = !ran;
             let mut shard = self.shard(&a.check.key).lock();
             let (owes, lost) = match shard.get_mut(&a.check.key) {
                 Some(e) => {
@@ -909,6 +1082,7 @@ mod tests {
                 tokens,
                 until: 0,
                 taken_back: 0,
+                told: false,
             })
             .collect();
         l.granted(&asks, &grants, sent, 0);
@@ -1053,6 +1227,7 @@ mod tests {
                 ret: 0,
                 until: 0,
                 spent: 0,
+                report: 0,
             }],
             replicas: 1,
             min: MIN_GRANT,
@@ -1062,6 +1237,7 @@ mod tests {
             tokens: 10,
             until: 0,
             taken_back: 0,
+            told: false,
         };
         debit(&[&[c][..]], &mut verdicts, &asks, &[grant]);
         // 10 tokens at 100/s: 100 ms more to refill.
@@ -1079,6 +1255,7 @@ mod tests {
                 tokens: if a.want > 0 { tokens } else { 0 },
                 until: 0,
                 taken_back: a.ret,
+                told: false,
             })
             .collect();
         l.granted(asks, &grants, sent, 0);
@@ -1161,6 +1338,64 @@ mod tests {
         l.failed(&asks, true);
         assert!(!l.owing(), "may have run: never sent twice");
         assert_eq!(l.held(), 0, "counted lost");
+    }
+
+    #[test]
+    fn a_quota_report_whose_call_failed_is_told_again_with_its_number() {
+        let l = Leases::new(Duration::from_millis(100), 1000);
+        let now = Instant::now();
+        let q = [Check {
+            algorithm: Algorithm::Calendar {
+                limit: 1000,
+                period: crate::calendar::Period::Month,
+                start: 0,
+                end: i64::MAX / 2,
+            },
+            ..check("q", 1)
+        }];
+        for _ in 0..10 {
+            l.spend(&q, now);
+        }
+        let _ = grant(&l, &q, 20, now);
+        let spend = |n| {
+            for _ in 0..n {
+                let t = l.spend(&q, now);
+                assert!(t.all());
+                l.confirm(&q, &t);
+            }
+        };
+        spend(3);
+        let first = l.returns(now);
+        assert_eq!(first.asks.len(), 1);
+        let (report, spent) = (first.asks[0].report, first.asks[0].spent);
+        assert!(report > 0 && spent == 3, "{first:?}");
+        // While that call is out, new spending waits for it.
+        spend(2);
+        assert!(
+            l.returns(now).is_empty(),
+            "one call with reports out at a time"
+        );
+        // It failed, after it may have run: told again first, same number,
+        // then the spending since under a new one.
+        l.failed(&first, true);
+        let again = l.returns(now);
+        let told: Vec<(u64, u64)> = again.asks.iter().map(|a| (a.report, a.spent)).collect();
+        assert_eq!(told.len(), 2, "{told:?}");
+        assert_eq!(told[0], (report, 3));
+        assert!(told[1].0 > report && told[1].1 == 2, "{told:?}");
+        // Answered (the first counted before): nothing more to tell.
+        let grants: Vec<Grant> = again
+            .asks
+            .iter()
+            .enumerate()
+            .map(|(i, _)| Grant {
+                told: i == 0,
+                ..Grant::default()
+            })
+            .collect();
+        l.granted(&again, &grants, now, 0);
+        assert!(l.returns(now).is_empty());
+        assert_eq!(l.held(), 15, "20 granted, 5 spent");
     }
 
     #[test]

@@ -43,11 +43,12 @@ then, optionally, leases (leases.rs): l, the number of them, r, the replicas
          sharing the limit, g0, the smallest lease worth granting, h, the
          holder (the calling replica's random id, [0-9a-z] only) and hold,
          how long after a quota grant Redis takes its unspent tokens back
-         itself (µs); per lease five values: k (a token bucket, fixed or
+         itself (µs); per lease six values: k (a token bucket, fixed or
          sliding window, quota), want (tokens asked for), ret (unspent
          tokens of an expired lease, given back), until (what its grant
-         answered: see below) and spent (a quota's leased tokens spent since
-         the holder last said so; 0 elsewhere)
+         answered: see below), spent (a quota's leased tokens spent since
+         the holder last said so; 0 elsewhere) and report (a quota's: the
+         number the holder gave this report of spent and ret; 0: none)
 
 A bucket's name carries its rule's parameters (keys.rs), so one bucket has one
 set of parameters however many requests of the batch use it.
@@ -58,6 +59,7 @@ Returns, for each request and each of its tiers:
   reset_after_us (when rejected: the retry time)
   delay_us, for a leaky bucket only (its wait for its slot)
 then per lease: the tokens granted, their `until`, and the tokens taken back
+  (-1: its report was counted before, and nothing of it again)
 then the `now` that was used.
 
 Leases. Returns are taken back before the requests are decided, grants
@@ -81,7 +83,10 @@ A quota's leases are also booked in a ledger beside its count: the hash
 "out reclaim_at": tokens granted to it and neither reported spent nor given
 back, and when Redis takes them back itself. Each grant adds to `out` and
 moves reclaim_at to now + hold; `spent` takes from `out`; a return is taken
-back only up to `out` (so never twice). A holder that dies (SIGKILL) stops
+back only up to `out` (so never twice). A holder numbers its reports and
+a field keeps the last counted, "out reclaim_at told": a report told again
+(its call ran, its answer was lost) is not counted twice; the field stays,
+with nothing out, for a day past reclaim_at. A holder that dies (SIGKILL) stops
 reporting: once reclaim_at passes, its `out` is given back to the count by
 the next call that reads the ledger: one that leases the bucket, or one
 that might be refused by it (the count plus the batch's cost there is over
@@ -97,6 +102,9 @@ algorithms/lease.rs is the model.
 -- behind), or limiter.quota_retention_days (invoices, `gateway usage`). The
 -- gateway builds the script with its own value (redis/mod.rs).
 local QUOTA_KEEP_US = 60000000
+-- How long a holder's last counted report is remembered past its holding
+-- (algorithms/lease.rs's TOLD_KEEP_US).
+local TOLD_KEEP_US = 86400000000
 
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
 local floor, ceil, max, fmod, huge = math.floor, math.ceil, math.max, math.fmod, math.huge
@@ -335,26 +343,26 @@ do
   lease_at = a + m
 end
 local nl, reps, g0, holder, hold = 0, 1, 1, nil, 0
-local lk, lwant, lret, luntil, lspent = {}, {}, {}, {}, {}
+local lk, lwant, lret, luntil, lspent, lreport = {}, {}, {}, {}, {}, {}
 local leased = {}
 if lease_at <= na then
   nl, reps, g0 = tonum(ARGV[lease_at]), tonum(ARGV[lease_at + 1]), tonum(ARGV[lease_at + 2])
   holder, hold = ARGV[lease_at + 3], tonum(ARGV[lease_at + 4])
   if not whole(nl, 0, na) or not whole(reps, 1, 2 ^ 31) or not whole(g0, 1, 2 ^ 40)
       or not (holder and match(holder, '^[0-9a-z]+$')) or not whole(hold, 0, 2 ^ 40)
-      or lease_at + 4 + 5 * nl ~= na then
+      or lease_at + 4 + 6 * nl ~= na then
     return bad('expected leases after the requests')
   end
   for i = 1, nl do
-    local b = lease_at + 5 * i
+    local b = lease_at + 6 * i - 1
     local k, want, ret, til = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
-    local spent = tonum(ARGV[b + 4])
+    local spent, report = tonum(ARGV[b + 4]), tonum(ARGV[b + 5])
     if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
         or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53)
-        or not whole(spent, 0, 2 ^ 40) then
-      return bad('lease ' .. i .. ' is not a token bucket, window or quota with want, ret, until, spent')
+        or not whole(spent, 0, 2 ^ 40) or not whole(report, 0, 2 ^ 53) then
+      return bad('lease ' .. i .. ' is not a token bucket, window or quota with want, ret, until, spent, report')
     end
-    lk[i], lwant[i], lret[i], luntil[i], lspent[i] = k, want, ret, til, spent
+    lk[i], lwant[i], lret[i], luntil[i], lspent[i], lreport[i] = k, want, ret, til, spent, report
     leased[k] = true
   end
 end
@@ -402,23 +410,53 @@ do
       local l = {}
       local raw = call('HGETALL', '{' .. names[k] .. '}:leases')
       for j = 1, #raw, 2 do
-        local o, at = match(raw[j + 1], '^(%d+) (%-?%d+)$')
-        if o then l[raw[j]] = {tonum(o), tonum(at)} end
+        local v = raw[j + 1]
+        local o, at = match(v, '^(%d+) (%-?%d+)$')
+        local told = 0
+        if not o then o, at, told = match(v, '^(%d+) (%-?%d+) (%d+)$') end
+        if o then l[raw[j]] = {tonum(o), tonum(at), tonum(told)} end
       end
       for h, e in pairs(l) do
         if e[2] <= now then
-          if s and s[1] == ws[k] then
-            local back = e[1]
-            if back > s[2] then back = s[2] end
-            s = {s[1], s[2] - back}
-            state[k] = s
-            touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
+          if e[1] > 0 then
+            if s and s[1] == ws[k] then
+              local back = e[1]
+              if back > s[2] then back = s[2] end
+              s = {s[1], s[2] - back}
+              state[k] = s
+              touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
+            end
+            e[1] = 0
+            lchanged[k] = true
           end
-          l[h] = nil
-          lchanged[k] = true
+          if e[3] == 0 or e[2] + TOLD_KEEP_US <= now then
+            l[h] = nil
+            lchanged[k] = true
+          end
         end
       end
       ledgers[k] = l
+    end
+  end
+end
+
+-- A quota's reports counted before are skipped (their call ran and its
+-- answer was lost); the others are booked as counted.
+local lskip = {}
+for i = 1, nl do
+  local k, report = lk[i], lreport[i]
+  if kinds[k] == 6 and report > 0 then
+    local l = ledgers[k]
+    local e = l[holder]
+    if e and e[3] >= report then
+      lskip[i] = true
+    else
+      if not e then
+        e = {0, now + hold, 0}
+        l[holder] = e
+      end
+      e[3] = report
+      lchanged[k] = true
     end
   end
 end
@@ -429,7 +467,7 @@ end
 -- fallback's debts are.
 for i = 1, nl do
   local k, sp = lk[i], lspent[i]
-  if kinds[k] == 6 and sp > 0 then
+  if kinds[k] == 6 and sp > 0 and not lskip[i] then
     local e = ledgers[k][holder]
     if e then
       local own = sp
@@ -451,7 +489,9 @@ local lback = {}
 for i = 1, nl do
   local k, ret, til, s = lk[i], lret[i], luntil[i], state[lk[i]]
   lback[i] = 0
-  if kinds[k] == 6 then
+  if lskip[i] then
+    lback[i], ret = -1, 0
+  elseif kinds[k] == 6 then
     local e = ledgers[k][holder]
     if not e then ret = 0
     elseif ret > e[1] then ret = e[1] end
@@ -615,7 +655,7 @@ for i = 1, nl do
       granted = g
       if kind == 6 then
         local l = ledgers[k]
-        local e = l[holder] or {0, 0}
+        local e = l[holder] or {0, 0, 0}
         e[1], e[2] = e[1] + g, now + hold
         l[holder] = e
         lchanged[k] = true
@@ -637,8 +677,8 @@ for k, _ in pairs(lchanged) do
   call('DEL', key)
   local args, n = {}, 0
   for h, e in pairs(ledgers[k]) do
-    if e[1] > 0 then
-      args[n + 1], args[n + 2] = h, format('%d %d', e[1], e[2])
+    if e[1] > 0 or e[3] > 0 then
+      args[n + 1], args[n + 2] = h, format('%d %d %d', e[1], e[2], e[3])
       n = n + 2
     end
   end

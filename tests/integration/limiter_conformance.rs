@@ -651,7 +651,23 @@ fn model_call(
             *reclaimed += lease::reclaim(&c.algorithm, l, s, now);
         }
     }
-    for a in &asks.asks {
+    // Reports counted before are skipped; the others booked as counted.
+    let told: Vec<bool> = asks
+        .asks
+        .iter()
+        .map(|a| {
+            if !matches!(a.check.algorithm, Algorithm::Calendar { .. }) {
+                return false;
+            }
+            let l = ledgers.entry(a.check.key.clone()).or_default();
+            let told = lease::told_before(l, &asks.holder, a.report);
+            if !told {
+                lease::mark_told(l, &asks.holder, a.report, now, asks.hold_us);
+            }
+            told
+        })
+        .collect();
+    for (a, _) in asks.asks.iter().zip(&told).filter(|(_, t)| !**t) {
         let l = ledgers.entry(a.check.key.clone()).or_default();
         let s = state.entry(a.check.key.clone()).or_default();
         lease::report_spent(&a.check.algorithm, l, s, &asks.holder, a.spent);
@@ -659,7 +675,11 @@ fn model_call(
     let back: Vec<u64> = asks
         .asks
         .iter()
-        .map(|a| {
+        .zip(&told)
+        .map(|(a, told)| {
+            if *told {
+                return 0;
+            }
             let s = state.entry(a.check.key.clone()).or_default();
             if !matches!(a.check.algorithm, Algorithm::Calendar { .. }) {
                 return lease::give_back(&a.check.algorithm, s, now, a.ret, a.until).0;
@@ -696,15 +716,19 @@ fn model_call(
     let grants = asks
         .asks
         .iter()
-        .zip(back)
-        .map(|(a, taken_back)| {
+        .zip(back.into_iter().zip(told))
+        .map(|(a, (taken_back, told))| {
             let s = state.entry(a.check.key.clone()).or_default();
             let g = lease::grant(&a.check.algorithm, s, now, a.want, asks.replicas, asks.min).0;
             if matches!(a.check.algorithm, Algorithm::Calendar { .. }) {
                 let l = ledgers.entry(a.check.key.clone()).or_default();
                 lease::hold(l, &asks.holder, g.tokens, now, asks.hold_us);
             }
-            Grant { taken_back, ..g }
+            Grant {
+                taken_back,
+                told,
+                ..g
+            }
         })
         .collect();
     (verdicts, grants)
@@ -726,6 +750,8 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     let (mut granted, mut back, mut refused_back, mut nothing, mut rejected) = (0u64, 0, 0, 0, 0);
     // A quota's own: granted, taken back, refused back (another minute's).
     let mut quota = [0u64; 3];
+    // Reports told again (their numbers already counted) and skipped.
+    let (mut reports, mut retold, mut skipped) = (std::collections::HashMap::new(), 0, 0);
     for round in 0..60 {
         // A token bucket, the two windows, and a quota (a minute's count:
         // its rounds run long enough to cross into the next minute).
@@ -773,6 +799,7 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                     until: last.until - rng.i64(0..2) * rng.i64(1..3),
                     // Spending reported, sometimes more than is held.
                     spent: rng.u64(0..=last.tokens / 2 + 2) * (which == 6) as u64,
+                    report: 0,
                 }],
                 replicas: rng.u64(1..5),
                 min: rng.u64(1..6),
@@ -788,7 +815,20 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                     ret: 0,
                     until: 0,
                     spent: 0,
+                    report: 0,
                 });
+            }
+            // A quota's report is numbered by its holder: a new number, or
+            // the last one told again (its answer lost), counted once.
+            let first = &mut asks.asks[0];
+            if which == 6 && (first.spent > 0 || first.ret > 0) {
+                let n = reports.entry(asks.holder.to_string()).or_insert(0u64);
+                if *n == 0 || rng.u8(0..3) > 0 {
+                    *n += 1;
+                } else {
+                    retold += 1;
+                }
+                first.report = *n;
             }
             let (verdicts, grants, at) = redis.decide_leasing(&refs, &asks).await.expect("redis");
             assert_eq!(at, now);
@@ -808,6 +848,7 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                 quota[1] += grants[0].taken_back;
                 quota[2] += (ret > 0 && grants[0].taken_back == 0) as u64;
             }
+            skipped += grants.iter().filter(|g| g.told).count();
             last = grants[0];
             nothing += grants.iter().filter(|g| g.tokens == 0).count();
             rejected += expected.iter().flatten().filter(|d| !d.allowed).count();
@@ -818,6 +859,10 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     assert!(
         granted > 1000 && back > 100 && refused_back > 20 && nothing > 100 && rejected > 100,
         "granted {granted}, taken back {back}, returns refused {refused_back}, nothing {nothing}, rejected {rejected}"
+    );
+    assert!(
+        retold > 10 && skipped > 5,
+        "reports told again {retold}, skipped as counted {skipped}"
     );
     assert!(
         quota[0] > 100 && quota[1] > 20 && quota[2] > 5 && reclaimed > 20,
@@ -844,34 +889,38 @@ fn malformed_leases_change_nothing() {
         argv.extend_from_slice(leases);
         server.cmd(&argv)
     };
-    let ok = eval(&["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "0"]);
+    let ok = eval(&["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "0", "0"]);
     assert!(!ok.contains("limiter.lua"), "the valid call: {ok}");
     server.cmd(&["FLUSHALL"]);
     for (what, leases) in [
         (
             "a lease on a sliding log",
-            &["1", "2", "1", "h1", "1000", "2", "5", "0", "0", "0"][..],
+            &["1", "2", "1", "h1", "1000", "2", "5", "0", "0", "0", "0"][..],
         ),
         (
             "two leases announced, one sent",
-            &["2", "2", "1", "h1", "1000", "1", "5", "0", "0", "0"],
+            &["2", "2", "1", "h1", "1000", "1", "5", "0", "0", "0", "0"],
         ),
         (
             "no replicas",
-            &["1", "0", "1", "h1", "1000", "1", "5", "0", "0", "0"],
+            &["1", "0", "1", "h1", "1000", "1", "5", "0", "0", "0", "0"],
         ),
         (
             "a fractional return",
-            &["1", "2", "1", "h1", "1000", "1", "5", "0.5", "0", "0"],
+            &["1", "2", "1", "h1", "1000", "1", "5", "0.5", "0", "0", "0"],
         ),
         ("a lease section cut short", &["1", "2"]),
         (
             "a holder that is not [0-9a-z]",
-            &["1", "2", "1", "h:1", "1000", "1", "5", "0", "0", "0"],
+            &["1", "2", "1", "h:1", "1000", "1", "5", "0", "0", "0", "0"],
+        ),
+        (
+            "a fractional report number",
+            &["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "0", "1.5"],
         ),
         (
             "a negative spent",
-            &["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "-1"],
+            &["1", "2", "1", "h1", "1000", "1", "5", "0", "0", "-1", "0"],
         ),
     ] {
         let out = eval(leases);

@@ -164,13 +164,24 @@ fn window_of(now: Micros, w: i64, s: Option<&State>) -> i64 {
 /// takes them back itself. A holder that dies stops reporting; once its
 /// time is up what it held goes back to the count (`reclaim`). A return is
 /// taken back only up to what the holder holds, so never twice.
+/// A holder numbers its reports (spending and returns): one told again
+/// because its answer was lost counts once (`told_before`).
 pub type Ledger = std::collections::BTreeMap<String, Held>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
     pub out: u64,
     pub reclaim_at: Micros,
+    /// The holder's latest report counted (0: none). Kept with nothing out
+    /// for `TOLD_KEEP_US` past `reclaim_at`, so a report told again after
+    /// its holder's tokens were reclaimed still counts once.
+    pub told: u64,
 }
+
+/// How long a holding that gave everything back still remembers its
+/// holder's last report: a replica cut off for longer that tells a report
+/// again (its answer was lost) has it counted again.
+pub const TOLD_KEEP_US: Micros = 86_400_000_000;
 
 /// Whether a call reads a quota's ledger (and so reclaims what is due): it
 /// leases the bucket, or its requests there (`cost` in all) might find it
@@ -201,32 +212,59 @@ pub fn reclaim(
         if h.reclaim_at > now {
             return true;
         }
-        if let Some(State::Window { window, count }) = state {
-            if *window == end {
-                let b = h.out.min(*count);
-                *count -= b;
-                back += b;
+        if h.out > 0 {
+            if let Some(State::Window { window, count }) = state {
+                if *window == end {
+                    let b = h.out.min(*count);
+                    *count -= b;
+                    back += b;
+                }
             }
+            h.out = 0;
         }
-        false
+        h.told > 0 && now < h.reclaim_at + TOLD_KEEP_US
     });
     back
 }
 
-/// A ledger as Redis holds it: field = holder, value = "out reclaim_at"
-/// (a field that does not read so is left out, as `limiter.lua` does).
+/// A ledger as Redis holds it: field = holder, value = "out reclaim_at
+/// told" (`told` absent: 0; a field that does not read so is left out, as
+/// `limiter.lua` does).
 pub fn parse_ledger(fields: Vec<(String, String)>) -> Ledger {
     fields
         .into_iter()
         .filter_map(|(holder, v)| {
-            let (out, at) = v.split_once(' ')?;
+            let mut parts = v.split(' ');
             let held = Held {
-                out: out.parse().ok()?,
-                reclaim_at: at.parse().ok()?,
+                out: parts.next()?.parse().ok()?,
+                reclaim_at: parts.next()?.parse().ok()?,
+                told: parts.next().map_or(Some(0), |t| t.parse().ok())?,
             };
-            Some((holder, held))
+            parts.next().is_none().then_some((holder, held))
         })
         .collect()
+}
+
+/// Whether a holder's report numbered `report` was counted before: its
+/// call ran and the answer was lost, so the holder tells it again, and
+/// its spending and returns are not counted twice. 0: not numbered.
+pub fn told_before(ledger: &Ledger, holder: &str, report: u64) -> bool {
+    report > 0 && ledger.get(holder).is_some_and(|h| h.told >= report)
+}
+
+/// Books a report as counted (a holding with nothing out is made for it).
+/// A holder never has two calls carrying reports of one bucket out at once
+/// (`Leases`), so its reports arrive in their order.
+pub fn mark_told(ledger: &mut Ledger, holder: &str, report: u64, now: Micros, hold: u64) {
+    if report == 0 {
+        return;
+    }
+    let h = ledger.entry(holder.to_string()).or_insert(Held {
+        out: 0,
+        reclaim_at: now + hold as Micros,
+        told: 0,
+    });
+    h.told = h.told.max(report);
 }
 
 /// What a ledger gives back at `now` (holdings whose time is up).
@@ -285,6 +323,7 @@ pub fn hold(ledger: &mut Ledger, holder: &str, granted: u64, now: Micros, hold: 
     let h = ledger.entry(holder.to_string()).or_insert(Held {
         out: 0,
         reclaim_at: 0,
+        told: 0,
     });
     h.out += granted;
     h.reclaim_at = now + hold as Micros;
@@ -299,6 +338,9 @@ pub struct Grant {
     pub until: i64,
     /// Tokens of the call's return taken back (reported with the grant).
     pub taken_back: u64,
+    /// The ask's report was counted before (`told_before`): nothing of it
+    /// was counted again.
+    pub told: bool,
 }
 
 /// Grants a lease of up to `want` tokens, a `replicas`th of what is left at
@@ -334,6 +376,7 @@ pub fn grant(
             tokens: g,
             until,
             taken_back: 0,
+            told: false,
         },
         Some(e.ttl_us),
     )
@@ -420,15 +463,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_quota_takes_back_only_its_own_periods_tokens() {
-        let (start, end) = (NOW - 10, NOW + 3_600_000_000);
-        let q = Algorithm::Calendar {
+    /// A quota of 100 an hour, its period begun just before `NOW`.
+    fn hour_of_100() -> Algorithm {
+        Algorithm::Calendar {
             limit: 100,
             period: crate::calendar::Period::Hour,
-            start,
-            end,
-        };
+            start: NOW - 10,
+            end: NOW + 3_600_000_000,
+        }
+    }
+
+    #[test]
+    fn a_quota_takes_back_only_its_own_periods_tokens() {
+        let end = NOW + 3_600_000_000;
+        let q = hour_of_100();
         let mut s = None;
         let (g, _) = grant(&q, &mut s, NOW, 30, 2, 4);
         assert_eq!(
@@ -455,13 +503,7 @@ mod tests {
 
     #[test]
     fn a_dead_holders_quota_lease_comes_back_when_its_time_is_up() {
-        let end = NOW + 3_600_000_000;
-        let q = Algorithm::Calendar {
-            limit: 100,
-            period: crate::calendar::Period::Hour,
-            start: NOW - 10,
-            end,
-        };
+        let q = hour_of_100();
         let (mut s, mut l) = (None, Ledger::new());
         let (a, _) = grant(&q, &mut s, NOW, 30, 2, 4);
         hold(&mut l, "a", a.tokens, NOW, 200);
@@ -490,6 +532,54 @@ mod tests {
         assert!(!reads_ledger(&q, s.as_ref(), 85, false));
         assert!(reads_ledger(&q, s.as_ref(), 86, false));
         assert!(!reads_ledger(&q, None, 500, false));
+    }
+
+    #[test]
+    fn a_report_told_again_counts_once_even_after_its_holding_was_reclaimed() {
+        let q = hour_of_100();
+        let (mut s, mut l) = (None, Ledger::new());
+        let (a, _) = grant(&q, &mut s, NOW, 40, 1, 4);
+        hold(&mut l, "a", a.tokens, NOW, 200);
+        // Report 1 (spent 10) is counted; its answer is lost, so A tells
+        // it again: nothing more is charged.
+        let tell = |l: &mut Ledger, s: &mut Option<State>, report: u64, spent: u64, at| {
+            if told_before(l, "a", report) {
+                return false;
+            }
+            report_spent(&q, l, s, "a", spent);
+            mark_told(l, "a", report, at, 200);
+            true
+        };
+        assert!(tell(&mut l, &mut s, 1, 10, NOW));
+        assert!(!tell(&mut l, &mut s, 1, 10, NOW + 1));
+        assert_eq!(l["a"].out, 30);
+        assert_eq!(available(&q, s.as_ref(), NOW), 60);
+        // A is cut off past its hold: its 30 come back, its number stays.
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200), 30);
+        assert_eq!(
+            l["a"],
+            Held {
+                out: 0,
+                reclaim_at: NOW + 200,
+                told: 1
+            }
+        );
+        // Back, it tells report 1 again (counted: nothing) and report 2,
+        // 5 spent since: charged again, as a late report is.
+        assert!(!tell(&mut l, &mut s, 1, 10, NOW + 300));
+        assert!(tell(&mut l, &mut s, 2, 5, NOW + 300));
+        assert_eq!(available(&q, s.as_ref(), NOW), 85);
+        // Redis keeps the number a day past the holding, as "0 at told".
+        let raw = vec![("a".to_string(), format!("0 {} 2", NOW + 200))];
+        assert_eq!(parse_ledger(raw), l);
+        let old = vec![("b".to_string(), "7 9".to_string())];
+        assert_eq!(
+            parse_ledger(old)["b"].told,
+            0,
+            "a ledger from before numbers"
+        );
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200 + TOLD_KEEP_US), 0);
+        assert!(l.is_empty(), "forgotten a day later: {l:?}");
     }
 
     #[test]

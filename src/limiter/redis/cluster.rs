@@ -207,6 +207,9 @@ impl Inner {
                     async move {
                         let parts: Vec<&[Check]> =
                             shares.iter().map(|(_, c)| c.as_slice()).collect();
+                        // Settled however this call ends (its future may be
+                        // dropped when the batch is abandoned).
+                        let settle = self.leases.as_ref().map(|l| l.settle(asks));
                         let mut conn = conn?;
                         let result = match run_script(self, &mut conn, &parts, asks, *spans, false)
                             .await
@@ -225,16 +228,16 @@ impl Inner {
                         };
                         // A call that ran took its grants, whatever the batch's
                         // other calls did.
-                        match (result, &self.leases) {
-                            (Ok((mut verdicts, grants, now_us)), Some(leases)) => {
-                                leases.granted(asks, &grants, sent, now_us);
+                        match (result, settle) {
+                            (Ok((mut verdicts, grants, now_us)), Some(settle)) => {
+                                settle.granted(&grants, sent, now_us);
                                 debit(&parts, &mut verdicts, asks, &grants);
                                 Ok(verdicts)
                             }
                             (Ok((verdicts, ..)), None) => Ok(verdicts),
-                            (Err(e), leases) => {
-                                if let Some(leases) = leases {
-                                    leases.failed(asks, e.may_have_run());
+                            (Err(e), settle) => {
+                                if let Some(settle) = settle {
+                                    settle.failed(e.may_have_run());
                                 }
                                 Err(e)
                             }

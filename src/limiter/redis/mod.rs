@@ -566,19 +566,21 @@ impl Inner {
             let call = self.decide_clustered(&conn, requests, &asks);
             return self.answer(call, abandon).await;
         }
+        // Settled however this call ends (this future may be dropped).
+        let settle = self.leases.as_ref().map(|l| l.settle(&asks));
         let call = run_script(self, &mut conn, requests, &asks, false, false);
         let result = self.answer(call, abandon).await;
-        let Some(leases) = &self.leases else {
+        let Some(settle) = settle else {
             return result.map(|(verdicts, ..)| verdicts);
         };
         match result {
             Ok((mut verdicts, grants, now_us)) => {
-                leases.granted(&asks, &grants, sent, now_us);
+                settle.granted(&grants, sent, now_us);
                 debit(requests, &mut verdicts, &asks, &grants);
                 Ok(verdicts)
             }
             Err(e) => {
-                leases.failed(&asks, e.may_have_run());
+                settle.failed(e.may_have_run());
                 Err(e)
             }
         }

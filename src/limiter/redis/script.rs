@@ -175,7 +175,8 @@ pub(super) async fn run_script(
                 .arg(a.want)
                 .arg(a.ret)
                 .arg(a.until)
-                .arg(a.spent);
+                .arg(a.spent)
+                .arg(a.report);
         }
     }
     let reply: Vec<i64> = match send(conn, &cmd, asking).await {
@@ -217,6 +218,7 @@ pub(super) async fn run_script(
             tokens: g[0].max(0) as u64,
             until: g[1],
             taken_back: g[2].max(0) as u64,
+            told: g[2] < 0,
         })
         .collect();
     let mut at = 0;
