@@ -83,10 +83,11 @@ A quota's leases are also booked in a ledger beside its count: the hash
 "out reclaim_at": tokens granted to it and neither reported spent nor given
 back, and when Redis takes them back itself. Each grant adds to `out` and
 moves reclaim_at to now + hold; `spent` takes from `out`; a return is taken
-back only up to `out` (so never twice). A holder numbers its reports and
-a field keeps the last counted, "out reclaim_at told": a report told again
-(its call ran, its answer was lost) is not counted twice; the field stays,
-with nothing out, for a day past reclaim_at. A holder that dies (SIGKILL) stops
+back only up to `out` (so never twice). A holder numbers its reports, and
+a field of its own keeps the last one counted, "<holder>.t" = "told:forget_at"
+(a shape a gateway from before numbers ignores): a report told again (its
+call ran, its answer was lost) is not counted twice. It is forgotten a day
+after the holder's last grant or report. A holder that dies (SIGKILL) stops
 reporting: once reclaim_at passes, its `out` is given back to the count by
 the next call that reads the ledger: one that leases the bucket, or one
 that might be refused by it (the count plus the batch's cost there is over
@@ -102,8 +103,8 @@ algorithms/lease.rs is the model.
 -- behind), or limiter.quota_retention_days (invoices, `gateway usage`). The
 -- gateway builds the script with its own value (redis/mod.rs).
 local QUOTA_KEEP_US = 60000000
--- How long a holder's last counted report is remembered past its holding
--- (algorithms/lease.rs's TOLD_KEEP_US).
+-- How long a holder's last counted report is remembered after its last
+-- grant or report's hold (algorithms/lease.rs's TOLD_KEEP_US).
 local TOLD_KEEP_US = 86400000000
 
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
@@ -407,33 +408,45 @@ do
     local s = state[k]
     if kinds[k] == 6 and (leased[k]
         or (cost[k] and s and s[1] == ws[k] and s[2] + cost[k] > p1s[k])) then
+      -- Per holder {out, reclaim_at, told, forget_at}.
       local l = {}
       local raw = call('HGETALL', '{' .. names[k] .. '}:leases')
       for j = 1, #raw, 2 do
-        local v = raw[j + 1]
-        local o, at = match(v, '^(%d+) (%-?%d+)$')
-        local told = 0
-        if not o then o, at, told = match(v, '^(%d+) (%-?%d+) (%d+)$') end
-        if o then l[raw[j]] = {tonum(o), tonum(at), tonum(told)} end
-      end
-      for h, e in pairs(l) do
-        if e[2] <= now then
-          if e[1] > 0 then
-            if s and s[1] == ws[k] then
-              local back = e[1]
-              if back > s[2] then back = s[2] end
-              s = {s[1], s[2] - back}
-              state[k] = s
-              touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
-            end
-            e[1] = 0
-            lchanged[k] = true
+        local f, v = raw[j], raw[j + 1]
+        local h = match(f, '^([0-9a-z]+)%.t$')
+        if h then
+          local t, fa = match(v, '^(%d+):(%-?%d+)$')
+          if t then
+            local e = l[h] or {0, 0, 0, 0}
+            e[3], e[4] = tonum(t), tonum(fa)
+            l[h] = e
           end
-          if e[3] == 0 or e[2] + TOLD_KEEP_US <= now then
-            l[h] = nil
-            lchanged[k] = true
+        else
+          local o, at = match(v, '^(%d+) (%-?%d+)$')
+          if o then
+            local e = l[f] or {0, 0, 0, 0}
+            e[1], e[2] = tonum(o), tonum(at)
+            l[f] = e
           end
         end
+      end
+      for h, e in pairs(l) do
+        if e[1] > 0 and e[2] <= now then
+          if s and s[1] == ws[k] then
+            local back = e[1]
+            if back > s[2] then back = s[2] end
+            s = {s[1], s[2] - back}
+            state[k] = s
+            touch(k, max(0, s[1] - now) + QUOTA_KEEP_US)
+          end
+          e[1] = 0
+          lchanged[k] = true
+        end
+        if e[3] > 0 and e[4] <= now then
+          e[3] = 0
+          lchanged[k] = true
+        end
+        if e[1] == 0 and e[3] == 0 then l[h] = nil end
       end
       ledgers[k] = l
     end
@@ -452,10 +465,10 @@ for i = 1, nl do
       lskip[i] = true
     else
       if not e then
-        e = {0, now + hold, 0}
+        e = {0, 0, 0, 0}
         l[holder] = e
       end
-      e[3] = report
+      e[3], e[4] = report, now + hold + TOLD_KEEP_US
       lchanged[k] = true
     end
   end
@@ -655,8 +668,9 @@ for i = 1, nl do
       granted = g
       if kind == 6 then
         local l = ledgers[k]
-        local e = l[holder] or {0, 0, 0}
+        local e = l[holder] or {0, 0, 0, 0}
         e[1], e[2] = e[1] + g, now + hold
+        if e[3] > 0 then e[4] = now + hold + TOLD_KEEP_US end
         l[holder] = e
         lchanged[k] = true
       end
@@ -677,8 +691,12 @@ for k, _ in pairs(lchanged) do
   call('DEL', key)
   local args, n = {}, 0
   for h, e in pairs(ledgers[k]) do
-    if e[1] > 0 or e[3] > 0 then
-      args[n + 1], args[n + 2] = h, format('%d %d %d', e[1], e[2], e[3])
+    if e[1] > 0 then
+      args[n + 1], args[n + 2] = h, format('%d %d', e[1], e[2])
+      n = n + 2
+    end
+    if e[3] > 0 then
+      args[n + 1], args[n + 2] = h .. '.t', format('%d:%d', e[3], e[4])
       n = n + 2
     end
   end

@@ -172,14 +172,15 @@ pub type Ledger = std::collections::BTreeMap<String, Held>;
 pub struct Held {
     pub out: u64,
     pub reclaim_at: Micros,
-    /// The holder's latest report counted (0: none). Kept with nothing out
-    /// for `TOLD_KEEP_US` past `reclaim_at`, so a report told again after
-    /// its holder's tokens were reclaimed still counts once.
+    /// The holder's latest report counted (0: none), remembered until
+    /// `forget_at` whether or not it still holds tokens, so a report told
+    /// again after its holding was reclaimed still counts once.
     pub told: u64,
+    pub forget_at: Micros,
 }
 
-/// How long a holding that gave everything back still remembers its
-/// holder's last report: a replica cut off for longer that tells a report
+/// How long after a holder's last grant or report's hold its last report
+/// number is remembered: a replica cut off for longer that tells a report
 /// again (its answer was lost) has it counted again.
 pub const TOLD_KEEP_US: Micros = 86_400_000_000;
 
@@ -209,10 +210,7 @@ pub fn reclaim(
     };
     let mut back = 0;
     ledger.retain(|_, h| {
-        if h.reclaim_at > now {
-            return true;
-        }
-        if h.out > 0 {
+        if h.out > 0 && h.reclaim_at <= now {
             if let Some(State::Window { window, count }) = state {
                 if *window == end {
                     let b = h.out.min(*count);
@@ -222,27 +220,52 @@ pub fn reclaim(
             }
             h.out = 0;
         }
-        h.told > 0 && now < h.reclaim_at + TOLD_KEEP_US
+        if h.forget_at <= now {
+            h.told = 0;
+        }
+        h.out > 0 || h.told > 0
     });
     back
 }
 
-/// A ledger as Redis holds it: field = holder, value = "out reclaim_at
-/// told" (`told` absent: 0; a field that does not read so is left out, as
-/// `limiter.lua` does).
+/// A ledger as Redis holds it: field `<holder>` = "out reclaim_at", and
+/// `<holder>.t` = "told:forget_at" (a field that does not read so is left
+/// out, as `limiter.lua` does).
 pub fn parse_ledger(fields: Vec<(String, String)>) -> Ledger {
-    fields
-        .into_iter()
-        .filter_map(|(holder, v)| {
-            let mut parts = v.split(' ');
-            let held = Held {
-                out: parts.next()?.parse().ok()?,
-                reclaim_at: parts.next()?.parse().ok()?,
-                told: parts.next().map_or(Some(0), |t| t.parse().ok())?,
+    let mut ledger = Ledger::new();
+    let blank = Held {
+        out: 0,
+        reclaim_at: 0,
+        told: 0,
+        forget_at: 0,
+    };
+    let holder_ok = |h: &&str| {
+        !h.is_empty()
+            && h.bytes()
+                .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase())
+    };
+    for (field, v) in fields {
+        if let Some(holder) = field.strip_suffix(".t").filter(holder_ok) {
+            let Some((t, at)) = v.split_once(':') else {
+                continue;
             };
-            parts.next().is_none().then_some((holder, held))
-        })
-        .collect()
+            let (Ok(told), Ok(forget_at)) = (t.parse(), at.parse()) else {
+                continue;
+            };
+            let h = ledger.entry(holder.to_string()).or_insert(blank);
+            (h.told, h.forget_at) = (told, forget_at);
+        } else {
+            let Some((out, at)) = v.split_once(' ') else {
+                continue;
+            };
+            let (Ok(out), Ok(reclaim_at)) = (out.parse(), at.parse()) else {
+                continue;
+            };
+            let h = ledger.entry(field).or_insert(blank);
+            (h.out, h.reclaim_at) = (out, reclaim_at);
+        }
+    }
+    ledger
 }
 
 /// Whether a holder's report numbered `report` was counted before: its
@@ -261,10 +284,12 @@ pub fn mark_told(ledger: &mut Ledger, holder: &str, report: u64, now: Micros, ho
     }
     let h = ledger.entry(holder.to_string()).or_insert(Held {
         out: 0,
-        reclaim_at: now + hold as Micros,
+        reclaim_at: 0,
         told: 0,
+        forget_at: 0,
     });
     h.told = h.told.max(report);
+    h.forget_at = now + hold as Micros + TOLD_KEEP_US;
 }
 
 /// What a ledger gives back at `now` (holdings whose time is up).
@@ -324,9 +349,13 @@ pub fn hold(ledger: &mut Ledger, holder: &str, granted: u64, now: Micros, hold: 
         out: 0,
         reclaim_at: 0,
         told: 0,
+        forget_at: 0,
     });
     h.out += granted;
     h.reclaim_at = now + hold as Micros;
+    if h.told > 0 {
+        h.forget_at = now + hold as Micros + TOLD_KEEP_US;
+    }
 }
 
 /// A lease granted to one replica: tokens taken, and what a return of
@@ -556,29 +585,35 @@ mod tests {
         assert_eq!(available(&q, s.as_ref(), NOW), 60);
         // A is cut off past its hold: its 30 come back, its number stays.
         assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200), 30);
-        assert_eq!(
-            l["a"],
-            Held {
-                out: 0,
-                reclaim_at: NOW + 200,
-                told: 1
-            }
-        );
+        assert_eq!((l["a"].out, l["a"].told), (0, 1));
         // Back, it tells report 1 again (counted: nothing) and report 2,
         // 5 spent since: charged again, as a late report is.
         assert!(!tell(&mut l, &mut s, 1, 10, NOW + 300));
         assert!(tell(&mut l, &mut s, 2, 5, NOW + 300));
         assert_eq!(available(&q, s.as_ref(), NOW), 85);
-        // Redis keeps the number a day past the holding, as "0 at told".
-        let raw = vec![("a".to_string(), format!("0 {} 2", NOW + 200))];
-        assert_eq!(parse_ledger(raw), l);
-        let old = vec![("b".to_string(), "7 9".to_string())];
-        assert_eq!(
-            parse_ledger(old)["b"].told,
-            0,
-            "a ledger from before numbers"
+        // Redis keeps the number in a field of its own (a shape a gateway
+        // from before numbers leaves alone), a day past the report's hold.
+        let at = NOW + 300 + 200 + TOLD_KEEP_US;
+        let mut read = parse_ledger(vec![("a.t".to_string(), format!("2:{at}"))]);
+        read.get_mut("a").unwrap().reclaim_at = NOW + 200;
+        assert_eq!(read, l);
+        let fields = [
+            ("b", "7 9"),
+            ("b.t", "3:11"),
+            ("c.t", "7 9"),
+            ("B.t", "3:11"),
+        ];
+        let read = parse_ledger(
+            fields
+                .iter()
+                .map(|(f, v)| (f.to_string(), v.to_string()))
+                .collect(),
         );
-        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200 + TOLD_KEEP_US), 0);
+        assert_eq!(read.len(), 1, "malformed fields left out: {read:?}");
+        assert_eq!((read["b"].out, read["b"].told), (7, 3));
+        assert_eq!(reclaim(&q, &mut l, &mut s, at - 1), 0);
+        assert_eq!(l["a"].told, 2);
+        assert_eq!(reclaim(&q, &mut l, &mut s, at), 0);
         assert!(l.is_empty(), "forgotten a day later: {l:?}");
     }
 
