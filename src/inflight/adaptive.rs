@@ -714,6 +714,9 @@ mod tests {
         (rtts, limits.into_iter().map(|(_, l)| l).collect())
     }
 
+    /// Each request's (end, round trip); each limit chosen, with when.
+    type Timeline = (Vec<(Micros, u64)>, Vec<(Micros, u32)>);
+
     /// `run_waves`, the service time doubled for requests a worker starts
     /// from `slow_from` on; the limits with when each was chosen.
     fn run_slowing(
@@ -723,7 +726,7 @@ mod tests {
         service_us: u64,
         jitter_us: u64,
         slow_from: Micros,
-    ) -> (Vec<(Micros, u64)>, Vec<(Micros, u32)>) {
+    ) -> Timeline {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
         let mut rng = fastrand::Rng::with_seed(11);
