@@ -59,16 +59,6 @@ pub struct Ask {
 pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
     match (config.limiter.backend, &config.redis) {
         (Backend::Redis, Some(settings)) => {
-            let policy = Policy::new(std::sync::Arc::new(config.clone()));
-            let buckets = admission::buckets(
-                &policy,
-                &ask.subject,
-                ask.route.as_deref(),
-                ask.value.as_deref(),
-                ask.quota.as_deref(),
-            )
-            .map_err(|e| e.to_string())?;
-            let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -82,6 +72,35 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
             let redis = RedisBackend::from_settings(settings, None)
                 .map_err(|e| unreachable(e.to_string()))?;
             let redact = |e: String| redis.redact(&e);
+            let mut policy = Policy::new(std::sync::Arc::new(config.clone()));
+            // An id the config does not hold may be a key issued at runtime:
+            // read it from Redis, as a replica's synced copy would hold it.
+            if let Subject::Key(id) = &ask.subject {
+                if config.keys.by_id(id).is_none() {
+                    let found = rt
+                        .block_on(crate::apikeys::runtime::fetch(
+                            &redis,
+                            config.key_prefix(),
+                            id,
+                        ))
+                        .map_err(|e| unreachable(redact(e)))?;
+                    if let Some(key) = found {
+                        let store =
+                            std::sync::Arc::new(crate::apikeys::runtime::RuntimeKeys::default());
+                        store.apply(id, Some(key));
+                        policy = policy.with_runtime_keys(store);
+                    }
+                }
+            }
+            let buckets = admission::buckets(
+                &policy,
+                &ask.subject,
+                ask.route.as_deref(),
+                ask.value.as_deref(),
+                ask.quota.as_deref(),
+            )
+            .map_err(|e| e.to_string())?;
+            let checks: Vec<_> = buckets.iter().map(|b| b.check.clone()).collect();
             let describe = |i: usize| buckets[i].describe();
             rt.block_on(async {
                 if ask.reset {

@@ -154,6 +154,25 @@ pub async fn conflicts(
     Ok((runtime.len(), out))
 }
 
+/// One runtime key as Redis holds it now, by id (`None`: no such key, or
+/// a record that cannot be read, which is logged): for the operator's CLI,
+/// which has no synced copy.
+pub async fn fetch(
+    redis: &RedisBackend,
+    prefix: &str,
+    id: &str,
+) -> Result<Option<Checked>, String> {
+    let records = redis
+        .api_key_records(prefix, &[id.to_string()])
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(records
+        .into_iter()
+        .next()
+        .flatten()
+        .and_then(|raw| parsed(id, &raw)))
+}
+
 /// Reads the whole hash: the stream position to follow from, and the keys.
 async fn read_all(redis: &RedisBackend, prefix: &str) -> Result<(String, Vec<Checked>), String> {
     // The position first: a change made during the scan is read again

@@ -263,6 +263,26 @@ fn the_keys_cli_issues_lists_and_revokes() {
     wait_for("the CLI's key served", Duration::from_secs(10), || {
         (status(&g, &secret) == 200).then_some(())
     });
+    // `gateway limits` finds a runtime key in Redis, as a replica's
+    // `/limits` does: its plan's bucket (tiny: 2), one taken.
+    let (code, out, err) =
+        support::gateway_cli(&["limits", "show", "--key", "cli-1", "--json"], &path);
+    assert_eq!(code, Some(0), "{err}");
+    let v: Value = serde_json::from_str(&out).expect("JSON");
+    let key = v["buckets"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["tier"] == "key"))
+        .unwrap_or_else(|| panic!("a key bucket: {out}"));
+    assert_eq!(
+        (key["limit"].as_u64(), key["remaining"].as_u64()),
+        (Some(2), Some(1)),
+        "{out}"
+    );
+    let (code, _, err) = support::gateway_cli(&["limits", "show", "--key", "nobody"], &path);
+    assert!(
+        code == Some(1) && err.contains("no API key has id \"nobody\""),
+        "{err}"
+    );
     let (ok, out, _) = cli(&["list"]);
     assert!(
         ok && out.contains("\"cli-1\"") && !out.contains(&secret),
