@@ -727,10 +727,8 @@ mod tests {
         jitter_us: u64,
         slow_from: Micros,
     ) -> Timeline {
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
         let mut rng = fastrand::Rng::with_seed(11);
-        let mut service = move |at: Micros| {
+        let service = move |at: Micros| {
             let s = service_us + rng.u64(0..=jitter_us);
             if at >= slow_from {
                 2 * s
@@ -738,6 +736,20 @@ mod tests {
                 s
             }
         };
+        run_served(g, secs, workers, service)
+    }
+
+    /// A server of `workers` workers whose request started at `at` takes
+    /// `service(at)`, with a client that always has a request waiting
+    /// (closed loop at the limit, and the probe's requests past it).
+    fn run_served(
+        g: &mut Gradient,
+        secs: i64,
+        workers: u32,
+        mut service: impl FnMut(Micros) -> u64,
+    ) -> Timeline {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
         let mut free: BinaryHeap<Reverse<Micros>> = (0..workers).map(|_| Reverse(0)).collect();
         // (end, sent, in flight when sent)
         let mut pending: BinaryHeap<Reverse<(Micros, Micros, u32)>> = BinaryHeap::new();
@@ -837,6 +849,28 @@ mod tests {
                 "{workers} x {service} us: p99 {p99:.2}x, past the workers {:.1}%; limits {limits:?}",
                 past * 100.0
             );
+        }
+    }
+
+    /// The known limit (README): service times with a long tail of their
+    /// own (exponential, mean 50 ms: a fifth of answers take half again
+    /// the mean with no queue) read partly as a queue. What share of the
+    /// workers it keeps busy, as a floor that must not get worse.
+    #[test]
+    fn a_server_with_a_long_tail_of_its_own_keeps_part_of_its_workers() {
+        for (workers, floor) in [(4, 0.6), (8, 0.55), (32, 0.2)] {
+            let mut g = Gradient::new(1, 256, 0);
+            let mut rng = fastrand::Rng::with_seed(7);
+            let mean = 50_000.0;
+            let exp = |_| (-(1.0 - rng.f64()).ln() * mean) as u64 + 1;
+            let (rtts, _) = run_served(&mut g, 60, workers, exp);
+            let done = rtts.iter().filter(|(t, _)| *t >= 15_000_000).count();
+            let used = done as f64 * mean / (workers as f64 * 45e6);
+            println!(
+                "{workers} workers, exponential 50 ms: {:.0}% used",
+                used * 100.0
+            );
+            assert!(used >= floor, "{workers}: {:.0}% used", used * 100.0);
         }
     }
 
