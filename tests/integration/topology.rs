@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use support::load::Load;
 use support::topology::{quoted, ClusterGuard, SentinelGuard, MASTER_NAME};
-use support::{family_sum, wait_for, GatewayGuard, UpstreamGuard, SERVER_2_THREADS};
+use support::{family_sum, wait_for, GatewayGuard, RedisGuard, UpstreamGuard, SERVER_2_THREADS};
 
 fn config(redis: &str, up: &UpstreamGuard, tiers: &str) -> String {
     format!(
@@ -439,4 +439,27 @@ fn cluster_master_killed_under_load_keeps_the_bound() {
     // One fault, one fallback: the slot map read before the kill (naming the
     // dead master) is not used again after the failback.
     assert_eq!(fallbacks, 1.0, "fallbacks for one killed master");
+}
+
+/// A cluster node whose bus port (port + 10000) is taken exits at once;
+/// its guard says so, naming the port, instead of waiting ten seconds for
+/// a PING, and a node started on a free port skips such ports.
+#[test]
+fn a_cluster_node_whose_bus_port_is_taken_is_told_and_another_port_is_used() {
+    let bus = (0..50)
+        .filter_map(|_| std::net::TcpListener::bind("127.0.0.1:0").ok())
+        .find(|l| l.local_addr().is_ok_and(|a| a.port() > 10_000))
+        .expect("a listener above port 10000");
+    let port = bus.local_addr().expect("address").port() - 10_000;
+    let args = ["--cluster-enabled", "yes"];
+    let err = std::panic::catch_unwind(|| RedisGuard::start_on(port, &args))
+        .err()
+        .expect("its bus port is taken");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains(&format!("redis-server on port {port} exited at start")),
+        "{msg}"
+    );
+    let node = RedisGuard::start_with(&args);
+    assert_eq!(node.cmd(&["PING"]).trim(), "PONG");
 }

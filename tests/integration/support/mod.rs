@@ -222,22 +222,45 @@ impl RedisGuard {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
-        Self::start_on(free_port(), extra)
+        Self::start_free(extra, None)
     }
 
     /// Starts with `requirepass` (and `masterauth`, for replicas) set.
     pub fn start_with_password(extra: &[&str], password: &str) -> Self {
         let mut args = vec!["--requirepass", password, "--masterauth", password];
         args.extend_from_slice(extra);
-        Self::start_as(free_port(), &args, Some(password))
+        Self::start_free(&args, Some(password))
     }
 
     /// Starts on a given port (to restart a Redis where clients expect it).
     pub fn start_on(port: u16, extra: &[&str]) -> Self {
-        Self::start_as(port, extra, None)
+        Self::start_as(port, extra, None).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    fn start_as(port: u16, extra: &[&str], password: Option<&str>) -> Self {
+    /// On a free port, tried again on another if it could not start there:
+    /// a cluster node also binds its bus port (port + 10000), which another
+    /// test's socket can hold, and then exits at once (one of four
+    /// integration runs lost a cluster node so).
+    fn start_free(extra: &[&str], password: Option<&str>) -> Self {
+        let cluster = extra.contains(&"--cluster-enabled");
+        let mut last = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            if cluster
+                && (port > u16::MAX - 10_000
+                    || TcpListener::bind(("127.0.0.1", port + 10_000)).is_err())
+            {
+                continue;
+            }
+            match Self::start_as(port, extra, password) {
+                Ok(guard) => return guard,
+                Err(e) => last = e,
+            }
+        }
+        panic!("redis-server did not start on five free ports: {last}");
+    }
+
+    fn start_as(port: u16, extra: &[&str], password: Option<&str>) -> Result<Self, String> {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("redis.log");
         let child = Command::new("redis-server")
@@ -252,18 +275,31 @@ impl RedisGuard {
             .stderr(Stdio::null())
             .spawn()
             .expect("start redis-server (is it installed? scripts/test.sh installs it)");
-        let guard = RedisGuard {
+        let mut guard = RedisGuard {
             port,
             child,
             dir,
             password: password.map(str::to_string),
         };
-        wait_for(
+        // Up, or exited (a port it needs was taken): its log says which.
+        let up = wait_for(
             "redis-server to answer PING",
             Duration::from_secs(10),
-            || (guard.cmd(&["PING"]).trim() == "PONG").then_some(()),
+            || {
+                if matches!(guard.child.try_wait(), Ok(Some(_))) {
+                    return Some(false);
+                }
+                (guard.cmd(&["PING"]).trim() == "PONG").then_some(true)
+            },
         );
-        guard
+        if up {
+            return Ok(guard);
+        }
+        let log = std::fs::read_to_string(guard.dir.path().join("redis.log")).unwrap_or_default();
+        Err(format!(
+            "redis-server on port {port} exited at start: {}",
+            log.lines().last().unwrap_or("(no log)")
+        ))
     }
 
     pub fn url(&self) -> String {
@@ -320,6 +356,10 @@ impl Drop for RedisGuard {
     fn drop(&mut self) {
         if std::thread::panicking() {
             print_log("redis", &self.dir.path().join("redis.log"));
+        }
+        // Reaped already (it exited): its PID may be another process's now.
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
         }
         signal(self.child.id(), "CONT"); // a stopped process cannot die until continued
         signal(self.child.id(), "KILL");
