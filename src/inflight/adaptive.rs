@@ -64,10 +64,10 @@ pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
 /// doubles the wait, up to `PROBE_EVERY_MAX` (a probe past the workers of
 /// a small server costs the request behind it a whole service time).
 const PROBE_EVERY: u32 = 4;
+const PROBE_EVERY_MAX: u32 = 64;
 /// A level where one request past the workers is a tenth or more of the
 /// round trip for every request (`queued_at_best`).
 const SMALL_LEVEL: f64 = 10.0;
-const PROBE_EVERY_MAX: u32 = 64;
 /// Means remembered at most (only those measured less busy than every
 /// later one stay past the window: few).
 const MAX_MEANS: usize = 4096;
@@ -609,9 +609,11 @@ mod tests {
     /// The same, with round trips that lag their limit (each request
     /// comes back a round trip after it left, in waves): the interval
     /// after the first fall still holds requests sent under the old limit.
-    /// At 4 workers of 200 ms (an interval of 2 round trips holds a few
-    /// requests) that mix once hid the slower server for an interval, and
-    /// the limit fell to 1 before it was told (settled 3.3 s after).
+    /// A guard, not a reproduction: in the matrix, at 4 workers of 200 ms,
+    /// that mix once hid the slower server for an interval and the limit
+    /// fell to 1 (settled 3.3 s after); this model records each request's
+    /// concurrency when it was sent, so the previous controller passes here
+    /// too.
     #[test]
     fn a_server_that_slows_down_under_lagging_round_trips_is_told_at_once() {
         for (workers, service) in [(4, 200_000), (4, 20_000), (8, 200_000), (32, 50_000)] {
@@ -630,10 +632,6 @@ mod tests {
             // Halved by the doubled round trip, at most: never down to 1,
             // where a slow start begins again.
             let lowest = after.iter().min().copied().unwrap_or(0);
-            println!(
-                "{workers} x {service} us: lowest {lowest}, {:?}",
-                &after[..after.len().min(12)]
-            );
             assert!(
                 settled && lowest + 1 >= workers / 2 && lowest > 1,
                 "{workers} x {service} us: {after:?}"

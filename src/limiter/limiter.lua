@@ -112,6 +112,17 @@ local floor, ceil, max, fmod, huge = math.floor, math.ceil, math.max, math.fmod,
 local format, match = string.format, string.match
 local call, tonum, unpack = redis.call, tonumber, unpack
 
+-- A holder's entry in a quota ledger, {out, reclaim_at, told, forget_at},
+-- made empty if it has none.
+local function holding(l, h)
+  local e = l[h]
+  if not e then
+    e = {0, 0, 0, 0}
+    l[h] = e
+  end
+  return e
+end
+
 local function ceil_us(x)
   if x <= 0 then return 0 end
   return ceil(x)
@@ -417,16 +428,14 @@ do
         if h then
           local t, fa = match(v, '^(%d+):(%-?%d+)$')
           if t then
-            local e = l[h] or {0, 0, 0, 0}
+            local e = holding(l, h)
             e[3], e[4] = tonum(t), tonum(fa)
-            l[h] = e
           end
         else
           local o, at = match(v, '^(%d+) (%-?%d+)$')
           if o then
-            local e = l[f] or {0, 0, 0, 0}
+            local e = holding(l, f)
             e[1], e[2] = tonum(o), tonum(at)
-            l[f] = e
           end
         end
       end
@@ -459,15 +468,11 @@ local lskip = {}
 for i = 1, nl do
   local k, report = lk[i], lreport[i]
   if kinds[k] == 6 and report > 0 then
-    local l = ledgers[k]
-    local e = l[holder]
+    local e = ledgers[k][holder]
     if e and e[3] >= report then
       lskip[i] = true
     else
-      if not e then
-        e = {0, 0, 0, 0}
-        l[holder] = e
-      end
+      e = holding(ledgers[k], holder)
       e[3], e[4] = report, now + hold + TOLD_KEEP_US
       lchanged[k] = true
     end
@@ -667,11 +672,9 @@ for i = 1, nl do
       touch(k, ttl)
       granted = g
       if kind == 6 then
-        local l = ledgers[k]
-        local e = l[holder] or {0, 0, 0, 0}
+        local e = holding(ledgers[k], holder)
         e[1], e[2] = e[1] + g, now + hold
         if e[3] > 0 then e[4] = now + hold + TOLD_KEEP_US end
-        l[holder] = e
         lchanged[k] = true
       end
     end

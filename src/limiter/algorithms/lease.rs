@@ -168,7 +168,7 @@ fn window_of(now: Micros, w: i64, s: Option<&State>) -> i64 {
 /// because its answer was lost counts once (`told_before`).
 pub type Ledger = std::collections::BTreeMap<String, Held>;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Held {
     pub out: u64,
     pub reclaim_at: Micros,
@@ -233,12 +233,6 @@ pub fn reclaim(
 /// out, as `limiter.lua` does).
 pub fn parse_ledger(fields: Vec<(String, String)>) -> Ledger {
     let mut ledger = Ledger::new();
-    let blank = Held {
-        out: 0,
-        reclaim_at: 0,
-        told: 0,
-        forget_at: 0,
-    };
     let holder_ok = |h: &&str| {
         !h.is_empty()
             && h.bytes()
@@ -252,7 +246,7 @@ pub fn parse_ledger(fields: Vec<(String, String)>) -> Ledger {
             let (Ok(told), Ok(forget_at)) = (t.parse(), at.parse()) else {
                 continue;
             };
-            let h = ledger.entry(holder.to_string()).or_insert(blank);
+            let h = ledger.entry(holder.to_string()).or_default();
             (h.told, h.forget_at) = (told, forget_at);
         } else {
             let Some((out, at)) = v.split_once(' ') else {
@@ -261,7 +255,7 @@ pub fn parse_ledger(fields: Vec<(String, String)>) -> Ledger {
             let (Ok(out), Ok(reclaim_at)) = (out.parse(), at.parse()) else {
                 continue;
             };
-            let h = ledger.entry(field).or_insert(blank);
+            let h = ledger.entry(field).or_default();
             (h.out, h.reclaim_at) = (out, reclaim_at);
         }
     }
@@ -282,12 +276,7 @@ pub fn mark_told(ledger: &mut Ledger, holder: &str, report: u64, now: Micros, ho
     if report == 0 {
         return;
     }
-    let h = ledger.entry(holder.to_string()).or_insert(Held {
-        out: 0,
-        reclaim_at: 0,
-        told: 0,
-        forget_at: 0,
-    });
+    let h = ledger.entry(holder.to_string()).or_default();
     h.told = h.told.max(report);
     h.forget_at = now + hold as Micros + TOLD_KEEP_US;
 }
@@ -345,12 +334,7 @@ pub fn hold(ledger: &mut Ledger, holder: &str, granted: u64, now: Micros, hold: 
     if granted == 0 {
         return;
     }
-    let h = ledger.entry(holder.to_string()).or_insert(Held {
-        out: 0,
-        reclaim_at: 0,
-        told: 0,
-        forget_at: 0,
-    });
+    let h = ledger.entry(holder.to_string()).or_default();
     h.out += granted;
     h.reclaim_at = now + hold as Micros;
     if h.told > 0 {
