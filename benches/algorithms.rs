@@ -255,6 +255,7 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
         },
         backend: FallbackState::Local,
         checks: plan.checks.clone(),
+        standing: 0,
     };
     group.bench_function("conclude (both header styles)", |b| {
         b.iter(|| conclude(black_box(&outcome), HeaderStyle::Both, 0))

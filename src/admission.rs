@@ -1318,6 +1318,7 @@ mod tests {
             },
             backend: crate::limiter::FallbackState::Redis,
             checks: checks.into(),
+            standing: 0,
         }
     }
 

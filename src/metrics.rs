@@ -150,6 +150,16 @@ pub fn install() {
             "Leased tokens this replica holds: live, owed back to Redis (sent within a quarter lease period), or taken by a request still being decided"
         );
         gauge!("gateway_lease_tokens_held").set(0.0);
+        describe_gauge!(
+            "gateway_shares_usable",
+            "1 while this replica decides big buckets on its standing shares ([limiter.shares]), else 0"
+        );
+        describe_gauge!(
+            "gateway_shares_entries",
+            "standing shares this replica holds (bounded by limiter.local_max_entries)"
+        );
+        gauge!("gateway_shares_usable").set(0.0);
+        gauge!("gateway_shares_entries").set(0.0);
         gauge!("gateway_requests_in_flight").set(0.0);
         describe_gauge!(
             "gateway_in_flight",
@@ -366,6 +376,8 @@ pub fn late_call_verdict(redis_stalled: bool) {
 /// How a request that reached the limiter was decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecidedBy {
+    /// Every tier on this replica's standing shares (`[limiter.shares]`).
+    Share,
     Lease,
     Redis,
     DeniedCache,
@@ -377,7 +389,8 @@ pub enum DecidedBy {
 }
 
 impl DecidedBy {
-    pub const ALL: [DecidedBy; 7] = [
+    pub const ALL: [DecidedBy; 8] = [
+        DecidedBy::Share,
         DecidedBy::Lease,
         DecidedBy::Redis,
         DecidedBy::DeniedCache,
@@ -389,6 +402,7 @@ impl DecidedBy {
 
     pub fn as_str(self) -> &'static str {
         match self {
+            DecidedBy::Share => "share",
             DecidedBy::Lease => "lease",
             DecidedBy::Redis => "redis",
             DecidedBy::DeniedCache => "denied_cache",
@@ -402,11 +416,18 @@ impl DecidedBy {
 
 /// Counts one request's decision path (handles cached: this is per request).
 pub fn decided_by(path: DecidedBy) {
-    static C: OnceLock<[Counter; 7]> = OnceLock::new();
+    static C: OnceLock<[Counter; 8]> = OnceLock::new();
     C.get_or_init(|| {
         DecidedBy::ALL.map(|p| counter!("gateway_limiter_decisions_total", "path" => p.as_str()))
     })[path as usize]
         .increment(1);
+}
+
+/// `[limiter.shares]`: whether this replica uses its standing shares, and
+/// how many it holds.
+pub fn shares(usable: bool, entries: usize) {
+    gauge!("gateway_shares_usable").set(if usable { 1.0 } else { 0.0 });
+    gauge!("gateway_shares_entries").set(entries as f64);
 }
 
 /// Leased tokens granted, spent, returned or lost.

@@ -3,7 +3,9 @@
 
 use toml::de::DeTable;
 
-use super::model::{Backend, HeaderStyle, LeaseSettings, LimiterSettings, OnRedisFailure, Spelled};
+use super::model::{
+    Backend, HeaderStyle, LeaseSettings, LimiterSettings, OnRedisFailure, SharesSettings, Spelled,
+};
 use super::reader::opt;
 use super::reader::Reader;
 
@@ -26,6 +28,7 @@ pub(super) fn read(
             "retry_after_jitter_ms",
             "local_max_entries",
             "leases",
+            "shares",
             "quota_time_zone",
             "quota_retention_days",
         ],
@@ -63,6 +66,10 @@ pub(super) fn read(
         Some(v) => r.table("limiter.leases", v).and_then(|l| leases(r, l)),
         None => Some(LeaseSettings::default()),
     };
+    let shares = match t.get("shares") {
+        Some(v) => r.table("limiter.shares", v).and_then(|s| shares(r, s)),
+        None => Some(SharesSettings::default()),
+    };
     let zone = opt(r, t, p, "quota_time_zone", chrono_tz::UTC, |r, path, v| {
         let name = r.string(path, v)?;
         match name.parse::<chrono_tz::Tz>() {
@@ -90,6 +97,7 @@ pub(super) fn read(
         retry_after_jitter_ms: jitter?,
         local_max_entries: max_entries?,
         leases: leases?,
+        shares: shares?,
         quota_time_zone: zone?,
         quota_retention_days: retention?,
     })
@@ -110,5 +118,33 @@ fn leases(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<LeaseSettings> {
     Some(LeaseSettings {
         enabled: enabled?,
         period_ms: period_ms?,
+    })
+}
+
+fn shares(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<SharesSettings> {
+    let p = "limiter.shares";
+    r.only_keys(p, t, &["enabled", "fraction"]);
+    let d = SharesSettings::default();
+    let enabled = opt(r, t, p, "enabled", d.enabled, |r, path, v| {
+        r.boolean(path, v)
+    });
+    // Past 0.9 the pool is too small to carry a replica that is joining (it
+    // uses no share for a few seconds) or the traffic of one client on one
+    // replica; under 0.01 a share serves nobody.
+    let fraction = opt(r, t, p, "fraction", d.fraction, |r, path, v| {
+        let f = r.positive_number(path, v)?;
+        if !(0.01..=0.9).contains(&f) {
+            r.error(
+                path,
+                Some(&v.span()),
+                format!("expected a number from 0.01 to 0.9, found {f}"),
+            );
+            return None;
+        }
+        Some(f)
+    });
+    Some(SharesSettings {
+        enabled: enabled?,
+        fraction: fraction?,
     })
 }

@@ -248,6 +248,7 @@ pub struct LimiterSettings {
     pub retry_after_jitter_ms: u64,
     pub local_max_entries: usize,
     pub leases: LeaseSettings,
+    pub shares: SharesSettings,
     /// The calendar that bounds quota periods.
     pub quota_time_zone: chrono_tz::Tz,
     /// A quota period's counts are kept this long after it ends (invoices,
@@ -270,6 +271,25 @@ impl Default for LeaseSettings {
         LeaseSettings {
             enabled: true,
             period_ms: 100,
+        }
+    }
+}
+
+/// `[limiter.shares]`: standing shares, the part of every big token bucket
+/// each replica owns and decides with no call to Redis.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SharesSettings {
+    pub enabled: bool,
+    /// The part of each cut bucket's capacity and rate the replicas own
+    /// between them; Redis keeps the rest (the pool).
+    pub fraction: f64,
+}
+
+impl Default for SharesSettings {
+    fn default() -> Self {
+        SharesSettings {
+            enabled: false,
+            fraction: 0.25,
         }
     }
 }

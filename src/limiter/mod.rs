@@ -13,6 +13,7 @@ pub mod leases;
 mod ledger;
 mod local;
 mod redis;
+pub mod standing;
 
 use std::fmt;
 

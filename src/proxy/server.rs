@@ -24,6 +24,7 @@ use crate::apikeys::runtime::RuntimeKeys;
 use crate::certs::Certificates;
 use crate::clock::SystemClock;
 use crate::config::{Backend, Config};
+use crate::limiter::standing::Standing;
 use crate::limiter::{Fallback, LocalBackend, RedisBackend};
 
 /// The start-up attempt to reach Redis, then the breaker's watchdog and
@@ -358,5 +359,13 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
         config.key_prefix(),
         config.limiter.local_max_entries,
         Duration::from_millis(config.server.startup_redis_wait_ms),
+        config.limiter.shares.enabled.then(|| {
+            Standing::new(
+                config.limiter.shares.fraction,
+                config.limiter.instances,
+                config.limiter.local_max_entries,
+                Fallback::ANNOUNCEMENT_LIFE,
+            )
+        }),
     ))
 }

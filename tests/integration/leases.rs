@@ -8,7 +8,7 @@ use crate::support;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use support::topology::ClusterGuard;
@@ -80,7 +80,7 @@ fn replicas(
 
 /// Clients spraying the hot key over the replicas in turn, each on its own
 /// keep-alive connections, until `stop` says so (or a minute passes).
-struct Spray {
+pub(crate) struct Spray {
     stop: Arc<AtomicBool>,
     admitted: Arc<Vec<AtomicU64>>,
     rejected: Arc<Vec<AtomicU64>>,
@@ -91,10 +91,24 @@ struct Spray {
 }
 
 impl Spray {
-    fn start(targets: &[SocketAddr], clients: usize) -> Self {
+    pub(crate) fn start(targets: &[SocketAddr], clients: usize) -> Self {
+        Self::start_growing(
+            Arc::new(RwLock::new(targets.to_vec())),
+            targets.len(),
+            clients,
+        )
+    }
+
+    /// Over `targets` as they are at each request: replicas added while it
+    /// runs get their turn (at most `most` of them).
+    pub(crate) fn start_growing(
+        targets: Arc<RwLock<Vec<SocketAddr>>>,
+        most: usize,
+        clients: usize,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let admitted: Arc<Vec<AtomicU64>> = Arc::new(targets.iter().map(|_| 0.into()).collect());
-        let rejected: Arc<Vec<AtomicU64>> = Arc::new(targets.iter().map(|_| 0.into()).collect());
+        let admitted: Arc<Vec<AtomicU64>> = Arc::new((0..most).map(|_| 0.into()).collect());
+        let rejected: Arc<Vec<AtomicU64>> = Arc::new((0..most).map(|_| 0.into()).collect());
         let other = Arc::new(AtomicU64::new(0));
         let started = Instant::now();
         let threads = (0..clients)
@@ -105,19 +119,24 @@ impl Spray {
                     rejected.clone(),
                     other.clone(),
                 );
-                let targets = targets.to_vec();
+                let targets = targets.clone();
                 std::thread::spawn(move || {
-                    let mut conns: Vec<Option<Client>> = targets.iter().map(|_| None).collect();
+                    let mut conns: Vec<Option<Client>> = (0..most).map(|_| None).collect();
                     let mut round_trips = Vec::new();
                     let mut n = i;
                     let mut sent_count = 0u64;
                     while !stop.load(Ordering::Relaxed)
                         && started.elapsed() < Duration::from_secs(60)
                     {
-                        let k = n % targets.len();
+                        let target = {
+                            let t = targets.read().expect("targets");
+                            let k = n % t.len();
+                            (k, t[k])
+                        };
+                        let (k, addr) = target;
                         n += 1;
                         if conns[k].is_none() {
-                            conns[k] = Client::connect(targets[k]).ok();
+                            conns[k] = Client::connect(addr).ok();
                         }
                         // Thread i numbers its requests i, i + clients, …
                         let seq = sent_count * clients as u64 + i as u64;
@@ -164,7 +183,7 @@ impl Spray {
         }
     }
 
-    fn admitted(&self) -> u64 {
+    pub(crate) fn admitted(&self) -> u64 {
         self.admitted
             .iter()
             .map(|a| a.load(Ordering::Relaxed))
@@ -183,7 +202,7 @@ impl Spray {
 
     /// Stops the clients; returns admitted per replica and each admitted
     /// request's round trip (µs) by its `x-mock-seq`.
-    fn stop_timed(mut self) -> (Vec<u64>, HashMap<u64, u64>) {
+    pub(crate) fn stop_timed(mut self) -> (Vec<u64>, HashMap<u64, u64>) {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
             let done = t.join().expect("spray thread");
@@ -302,33 +321,11 @@ fn a_hot_key_keeps_its_rate_over_every_interval() {
     let (per, round_trips) = spray.stop_timed();
     let arrivals = up.arrivals("/r");
     assert_eq!(arrivals.len() as u64, per.iter().sum::<u64>());
-    // The bound holds when the gateways decide; the upstream sees each
-    // request a transit later. Over arrivals i..=j the decisions span the
-    // arrivals' span plus transit_i − transit_j, and transit_i is at most
-    // request i's round trip at its client. So for every interval:
-    //   (j − i + 1) ≤ capacity + rate × (t_j − t_i) + rate × round_trip_i,
-    // checked for all pairs at once as max over j of (j − rate·t_j) − min
-    // over i ≤ j of (i − rate·t_i + rate·round_trip_i), plus one.
-    let (mut worst, mut worst_plain) = (f64::MIN, f64::MIN);
-    let (mut low, mut low_plain) = (f64::MAX, f64::MAX);
-    let mut allowance_at_worst = 0.0;
-    let mut low_allowance = 0.0;
-    for (j, &(t, seq)) in arrivals.iter().enumerate() {
-        let seq = seq.expect("every spray request carries x-mock-seq");
-        let rtt = *round_trips
-            .get(&seq)
-            .expect("an admitted request's round trip") as f64
-            / 1e6;
-        let f = j as f64 - RATE * t as f64 / 1e6;
-        if f + RATE * rtt < low {
-            (low, low_allowance) = (f + RATE * rtt, RATE * rtt);
-        }
-        low_plain = low_plain.min(f);
-        worst_plain = worst_plain.max(f - low_plain + 1.0 - CAPACITY);
-        if f - low + 1.0 - CAPACITY > worst {
-            (worst, allowance_at_worst) = (f - low + 1.0 - CAPACITY, low_allowance);
-        }
-    }
+    let Interval {
+        worst,
+        worst_plain,
+        allowance_at_worst,
+    } = worst_interval(&arrivals, &round_trips, CAPACITY, RATE);
     let times: Vec<u64> = arrivals.iter().map(|&(t, _)| t).collect();
     let span = (times[times.len() - 1] - times[0]) as f64 / 1e6;
     let bound = CAPACITY + RATE * span;
@@ -527,4 +524,53 @@ fn a_reset_or_a_smaller_limit_holds_within_a_lease_period() {
         20,
         "the new limit, exactly"
     );
+}
+
+/// The most an interval of the upstream's arrivals saw over capacity +
+/// rate × its span: `worst_plain` by the arrival times alone, `worst` with
+/// the first request's transit allowed (`allowance_at_worst` tokens).
+pub(crate) struct Interval {
+    pub worst: f64,
+    pub worst_plain: f64,
+    pub allowance_at_worst: f64,
+}
+
+pub(crate) fn worst_interval(
+    arrivals: &[(u64, Option<u64>)],
+    round_trips: &HashMap<u64, u64>,
+    capacity: f64,
+    rate: f64,
+) -> Interval {
+    // The bound holds when the gateways decide; the upstream sees each
+    // request a transit later. Over arrivals i..=j the decisions span the
+    // arrivals' span plus transit_i − transit_j, and transit_i is at most
+    // request i's round trip at its client. So for every interval:
+    //   (j − i + 1) ≤ capacity + rate × (t_j − t_i) + rate × round_trip_i,
+    // checked for all pairs at once as max over j of (j − rate·t_j) − min
+    // over i ≤ j of (i − rate·t_i + rate·round_trip_i), plus one.
+    let (mut worst, mut worst_plain) = (f64::MIN, f64::MIN);
+    let (mut low, mut low_plain) = (f64::MAX, f64::MAX);
+    let mut allowance_at_worst = 0.0;
+    let mut low_allowance = 0.0;
+    for (j, &(t, seq)) in arrivals.iter().enumerate() {
+        let seq = seq.expect("every spray request carries x-mock-seq");
+        let rtt = *round_trips
+            .get(&seq)
+            .expect("an admitted request's round trip") as f64
+            / 1e6;
+        let f = j as f64 - rate * t as f64 / 1e6;
+        if f + rate * rtt < low {
+            (low, low_allowance) = (f + rate * rtt, rate * rtt);
+        }
+        low_plain = low_plain.min(f);
+        worst_plain = worst_plain.max(f - low_plain + 1.0 - capacity);
+        if f - low + 1.0 - capacity > worst {
+            (worst, allowance_at_worst) = (f - low + 1.0 - capacity, low_allowance);
+        }
+    }
+    Interval {
+        worst,
+        worst_plain,
+        allowance_at_worst,
+    }
 }

@@ -17,6 +17,7 @@ pub mod lease;
 pub mod outage;
 mod sliding_log;
 mod sliding_window;
+pub mod standing;
 #[cfg(test)]
 mod tests;
 

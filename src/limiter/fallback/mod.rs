@@ -37,6 +37,7 @@ use super::deny_cache::{Denial, DenyCache};
 use super::leases::Leases;
 use super::ledger::Ledger;
 use super::redis::Persistence;
+use super::standing::{self, Standing};
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, OnRedisFailure};
@@ -48,6 +49,7 @@ const PROBES_TO_FAIL_BACK: u32 = 3;
 /// How often a replica announces itself while Redis is up; an announcement
 /// lasts three of these.
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+const _: () = assert!(Fallback::ANNOUNCEMENT_LIFE.as_secs() == 3 * HEARTBEAT_EVERY.as_secs());
 
 /// A sliding log's seed is renewed at most this often (microseconds).
 const LOG_SEED_EVERY_US: i64 = 1_000_000;
@@ -89,8 +91,12 @@ pub enum Outcome {
     Decided {
         verdict: Verdict,
         backend: FallbackState,
-        /// The checks as they were enforced (scaled down when local fallback).
+        /// The checks as they were enforced (scaled down when local
+        /// fallback; a cut bucket's pool when Redis decided it).
         checks: Arc<[Check]>,
+        /// Bit i: tier i was decided on this replica's standing share
+        /// (`checks[i]` is then the bucket's own rule).
+        standing: u64,
     },
     /// A denial remembered from Redis's answer (the denied-until cache)
     /// refused it at once: `checks[tier]` decided it, with `decision`; the
@@ -164,6 +170,9 @@ pub struct Fallback {
     replica_id: String,
     /// Buckets Redis said no for, until when: answered without a call.
     denied: DenyCache,
+    /// `[limiter.shares]`: the part of big buckets this replica decides
+    /// with no call.
+    standing: Option<Standing>,
     /// What this replica admitted locally, to charge on failback.
     ledger: Ledger,
     /// True once the start-up attempt has ended.
@@ -183,7 +192,11 @@ pub struct Fallback {
 }
 
 impl Fallback {
+    /// How long a replica's announcement lives in the replica set.
+    pub const ANNOUNCEMENT_LIFE: Duration = Duration::from_secs(3);
+
     /// `redis = None`: the local backend is the limiter (no failover).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         redis: Option<RedisBackend>,
         local: LocalBackend,
@@ -192,6 +205,7 @@ impl Fallback {
         key_prefix: &str,
         ledger_cap: usize,
         startup_wait: Duration,
+        standing: Option<Standing>,
     ) -> Arc<Self> {
         let has_redis = redis.is_some();
         let f = Arc::new(Fallback {
@@ -208,6 +222,8 @@ impl Fallback {
             resets_seen: Mutex::new(None),
             replica_id: format!("{:016x}", fastrand::u64(..)),
             denied: DenyCache::new(100_000),
+            // Shares are Redis's pool's complement: nothing to cut without it.
+            standing: standing.filter(|_| has_redis),
             ledger: Ledger::new(ledger_cap),
             // Without Redis there is nothing to wait for.
             started: watch::channel(!has_redis).0,
@@ -299,7 +315,52 @@ impl Fallback {
         }
     }
 
+    /// Decides a request's tiers: a cut bucket's tier on this replica's
+    /// standing share when it covers it, every other tier (and a cut one
+    /// its share cannot cover, on the bucket's pool) as `decide_shared_tiers`
+    /// says. All or nothing: a share's tokens go back when another tier
+    /// refuses.
     pub async fn decide(&self, checks: &Arc<[Check]>) -> Outcome {
+        let Some(standing) = &self.standing else {
+            return self.decide_shared_tiers(checks).await;
+        };
+        let Some(pool) = standing.pool_view(checks) else {
+            return self.decide_shared_tiers(checks).await;
+        };
+        let frozen = !self.redis_up.load(Ordering::Acquire);
+        let Some(taken) = standing.take(checks, frozen) else {
+            return self.decide_shared_tiers(&pool).await;
+        };
+        let all = (1u64 << checks.len()) - 1;
+        let covered = taken
+            .decisions
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.is_some())
+            .fold(0u64, |m, (i, _)| m | 1 << i);
+        if covered == all {
+            metrics::decided_by(DecidedBy::Share);
+            return Outcome::Decided {
+                verdict: Verdict {
+                    decisions: taken.decisions.into_iter().flatten().collect(),
+                    now_us: taken.now_us,
+                },
+                backend: FallbackState::Redis,
+                checks: checks.clone(),
+                standing: covered,
+            };
+        }
+        let rest: Arc<[Check]> = pool
+            .iter()
+            .zip(&taken.decisions)
+            .filter(|(_, d)| d.is_none())
+            .map(|(c, _)| c.clone())
+            .collect();
+        let outcome = self.decide_shared_tiers(&rest).await;
+        merge_standing(checks, &taken, outcome, standing)
+    }
+
+    async fn decide_shared_tiers(&self, checks: &Arc<[Check]>) -> Outcome {
         let Some(redis) = &self.redis else {
             metrics::decided_by(DecidedBy::Local);
             return self.local_outcome(checks.clone()).await;
@@ -340,6 +401,7 @@ impl Fallback {
                     },
                     backend: FallbackState::Redis,
                     checks: checks.clone(),
+                    standing: 0,
                 };
             }
         }
@@ -432,6 +494,7 @@ impl Fallback {
                         verdict,
                         backend: FallbackState::Redis,
                         checks: checks.clone(),
+                        standing: 0,
                     };
                 }
                 Err(e) => {
@@ -554,11 +617,44 @@ impl Fallback {
             verdict,
             backend,
             checks,
+            standing: covered,
         } = outcome
         else {
             return;
         };
         metrics::refunded();
+        if *covered != 0 {
+            // The tiers its shares decided go back to them; the others as
+            // where they were decided.
+            let on_share = |i: usize| covered & (1 << i) != 0;
+            if let Some(standing) = &self.standing {
+                let now = SystemClock.now_us();
+                for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
+                    if on_share(i) && d.allowed {
+                        standing.give_back_one(c, now);
+                    }
+                }
+            }
+            let (rest, decisions): (Vec<Check>, Vec<Decision>) = checks
+                .iter()
+                .zip(&verdict.decisions)
+                .enumerate()
+                .filter(|(i, _)| !on_share(*i))
+                .map(|(_, (c, d))| (c.clone(), *d))
+                .unzip();
+            if !rest.is_empty() {
+                self.refund(&Outcome::Decided {
+                    verdict: Verdict {
+                        decisions,
+                        now_us: verdict.now_us,
+                    },
+                    backend: *backend,
+                    checks: rest.into(),
+                    standing: 0,
+                });
+            }
+            return;
+        }
         match (backend, &self.redis) {
             (FallbackState::Redis, Some(redis)) => redis.refund(checks, verdict),
             (FallbackState::Redis, None) => {}
@@ -601,6 +697,7 @@ impl Fallback {
                 verdict,
                 backend: FallbackState::Local,
                 checks,
+                standing: 0,
             },
             Err(_) => Outcome::FailOpen, // the local backend has no failure mode
         }
@@ -655,5 +752,103 @@ impl Fallback {
             tracing::debug!(error = %text, "limiter: probe failed");
         }
         *last = Some(e);
+    }
+}
+
+/// A request some of whose tiers its standing shares covered (`taken`) and
+/// the rest decided by `outcome` (on their pools): one outcome over every
+/// tier, in order, the shares' tokens given back unless it was admitted.
+fn merge_standing(
+    checks: &Arc<[Check]>,
+    taken: &standing::Taken,
+    outcome: Outcome,
+    standing: &Standing,
+) -> Outcome {
+    let covered = taken
+        .decisions
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.is_some())
+        .fold(0u64, |m, (i, _)| m | 1 << i);
+    // Where the j-th undecided tier sits among all.
+    let places: Vec<usize> = (0..checks.len())
+        .filter(|i| covered & (1 << i) == 0)
+        .collect();
+    let merged_checks = |rest: &[Check]| -> Arc<[Check]> {
+        let mut rest = rest.iter();
+        checks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| match covered & (1 << i) {
+                0 => rest.next().cloned().unwrap_or_else(|| c.clone()),
+                _ => c.clone(),
+            })
+            .collect()
+    };
+    match outcome {
+        Outcome::Decided {
+            verdict,
+            backend,
+            checks: rest,
+            ..
+        } => {
+            let mut answered = verdict.decisions.into_iter();
+            let decisions: Vec<Decision> = checks
+                .iter()
+                .zip(&taken.decisions)
+                .map(|(c, d)| match d {
+                    Some(d) => *d,
+                    // A pool's decision tells the bucket's own limit.
+                    None => {
+                        let mut d = answered.next().unwrap_or(Decision {
+                            allowed: false,
+                            limit: 0,
+                            remaining: 0,
+                            retry_after_us: 0,
+                            reset_after_us: 0,
+                            delay_us: 0,
+                        });
+                        if standing.cuts(c) {
+                            d.limit = super::algorithms::quota(&c.algorithm);
+                        }
+                        d
+                    }
+                })
+                .collect();
+            let checks = merged_checks(&rest);
+            let verdict = Verdict {
+                decisions,
+                now_us: verdict.now_us,
+            };
+            if !verdict.admitted(&checks) {
+                standing.give_back(&checks, &taken.decisions);
+            }
+            Outcome::Decided {
+                verdict,
+                backend,
+                checks,
+                standing: covered,
+            }
+        }
+        Outcome::Remembered {
+            checks: rest,
+            tier,
+            decision,
+            now_us,
+        } => {
+            standing.give_back(checks, &taken.decisions);
+            Outcome::Remembered {
+                checks: merged_checks(&rest),
+                tier: places.get(tier).copied().unwrap_or(tier),
+                decision,
+                now_us,
+            }
+        }
+        // Admitted with no limiter: what the shares took stays spent.
+        Outcome::FailOpen => Outcome::FailOpen,
+        Outcome::FailClosed => {
+            standing.give_back(checks, &taken.decisions);
+            Outcome::FailClosed
+        }
     }
 }

@@ -16,6 +16,9 @@ impl Fallback {
         if let Some(leases) = self.redis.as_ref().and_then(RedisBackend::leases) {
             leases.cancel(keys, reset_us);
         }
+        if let Some(standing) = &self.standing {
+            standing.forget(keys);
+        }
         self.local.remove(keys)
     }
 
@@ -28,7 +31,21 @@ impl Fallback {
         checks: &[Check],
     ) -> Result<(FallbackState, Vec<Snapshot>), LimiterError> {
         if let (Some(redis), FallbackState::Redis) = (&self.redis, self.state()) {
-            let (snapshots, _) = redis.peek(checks).await?;
+            let Some(pool) = self.standing.as_ref().and_then(|s| s.pool_view(checks)) else {
+                let (snapshots, _) = redis.peek(checks).await?;
+                return Ok((FallbackState::Redis, snapshots));
+            };
+            // A cut bucket: its pool in Redis and this replica's share.
+            let (mut snapshots, _) = redis.peek(&pool).await?;
+            let standing = self.standing.as_ref().expect("a pool view has shares");
+            for (c, s) in checks.iter().zip(snapshots.iter_mut()) {
+                if standing.cuts(c) {
+                    s.limit = super::super::algorithms::quota(&c.algorithm);
+                    if let Some((tokens, _)) = standing.level(c, false) {
+                        s.remaining += tokens;
+                    }
+                }
+            }
             return Ok((FallbackState::Redis, snapshots));
         }
         Ok((

@@ -91,12 +91,21 @@ impl Fallback {
     /// worker's) opens the breaker, so an idle replica notices an outage too.
     pub(super) async fn heartbeat(&self) {
         let Some(redis) = &self.redis else { return };
+        let sent = Instant::now();
         match redis
-            .heartbeat(&self.replicas_key, &self.replica_id, HEARTBEAT_EVERY * 3)
+            .heartbeat(
+                &self.replicas_key,
+                &self.replica_id,
+                Fallback::ANNOUNCEMENT_LIFE,
+            )
             .await
         {
             Ok(n) => {
                 let n = n.max(1);
+                if let Some(standing) = &self.standing {
+                    standing.heard(sent, Instant::now(), n);
+                    metrics::shares(standing.is_usable(false), standing.len());
+                }
                 if self.replicas.swap(n, Ordering::Relaxed) != n {
                     tracing::info!(replicas = n, "limiter: live replica count");
                 }
@@ -209,6 +218,11 @@ impl Fallback {
     /// with the process on a stop).
     pub async fn release_leases(&self, stop: bool, within: Duration) {
         let Some(redis) = &self.redis else { return };
+        if stop {
+            if let Some(standing) = &self.standing {
+                standing.leave();
+            }
+        }
         let Some(leases) = redis.leases() else { return };
         let deadline = Instant::now() + within;
         leases.release(stop);

@@ -1,0 +1,345 @@
+//! Standing shares: the part of a big token bucket each replica owns without
+//! asking Redis, so a crowd of clients far below their limits costs Redis
+//! nothing while the sum over replicas stays exact. Pure functions of
+//! (parameters, state, now); the store is `limiter::standing`.
+//!
+//! A token bucket of capacity C refilling at r is cut once, by `fraction` f:
+//!
+//! ```text
+//! pool (Redis, as any bucket)    capacity C - ⌊fC⌋         rate (1 - f) r
+//! share (each of n replicas)     capacity ⌊⌊fC⌋ / n⌋       rate f r / n
+//! ```
+//!
+//! A request a replica's share cannot cover goes to the pool. Capacities
+//! add up to at most C and rates to r, and no share's level ever rises but
+//! by its own refill, so over any interval admitted ≤ C + r·T whatever the
+//! traffic's spread:
+//! - a replica joining (or rejoining after it lost touch with Redis) uses no
+//!   share until every other replica has either heard it counted or stopped
+//!   using its own (`JOIN_WAIT`: an announcement's life), and then starts
+//!   every share empty, filling at its rate (`fresh`). Starting full would
+//!   add a share's capacity the others may have spent just before they
+//!   shrank;
+//! - the replica count changing rescales a share keeping its level, clamped
+//!   to the new capacity (`rescale`): shrinking never adds tokens, and
+//!   growing (a replica left) does not hand its unspent tokens to the rest;
+//! - a replica stops using its shares once its announcement may have
+//!   expired in Redis (`Membership::usable`), before the others can count
+//!   it gone and grow.
+//!
+//! What it costs: a client whose requests all reach one replica gets that
+//! replica's share and the pool, f/n + (1 - f) of its limit; spread over
+//! the replicas (round robin) it gets all of it. Only big buckets are cut
+//! (`MIN_SPLIT`): a share of a few tokens would serve nobody.
+
+use crate::config::Algorithm;
+
+use super::{gcra, Evaluation, Micros, Update};
+
+/// The least ⌊fC⌋ a bucket is cut for: sixteen replicas still own a token
+/// each.
+pub const MIN_SPLIT: u64 = 16;
+
+/// The pool's rule, when `alg` is cut: what Redis decides.
+pub fn pool(alg: &Algorithm, fraction: f64) -> Option<Algorithm> {
+    let (capacity, rate) = cut(alg, fraction)?;
+    Some(Algorithm::TokenBucket {
+        capacity: capacity - shared(capacity, fraction),
+        refill_per_sec: rate * (1.0 - fraction),
+    })
+}
+
+/// One replica's share of `alg` among `n`: capacity and rate. None when the
+/// bucket is not cut, or a share would hold no whole token.
+pub fn share(alg: &Algorithm, fraction: f64, n: u32) -> Option<(u64, f64)> {
+    let (capacity, rate) = cut(alg, fraction)?;
+    let n = n.max(1) as u64;
+    let cap = shared(capacity, fraction) / n;
+    (cap >= 1).then_some((cap, rate * fraction / n as f64))
+}
+
+fn cut(alg: &Algorithm, fraction: f64) -> Option<(u64, f64)> {
+    match *alg {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        } if fraction > 0.0
+            && fraction < 1.0
+            && shared(capacity, fraction) >= MIN_SPLIT
+            && refill_per_sec > 0.0 =>
+        {
+            Some((capacity, refill_per_sec))
+        }
+        _ => None,
+    }
+}
+
+/// ⌊fC⌋: the capacity every share together holds.
+fn shared(capacity: u64, fraction: f64) -> u64 {
+    (capacity as f64 * fraction).floor() as u64
+}
+
+/// One share on one replica: a GCRA bucket with the parameters its TAT
+/// was computed under (they change with the replica count).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Share {
+    pub tat: f64,
+    pub cap: u64,
+    pub rate: f64,
+}
+
+impl Share {
+    /// A share first seen at `now`, by a replica whose shares started
+    /// filling at `ramp_from` (empty then).
+    pub fn fresh(cap: u64, rate: f64, now: Micros, ramp_from: Micros) -> Self {
+        let t = 1e6 / rate;
+        Share {
+            tat: (now as f64).max(ramp_from as f64 + cap as f64 * t),
+            cap,
+            rate,
+        }
+    }
+
+    /// Tokens held at `now` (fractional).
+    pub fn level(&self, now: Micros) -> f64 {
+        let t = 1e6 / self.rate;
+        (self.cap as f64 - (self.tat - now as f64).max(0.0) / t).clamp(0.0, self.cap as f64)
+    }
+
+    /// Full: forgetting it loses nothing (an absent share is a full one).
+    pub fn full(&self, now: Micros) -> bool {
+        self.tat <= now as f64
+    }
+
+    /// The same share under new parameters: its level kept, clamped to
+    /// the new capacity.
+    pub fn rescale(&self, cap: u64, rate: f64, now: Micros) -> Self {
+        if cap == self.cap && rate == self.rate {
+            return *self;
+        }
+        let level = self.level(now).min(cap as f64);
+        Share {
+            tat: now as f64 + (cap as f64 - level) * 1e6 / rate,
+            cap,
+            rate,
+        }
+    }
+
+    /// A request of `cost` tokens: the decision, and the share after it
+    /// when admitted.
+    pub fn take(&self, cost: u64, now: Micros) -> (Evaluation, Option<Share>) {
+        let e = gcra::token_bucket(self.cap, self.rate, Some(self.tat), now, cost);
+        let next = match (&e.update, e.decision.allowed) {
+            (Update::Gcra { tat }, true) => Some(Share { tat: *tat, ..*self }),
+            _ => None,
+        };
+        (e, next)
+    }
+
+    /// `cost` tokens a request took given back (another tier refused it,
+    /// or it never reached the upstream): never past full.
+    pub fn give_back(&self, cost: u64, now: Micros) -> Self {
+        Share {
+            tat: (self.tat - cost as f64 * 1e6 / self.rate).max(now as f64),
+            ..*self
+        }
+    }
+}
+
+/// This replica's standing in the replica set, from its heartbeats:
+/// whether it may use its shares, and among how many replicas.
+#[derive(Debug, Clone, Default)]
+pub struct Membership {
+    /// The send time of the first heartbeat of this membership, and until
+    /// when the last one answered keeps it counted (its send time plus the
+    /// announcement's life: Redis expires it no sooner).
+    joined: Option<(Micros, Micros)>,
+    n: u32,
+}
+
+/// What a heartbeat's answer changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heard {
+    /// The same membership: counted all along.
+    Kept,
+    /// A new one (the first, or after the last had lapsed): every share
+    /// this replica held is forgotten, and starts empty at `ramp_from`.
+    New { ramp_from: Micros },
+}
+
+impl Membership {
+    /// A heartbeat sent at `sent` and answered at `answered` counted `n`
+    /// live replicas; announcements live `ttl` and a joiner waits
+    /// `join_wait` (at least `ttl`) before it uses a share.
+    pub fn heard(
+        &mut self,
+        sent: Micros,
+        answered: Micros,
+        n: u32,
+        ttl: Micros,
+        join_wait: Micros,
+    ) -> Heard {
+        self.n = n.max(1);
+        match self.joined {
+            // Answered while the last announcement still lived: Redis
+            // never dropped this replica in between.
+            Some((since, until)) if answered < until => {
+                self.joined = Some((since, until.max(sent + ttl)));
+                Heard::Kept
+            }
+            _ => {
+                self.joined = Some((sent, sent + ttl));
+                Heard::New {
+                    ramp_from: sent + join_wait,
+                }
+            }
+        }
+    }
+
+    /// The replica count to cut shares by at `now`, when this replica may
+    /// use them: joined at least `join_wait` ago, and still counted (or
+    /// cut off from Redis, `frozen`: see `limiter::standing`).
+    pub fn usable(&self, now: Micros, join_wait: Micros, frozen: bool) -> Option<u32> {
+        let (since, until) = self.joined?;
+        (now >= since + join_wait && (now < until || frozen)).then_some(self.n)
+    }
+
+    /// Forgets the membership (a replica that stops).
+    pub fn leave(&mut self) {
+        self.joined = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Micros = 1_000_000;
+
+    fn tb(capacity: u64, refill_per_sec: f64) -> Algorithm {
+        Algorithm::TokenBucket {
+            capacity,
+            refill_per_sec,
+        }
+    }
+
+    #[test]
+    fn cut_adds_up_to_the_bucket() {
+        for (c, f, n) in [
+            (100u64, 0.25, 3u32),
+            (1000, 0.5, 5),
+            (64, 0.25, 16),
+            (1_000_000, 0.1, 7),
+        ] {
+            let Some(Algorithm::TokenBucket {
+                capacity: pc,
+                refill_per_sec: pr,
+            }) = pool(&tb(c, 50.0), f)
+            else {
+                panic!("{c} {f}: not cut")
+            };
+            let (sc, sr) = share(&tb(c, 50.0), f, n).expect("share");
+            assert!(pc + n as u64 * sc <= c, "{c} {f} {n}: {pc} + {n} x {sc}");
+            assert!(
+                pr + n as f64 * sr <= 50.0 * (1.0 + 1e-12),
+                "{c} {f} {n}: {pr} + {n} x {sr}"
+            );
+        }
+    }
+
+    #[test]
+    fn small_buckets_and_other_rules_are_not_cut() {
+        assert_eq!(pool(&tb(63, 10.0), 0.25), None);
+        assert!(pool(&tb(64, 10.0), 0.25).is_some());
+        assert_eq!(
+            share(&tb(64, 10.0), 0.25, 17),
+            None,
+            "a share under a token"
+        );
+        let fw = Algorithm::FixedWindow {
+            limit: 1000,
+            window_secs: 1,
+        };
+        assert_eq!(pool(&fw, 0.25), None);
+        assert_eq!(pool(&tb(1000, 10.0), 0.0), None);
+        assert_eq!(pool(&tb(1000, 10.0), 1.0), None);
+    }
+
+    #[test]
+    fn a_fresh_share_fills_from_its_ramp() {
+        let s = Share::fresh(10, 5.0, 100 * S, 100 * S);
+        assert_eq!(s.level(100 * S), 0.0);
+        assert!((s.level(101 * S) - 5.0).abs() < 1e-9);
+        assert_eq!(s.level(102 * S), 10.0);
+        let later = Share::fresh(10, 5.0, 200 * S, 100 * S);
+        assert!(later.full(200 * S));
+    }
+
+    #[test]
+    fn rescaling_keeps_the_level_clamped() {
+        let now = 10 * S;
+        let s = Share {
+            tat: now as f64,
+            cap: 30,
+            rate: 10.0,
+        }; // full: 30
+        let smaller = s.rescale(20, 7.5, now);
+        assert!((smaller.level(now) - 20.0).abs() < 1e-9);
+        let bigger = smaller.rescale(40, 15.0, now);
+        assert!(
+            (bigger.level(now) - 20.0).abs() < 1e-9,
+            "a replica leaving hands out nothing"
+        );
+        assert!((bigger.level(now + S) - 35.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn take_and_give_back() {
+        let now = 10 * S;
+        let mut s = Share {
+            tat: now as f64,
+            cap: 3,
+            rate: 1.0,
+        };
+        for i in 0..3 {
+            let (e, next) = s.take(1, now);
+            assert!(e.decision.allowed, "request {i}");
+            s = next.unwrap();
+        }
+        let (e, next) = s.take(1, now);
+        assert!(!e.decision.allowed && next.is_none());
+        assert_eq!(e.decision.retry_after_us, S as u64);
+        s = s.give_back(1, now);
+        assert!((s.level(now) - 1.0).abs() < 1e-9);
+        assert!(s.give_back(10, now).full(now), "never past full");
+    }
+
+    #[test]
+    fn membership_waits_then_lapses() {
+        let (ttl, wait) = (3 * S, 3 * S + S / 10);
+        let mut m = Membership::default();
+        assert_eq!(
+            m.heard(0, 1000, 3, ttl, wait),
+            Heard::New { ramp_from: wait }
+        );
+        assert_eq!(m.usable(S, wait, false), None, "joining");
+        assert_eq!(m.heard(S, S + 1000, 3, ttl, wait), Heard::Kept);
+        assert_eq!(m.usable(wait, wait, false), Some(3));
+        assert_eq!(m.heard(2 * S, 2 * S + 1000, 4, ttl, wait), Heard::Kept);
+        assert_eq!(m.usable(4 * S, wait, false), Some(4));
+        // No answer for a whole life: not counted any more.
+        assert_eq!(m.usable(5 * S, wait, false), None);
+        assert_eq!(m.usable(5 * S, wait, true), Some(4), "cut off: frozen");
+        assert_eq!(
+            m.heard(6 * S, 6 * S + 10, 4, ttl, wait),
+            Heard::New {
+                ramp_from: 6 * S + wait
+            }
+        );
+        // An answer that came back after the last announcement expired:
+        // Redis may have dropped it meanwhile.
+        let mut m = Membership::default();
+        m.heard(0, 10, 2, ttl, wait);
+        assert!(matches!(m.heard(S, 3 * S, 2, ttl, wait), Heard::New { .. }));
+    }
+}

@@ -1,0 +1,297 @@
+//! This replica's standing shares (`[limiter.shares]`): the part of every
+//! big token bucket it owns without asking Redis (`algorithms::standing`
+//! has the rules and why they are exact).
+//!
+//! - A request's tiers are tried on their shares first (`take`); a tier its
+//!   share covers needs no call. The others go to Redis as before, on the
+//!   bucket's pool (`pool_view`): a share that cannot cover a request means
+//!   "ask the pool", never "reject".
+//! - Shares are used only while this replica is counted in the replica set
+//!   (`heard`, from the heartbeats) and has been for an announcement's life.
+//!   Cut off from Redis, it keeps the count it last heard (`frozen`): the
+//!   others keep its slot while they count at least `limiter.instances`.
+//! - Entries are bounded by `local_max_entries`; only full shares are
+//!   dropped (an absent share is a full one), so a full table sends new
+//!   buckets to the pool rather than forget what a share spent.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::algorithms::standing::{pool, share, Heard, Membership, Share};
+use super::{Check, Decision, Micros, Tier};
+use crate::clock::{Clock, SystemClock};
+
+const SHARDS: usize = 16;
+
+/// A full shard is swept for full shares at most this often.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Past an announcement's life, for clocks that run at slightly different
+/// rates over a few seconds.
+const JOIN_MARGIN: Duration = Duration::from_millis(100);
+
+pub struct Standing {
+    fraction: f64,
+    /// Shares are cut for at least this many replicas (`limiter.instances`).
+    instances: u32,
+    per_shard: usize,
+    /// Monotonic time origin for the membership's clock.
+    base: Instant,
+    ttl: Duration,
+    join_wait: Duration,
+    /// The membership, and (wall µs) when this membership's shares began to
+    /// fill.
+    membership: Mutex<(Membership, Micros)>,
+    shards: Box<[Mutex<Shard>]>,
+    hasher: std::collections::hash_map::RandomState,
+    entries: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Shard {
+    map: HashMap<Box<str>, Share>,
+    swept: Option<Instant>,
+}
+
+/// What a request took from its shares.
+#[derive(Debug)]
+pub struct Taken {
+    /// Per tier: its decision when its share covered it.
+    pub decisions: Vec<Option<Decision>>,
+    pub now_us: Micros,
+}
+
+impl Taken {
+    pub fn all(&self) -> bool {
+        !self.decisions.is_empty() && self.decisions.iter().all(Option::is_some)
+    }
+
+    pub fn any(&self) -> bool {
+        self.decisions.iter().any(Option::is_some)
+    }
+}
+
+impl Standing {
+    /// `ttl`: how long a heartbeat's announcement lives in Redis.
+    pub fn new(fraction: f64, instances: u32, max_entries: usize, ttl: Duration) -> Self {
+        Standing {
+            fraction,
+            instances: instances.max(1),
+            per_shard: max_entries.div_ceil(SHARDS).max(1),
+            base: Instant::now(),
+            ttl,
+            join_wait: ttl + JOIN_MARGIN,
+            membership: Mutex::new((Membership::default(), 0)),
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            hasher: Default::default(),
+            entries: AtomicUsize::new(0),
+        }
+    }
+
+    fn mono(&self, t: Instant) -> Micros {
+        t.saturating_duration_since(self.base).as_micros() as Micros
+    }
+
+    /// Whether this check's bucket is cut into a pool and shares.
+    pub fn cuts(&self, c: &Check) -> bool {
+        !c.shadow
+            && c.shards == 1
+            && c.tier != Tier::Quota
+            && pool(&c.algorithm, self.fraction).is_some()
+    }
+
+    /// The checks as Redis decides them: a cut bucket's pool in its place
+    /// (same key). None when no tier is cut.
+    pub fn pool_view(&self, checks: &[Check]) -> Option<Arc<[Check]>> {
+        if !checks.iter().any(|c| self.cuts(c)) {
+            return None;
+        }
+        Some(checks.iter().map(|c| self.pool_check(c)).collect())
+    }
+
+    pub fn pool_check(&self, c: &Check) -> Check {
+        match pool(&c.algorithm, self.fraction).filter(|_| self.cuts(c)) {
+            Some(algorithm) => Check {
+                algorithm,
+                ..c.clone()
+            },
+            None => c.clone(),
+        }
+    }
+
+    /// A heartbeat sent at `sent` and answered at `answered` counted
+    /// `count` live replicas.
+    pub fn heard(&self, sent: Instant, answered: Instant, count: u32) {
+        let (ttl, wait) = (
+            self.ttl.as_micros() as Micros,
+            self.join_wait.as_micros() as Micros,
+        );
+        let mut m = self.membership.lock();
+        let heard =
+            m.0.heard(self.mono(sent), self.mono(answered), count, ttl, wait);
+        if let Heard::New { ramp_from } = heard {
+            let wall_now = SystemClock.now_us();
+            m.1 = wall_now + (ramp_from - self.mono(Instant::now()));
+            drop(m);
+            // Others may have grown into what these shares held.
+            for s in self.shards.iter() {
+                let mut s = s.lock();
+                self.entries.fetch_sub(s.map.len(), Ordering::Relaxed);
+                s.map.clear();
+            }
+            tracing::info!(replicas = count, "limiter: standing shares rejoin the replica set; they fill from empty once it has counted this replica");
+        }
+    }
+
+    /// A replica that stops uses no share again.
+    pub fn leave(&self) {
+        self.membership.lock().0.leave();
+    }
+
+    /// The replica count shares are cut for now, if this replica may use
+    /// them, and when its shares began to fill.
+    fn usable(&self, frozen: bool) -> Option<(u32, Micros)> {
+        let m = self.membership.lock();
+        let n = m.0.usable(
+            self.mono(Instant::now()),
+            self.join_wait.as_micros() as Micros,
+            frozen,
+        )?;
+        Some((n.max(self.instances), m.1))
+    }
+
+    pub fn is_usable(&self, frozen: bool) -> bool {
+        self.usable(frozen).is_some()
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<Shard> {
+        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    }
+
+    /// Tries each cut tier on its share. `frozen`: Redis is out of reach
+    /// (the breaker is open).
+    pub fn take(&self, checks: &[Check], frozen: bool) -> Option<Taken> {
+        let (n, ramp_from) = self.usable(frozen)?;
+        let now = SystemClock.now_us();
+        let mut decisions = Vec::with_capacity(checks.len());
+        for c in checks {
+            let d = if self.cuts(c) {
+                self.take_one(c, n, ramp_from, now)
+            } else {
+                None
+            };
+            decisions.push(d);
+        }
+        let taken = Taken {
+            decisions,
+            now_us: now,
+        };
+        taken.any().then_some(taken)
+    }
+
+    fn take_one(&self, c: &Check, n: u32, ramp_from: Micros, now: Micros) -> Option<Decision> {
+        let (cap, rate) = share(&c.algorithm, self.fraction, n)?;
+        let mut shard = self.shard(&c.key).lock();
+        let current = match shard.map.get(c.key.as_str()) {
+            Some(s) => s.rescale(cap, rate, now),
+            None => {
+                if shard.map.len() >= self.per_shard && !self.sweep(&mut shard, now) {
+                    return None;
+                }
+                Share::fresh(cap, rate, now, ramp_from)
+            }
+        };
+        let (e, next) = current.take(c.cost, now);
+        let next = next?;
+        if shard.map.insert(c.key.as_str().into(), next).is_none() {
+            self.entries.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(Decision {
+            limit: super::algorithms::quota(&c.algorithm),
+            ..e.decision
+        })
+    }
+
+    /// Drops the shard's full shares; whether there is room now.
+    fn sweep(&self, shard: &mut Shard, now: Micros) -> bool {
+        if shard.swept.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
+            shard.swept = Some(Instant::now());
+            let before = shard.map.len();
+            shard.map.retain(|_, s| !s.full(now));
+            self.entries
+                .fetch_sub(before - shard.map.len(), Ordering::Relaxed);
+        }
+        shard.map.len() < self.per_shard
+    }
+
+    /// Tokens the covered tiers took, given back (the request was refused
+    /// elsewhere, or never reached the upstream).
+    pub fn give_back(&self, checks: &[Check], decisions: &[Option<Decision>]) {
+        let now = SystemClock.now_us();
+        for (c, d) in checks.iter().zip(decisions) {
+            if d.is_some_and(|d| d.allowed) {
+                self.give_back_one(c, now);
+            }
+        }
+    }
+
+    pub fn give_back_one(&self, c: &Check, now: Micros) {
+        let mut shard = self.shard(&c.key).lock();
+        if let Some(s) = shard.map.get_mut(c.key.as_str()) {
+            *s = s.give_back(c.cost, now);
+        }
+    }
+
+    /// Buckets reset by an operator: their shares are whole again.
+    pub fn forget(&self, keys: &[&str]) -> usize {
+        let mut dropped = 0;
+        for k in keys {
+            if self.shard(k).lock().map.remove(*k).is_some() {
+                dropped += 1;
+            }
+        }
+        self.entries.fetch_sub(dropped, Ordering::Relaxed);
+        dropped
+    }
+
+    /// Every share dropped (a reset of everything).
+    pub fn clear(&self) -> usize {
+        let mut dropped = 0;
+        for s in self.shards.iter() {
+            let mut s = s.lock();
+            dropped += s.map.len();
+            s.map.clear();
+        }
+        self.entries.fetch_sub(dropped, Ordering::Relaxed);
+        dropped
+    }
+
+    /// This replica's share of a cut bucket now: (tokens, capacity), if it
+    /// may use it.
+    pub fn level(&self, c: &Check, frozen: bool) -> Option<(u64, u64)> {
+        if !self.cuts(c) {
+            return None;
+        }
+        let (n, ramp_from) = self.usable(frozen)?;
+        let (cap, rate) = share(&c.algorithm, self.fraction, n)?;
+        let now = SystemClock.now_us();
+        let s = match self.shard(&c.key).lock().map.get(c.key.as_str()) {
+            Some(s) => s.rescale(cap, rate, now),
+            None => Share::fresh(cap, rate, now, ramp_from),
+        };
+        Some((s.level(now).floor() as u64, cap))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.load(Ordering::Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
