@@ -9,6 +9,7 @@
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
 #                     [--memory-clients N] [--memory-max-entries N]
 #                     [--clients N [--zipf S] [--over PCT]] [--cluster-nodes N]
+#                     [--anchor-connections N] [--redis-idle SECS]
 #                     [--gateway-bin PATH [--gateway-note TEXT]]
 #                     [--perf] [--publish] [--out DIR] [--no-build]
 #
@@ -28,14 +29,42 @@
 #                         against gateway_local's, with a hot client
 #   gateway_key_padded    gateway_local with a header as long as that token beside
 #                         its key: the token's bytes without the JWT work (context)
-#   gateway_redis         all three tiers on Redis, admitting everything
-#   gateway_redis_cluster the same on a Redis Cluster: three masters, no
-#                         replicas, on 127.0.0.1 (redis-cli --cluster create);
-#                         [redis] mode = "cluster" with the three seed URLs
+#   gateway_redis         all three tiers on Redis, admitting everything, with
+#                         [limiter.shares] enabled = true (#39: standing shares,
+#                         each replica deciding its part of every big token
+#                         bucket with no Redis call)
+#   gateway_redis_unshared  gateway_redis with shares off (no [limiter.shares]):
+#                         the "before" beside it in the same run. With --quick
+#                         and by default only with --clients, unless --targets
+#                         names it
+#   gateway_redis_cluster the same as gateway_redis (shares on) on a Redis
+#                         Cluster: three masters, no replicas, on 127.0.0.1
+#                         (redis-cli --cluster create); [redis] mode = "cluster"
+#                         with the three seed URLs
 #   gateway_redis_denied  one client already over its route limit, flooding: all 429
 #   gateway_tls           gateway_off on its [server.tls] listener: HTTP/1.1 with
 #                         keep-alive over TLS (wrk and fixedrate to https://)
 #   nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
+#   redis_anchor          #39's anchor, envoyproxy/ratelimit's way: no gateway; a
+#                         fresh redis-server of its own driven by loadtest/bench/
+#                         redis_anchor.c (compiled into the tools folder like
+#                         fixedrate.c): per request three descriptors (the
+#                         client's address, the API key, route + client), each
+#                         INCRBY key 1 + EXPIRE key 60, from the same N Zipf
+#                         clients as wrk-clients.lua, --anchor-connections (8)
+#                         connections each with one pipeline in flight; per
+#                         round one max-throughput-length window with 16
+#                         requests (96 commands) per pipeline and one with 1.
+#                         Reported: its requests/s and Redis CPU per request
+#                         (INFO cpu delta / requests) beside the gateways'.
+#                         Needs --clients; by default measured only with it
+#
+# Before any window, a target with [limiter.shares] (gateway_redis,
+# gateway_redis_cluster) is waited for, up to 15 s with a progress line, until
+# its /metrics (admin listener) shows gateway_shares_usable 1, then 1.5 s more
+# while its shares fill: the windows measure the steady state. One whose gauge
+# never shows 1 is FAILED (named in summary.md, exit status 1), stopped and
+# left out; the others are measured.
 #
 # The TLS pair serves one ECDSA P-256 certificate signed by a CA, both made per
 # run with the openssl CLI into the run folder (tls/); ssl protocols TLS 1.2
@@ -52,7 +81,11 @@
 # CPU per request (INFO cpu) and script calls per request (INFO commandstats),
 # both summed over the nodes for the cluster (each node's share kept too),
 # bytes on the wire to Redis per request, and bytes per bucket (MEMORY USAGE
-# of sampled keys; used_memory growth per key when many are held). The
+# of sampled keys; used_memory growth per key when many are held; n/a when
+# nothing is left to sample). Before each Redis target's max-throughput window
+# (and the anchor's), Redis's idle CPU over --redis-idle seconds (2) with the
+# gateway connected and no load; the per-request figures above idle subtract
+# it. The
 # cluster's targets of #17, passed or failed: its Redis CPU per decision
 # <= 1.5x standalone's, its gateway CPU per request <= 1.2x standalone's.
 # With gateway_local and gateway_redis both measured, --paired-rounds windows
@@ -62,15 +95,23 @@
 # Each number reported is the median of the rounds. For context (reported, never
 # pass/fail): gateway_off's and nginx_limit_req's CPU per request relative to
 # pingora_bare's.
+# #39's targets, with --clients only, passed or failed and each shown beside
+# gateway_redis_unshared's figure (the before): gateway_redis max rps >= 0.95x
+# gateway_local's; its Redis CPU per request <= 2 µs and <= 1/4 of the anchor's
+# (16 per pipeline); script calls per request <= 0.01; gateway_redis_cluster's
+# Redis CPU per request above idle <= 1.3x gateway_redis's.
 #
 # Writes loadtest/results/bench-<timestamp>/: summary.json, summary.md (the
 # table, with the issue's targets passed or failed), chart.png, the configs, the
-# logs and every raw wrk/fixedrate result.
+# logs and every raw wrk/fixedrate/redis_anchor result.
 #
 #   (default)        3 rounds, 15 s max-throughput + 15 s fixed-rate windows,
-#                    then the memory step: about 20 minutes (all 10 targets)
-#   --quick          3 rounds of 5 s + 4 s windows, no memory step: about 6 minutes
-#                    (all 10 targets; each takes 3 × 12.4 s)
+#                    then the memory step: about 27 minutes (12 targets: all
+#                    but gateway_redis_unshared and redis_anchor)
+#   --quick          3 rounds of 5 s + 4 s windows, no memory step: about 9 minutes
+#                    (those 12; each takes 3 × 14.4 s with Redis's idle
+#                    sample; with --clients also gateway_redis_unshared, the
+#                    same, and redis_anchor, 3 × 14.6 s)
 #   --memory         add the memory step (the default outside --quick): a gateway
 #                    on the local backend with local_max_entries = 1,000,000 and
 #                    an ip tier is sent 1.2 million distinct clients (wrk naming
@@ -78,14 +119,21 @@
 #                    before, at the cap and after
 #   --memory-only    only the memory step
 #   --clients N      many-clients mode: in the max-throughput windows of
-#                    gateway_local, gateway_redis and gateway_redis_cluster,
-#                    wrk (wrk-clients.lua) sends each request from one of N
-#                    clients, named in X-Forwarded-For from trusted 127.0.0.1,
-#                    Zipf-distributed (--zipf S, 1.0: rank r sends in proportion
-#                    to 1/r^S); --over PCT (3) % of the clients are over their
-#                    limit (a route allowing each one request: 429s after).
-#                    The per-client buckets refill at 0.01/s so they stay in
-#                    Redis to be counted. Latency windows keep one client.
+#                    gateway_local, gateway_redis, gateway_redis_unshared and
+#                    gateway_redis_cluster, wrk (wrk-clients.lua) sends each
+#                    request from one of N clients, named in X-Forwarded-For
+#                    from trusted 127.0.0.1, Zipf-distributed (--zipf S, 1.0:
+#                    rank r sends in proportion to 1/r^S); --over PCT (3) % of
+#                    the clients are over their limit (a route allowing each
+#                    one request, capacity 1, refill 0.000001/s: 429s after).
+#                    The per-client buckets (the ip tier and the route's
+#                    per-client bucket) hold 1,000,000 tokens and refill
+#                    1,000,000/s, every target alike: full again within a
+#                    second, a crowd far below its limits (a standing share of
+#                    a bucket refilling slower would never fill). Adds
+#                    gateway_redis_unshared and redis_anchor to the default
+#                    targets and #39's checks. Latency windows keep one client.
+#   --anchor-connections  redis_anchor's connections to its Redis (8)
 #   --gateway-bin    measure this gateway binary, not target/release/gateway
 #                    (an A/B, or a commit built elsewhere); --gateway-note says
 #                    what it is, in the summary

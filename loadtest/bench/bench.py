@@ -21,11 +21,18 @@ Targets, side by side (see BENCHMARKS.md):
                           ([auth.jwt], a key file) instead of an API key: one hot client
     gateway_key_padded    gateway_local with a header the token's length beside its key:
                           the token's bytes without the JWT work (context for gateway_jwt)
-    gateway_redis         all three tiers on Redis, admitting everything
-    gateway_redis_cluster the same on a Redis Cluster of three masters
+    gateway_redis         all three tiers on Redis, admitting everything, with
+                          [limiter.shares] enabled = true (#39's standing shares)
+    gateway_redis_unshared gateway_redis with shares off: the before (with --clients,
+                          or named in --targets)
+    gateway_redis_cluster the same as gateway_redis on a Redis Cluster of three masters
     gateway_redis_denied  one client over its route limit, flooding: all 429
     gateway_tls           gateway_off on its [server.tls] listener (HTTP/1.1, keep-alive)
     nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
+    redis_anchor          #39's anchor: its own redis-server driven the way
+                          envoyproxy/ratelimit does (redis_anchor.c: INCRBY + EXPIRE
+                          per descriptor, three per request, 16 or 1 requests per
+                          pipeline) from the same Zipf clients; needs --clients
 
 The TLS pair shares one ECDSA P-256 certificate signed by a CA, both made per
 run with the openssl CLI into RUN_DIR/tls/; TLS 1.2 and 1.3 on both sides,
@@ -38,7 +45,10 @@ median maximum, measured from each request's intended send time (fixedrate.c:
 coordinated-omission corrected). For the Redis targets, Redis's CPU per
 request (INFO cpu) and script calls per request (INFO commandstats), summed
 over the nodes for the cluster. With --clients N, the limited targets' max-
-throughput windows come from N Zipf-distributed clients (wrk-clients.lua). Rounds
+throughput windows come from N Zipf-distributed clients (wrk-clients.lua), every
+per-client bucket 1,000,000 tokens refilling 1,000,000/s, and #39's targets are
+checked beside gateway_redis_unshared's figures. A target with [limiter.shares]
+is measured once its /metrics shows gateway_shares_usable 1 (and 1.5 s more). Rounds
 alternate the order of the targets (forward, then reversed), so drift in the
 machine hits all of them alike; each number reported is the median of rounds.
 """
@@ -59,10 +69,11 @@ from pathlib import Path
 # targets), report (summary.md, charts, BENCHMARKS.md).
 import common
 from checks import summarize
-from common import (BARE, GATEWAY_TARGETS, LIMITED_TARGETS, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
-                    RESULTS, ROOT, TARGETS, log, warn)
+from common import (ANCHOR, ANCHOR_PIPELINES, BARE, CLIENTS_ONLY_TARGETS, GATEWAY_TARGETS, LIMITED_TARGETS,
+                    MANY_CLIENTS_CAPACITY, MANY_CLIENTS_REFILL, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
+                    RESULTS, ROOT, SHARES_GAUGE, SHARES_SETTLE_S, SHARES_WAIT_S, TARGETS, log, warn)
 from common import BenchError, median
-from measure import Meter, busy_others, machine_info, pool_paired
+from measure import Meter, build_anchor, busy_others, machine_info, pool_paired
 from report import publish, publish_cluster, write_report
 from targets import Targets
 
@@ -74,7 +85,10 @@ def is_wrk_tls_connection_line(line: str) -> bool:
 
 def run(args) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    targets = [t for t in TARGETS if t in args.targets] if args.targets else list(TARGETS)
+    # gateway_redis_unshared and redis_anchor (#39) belong to many-clients
+    # mode: measured by default only with --clients, or when --targets names them.
+    targets = ([t for t in TARGETS if t in args.targets] if args.targets
+               else [t for t in TARGETS if t not in CLIENTS_ONLY_TARGETS or args.clients])
     if args.memory_only:
         targets = ["direct"]
     if "pingora_bare" in targets and not BARE.exists():
@@ -87,6 +101,12 @@ def run(args) -> int:
     out = out.resolve()
     tools = Path(args.tools).resolve()
     warnings: list[str] = []
+    if ANCHOR in targets:
+        try:
+            build_anchor(tools)
+        except BenchError as e:
+            print(f"bench: {e}", file=sys.stderr)
+            return 2
     tg = Targets(args, out, targets, warnings)
     meter = Meter(args, out, tools, tg)
 
@@ -111,12 +131,26 @@ def run(args) -> int:
                  "; ".join(f"PID {o['pid']} {o['cpu_pct']}% {o['cmd']}" for o in others), tg.warnings)
         log(f"run folder: {out}")
         tg.start_servers(targets)
+        # #39: a target with [limiter.shares] is measured once its shares are
+        # in use (gateway_shares_usable 1) and full; one whose gauge never
+        # shows 1 is failed, stopped and left out of the windows.
+        failed_targets = tg.wait_shares(targets)
+        for t, why in failed_targets.items():
+            warn(f"{t} FAILED, not measured: {why}", tg.warnings)
+            tg.drop(t)
+            targets.remove(t)
+            thr.pop(t, None)
+            lat.pop(t, None)
+        extra["failed_targets"] = failed_targets
         if not args.memory_only:
             tg.prime(targets)
             extra["tls_negotiated"] = tg.negotiated(targets)
             per = args.warmup + args.duration + 0.7 + args.redis_idle
             per_l = args.warmup + args.latency_duration + 0.7
-            eta = len(targets) * args.rounds * (per + per_l)
+            served = [t for t in targets if t != ANCHOR]
+            eta = len(served) * args.rounds * (per + per_l)
+            if ANCHOR in targets:
+                eta += args.rounds * (args.redis_idle + len(ANCHOR_PIPELINES) * (args.warmup + args.duration + 0.3))
             log("up: " + ", ".join(f"{t} {tg.t[t]['url']}" for t in targets))
             log(f"{args.rounds} rounds x {len(targets)} targets, max throughput then fixed-rate latency: about "
                 f"{eta / 60:.1f} min")
@@ -125,12 +159,22 @@ def run(args) -> int:
                 order = targets if rnd % 2 == 0 else list(reversed(targets))
                 orders.append(order)
                 for t in order:
+                    if t == ANCHOR:
+                        r = meter.anchor(f"thr{rnd + 1}")
+                        thr[t].append(r)
+                        other = max(x["other_cpu_pct"] for x in r["pipelines"].values())
+                        log(f"[max {rnd + 1}/{args.rounds}] {t:<21} " + "; ".join(
+                            f"{p} per pipeline {x['rps']:>9,.0f} req/s, Redis {x['redis_cpu_us_per_req']:.2f} µs/req"
+                            for p, x in r["pipelines"].items()) + f"  other load {other:.0f}%")
+                        continue
                     r = meter.throughput(t, f"thr{rnd + 1}")
                     thr[t].append(r)
                     extra_s = ""
                     if t in REDIS_TARGETS and "redis_cpu_us_per_req" in r:
                         extra_s = (f", Redis {r['redis_cpu_us_per_req']:.2f} µs/req, "
                                    f"{r['script_calls_per_req']:.3f} script calls/req")
+                        if r.get("share_decided"):
+                            extra_s += f", {100 * r['share_decided']:.1f}% on a share"
                         if "redis_nodes_cpu_us_per_req" in r:
                             extra_s += " (summed over nodes: " + " + ".join(
                                 f"{x:.1f}" for x in r["redis_nodes_cpu_us_per_req"]) + " µs)"
@@ -139,15 +183,16 @@ def run(args) -> int:
                     log(f"[max {rnd + 1}/{args.rounds}] {t:<21} {r['rps']:>9,.0f} rps  "
                         f"{r['cpu_us_per_req']:6.1f} µs/req CPU ({r['proxy_cpu_cores']:.2f} cores){extra_s}"
                         f"  other load {r['other_cpu_pct']:.0f}%")
-            if rate is None:
+            if rate is None and served:
                 off = median(r["rps"] for r in thr.get("gateway_off", []))
                 if off is None:
-                    off = median(r["rps"] for r in thr[targets[0]])
-                    warn(f"gateway_off not measured: the fixed rate is half {targets[0]}'s max", tg.warnings)
+                    off = median(r["rps"] for r in thr[served[0]])
+                    warn(f"gateway_off not measured: the fixed rate is half {served[0]}'s max", tg.warnings)
                 rate = round(off / 2)
-            log(f"fixed rate: {rate:,} rps for {args.latency_duration:g}s per target and round")
-            for rnd in range(args.rounds):
-                order = orders[rnd]
+            if served:
+                log(f"fixed rate: {rate:,} rps for {args.latency_duration:g}s per target and round")
+            for rnd in range(args.rounds if served else 0):
+                order = [t for t in orders[rnd] if t != ANCHOR]
                 for t in order:
                     r = meter.fixed_rate(t, f"lat{rnd + 1}", rate)
                     lat[t].append(r)
@@ -170,7 +215,7 @@ def run(args) -> int:
                         + f"  added {w[pair[1]]['p99_ms'] - w[pair[0]]['p99_ms']:+.3f} ms")
                 extra["paired_latency"] = pool_paired(pair, windows)
             if args.perf:
-                extra["perf"] = meter.perf([t for t in targets if t != "direct"])
+                extra["perf"] = meter.perf([t for t in targets if t not in ("direct", ANCHOR)])
         if args.memory or args.memory_only:
             extra["memory"] = meter.memory()
         for t in targets:
@@ -225,8 +270,17 @@ def run(args) -> int:
         "paired_rounds": args.paired_rounds,
         "clients": {"n": args.clients, "zipf": args.zipf, "over_pct": args.over, "over_path": OVER_PATH,
                     "targets": [t for t in targets if t in MANY_CLIENTS_TARGETS],
-                    "note": "max-throughput windows only; the fixed-rate windows keep one client"}
+                    "per_client_capacity": MANY_CLIENTS_CAPACITY, "per_client_refill_per_sec": MANY_CLIENTS_REFILL,
+                    "note": "max-throughput windows only; the fixed-rate windows keep one client; the per-client "
+                            "buckets (ip tier, the route's per-client bucket) hold per_client_capacity tokens and "
+                            "refill per_client_refill_per_sec, every target alike"}
         if args.clients else None,
+        "shares": {"targets": sorted(tg.shares), "section": "[limiter.shares] enabled = true",
+                   "waited_for": f"{SHARES_GAUGE} 1 (at most {SHARES_WAIT_S:g} s), then {SHARES_SETTLE_S:g} s"}
+        if tg.shares else None,
+        "anchor": {"connections": args.anchor_connections, "requests_per_pipeline": list(ANCHOR_PIPELINES),
+                   "descriptors_per_request": 3, "commands": "INCRBY key 1 + EXPIRE key 60 per descriptor",
+                   "client": "loadtest/bench/redis_anchor.c"} if ANCHOR in targets else None,
         "started_at": started, "finished_at": dt.datetime.now().isoformat(timespec="seconds"),
         "load_generators": {"max_throughput": "wrk (closed loop, fixed connections)",
                             "latency": "loadtest/bench/fixedrate.c (open loop, latency from the intended send time)"},
@@ -253,6 +307,9 @@ def run(args) -> int:
     if failed:
         log(f"{len(failed)} of {len(summary['checks'])} targets FAIL: " + "; ".join(c["label"] for c in failed))
         rc = 1
+    if extra.get("failed_targets"):
+        log(f"not measured (FAILED): {', '.join(extra['failed_targets'])}")
+        rc = 1
     return rc
 
 
@@ -275,6 +332,8 @@ def main() -> int:
     r.add_argument("--rate", type=float)
     r.add_argument("--lease-period-ms", type=int, default=None,
                    help="[limiter.leases] period_ms for the Redis targets (default: the gateway's own)")
+    r.add_argument("--anchor-connections", type=int, default=8,
+                   help="redis_anchor's connections to its Redis, each with one pipeline in flight (8)")
     r.add_argument("--paired-rounds", type=int, default=None,
                    help="windows driving gateway_local and gateway_redis at once for #24's p99 added "
                         "(default: twice --rounds; 0: none)")
@@ -340,6 +399,10 @@ def main() -> int:
             ap.error(f"--{k.replace('_', '-')} must be positive")
     if args.clients < 0 or args.clients > 4_194_304:
         ap.error("--clients must be between 1 and 4,194,304 (addresses from 100.64.0.0/10)")
+    if args.targets and ANCHOR in args.targets and not args.clients:
+        ap.error(f"{ANCHOR} drives a crowd: it needs --clients N (many-clients mode)")
+    if args.anchor_connections < 1 or args.anchor_connections > 256:
+        ap.error("--anchor-connections must be between 1 and 256")
     if args.zipf < 0 or not 0 <= args.over <= 100:
         ap.error("--zipf must be >= 0 and --over a percentage")
     if args.connections < args.wrk_threads:

@@ -30,20 +30,50 @@ TARGETS = [
     "gateway_jwt",
     "gateway_key_padded",
     "gateway_redis",
+    "gateway_redis_unshared",
     "gateway_redis_cluster",
     "gateway_redis_denied",
     "gateway_tls",
     "nginx_tls",
+    "redis_anchor",
 ]
 GATEWAY_TARGETS = [t for t in TARGETS if t.startswith("gateway_")]
-REDIS_TARGETS = ["gateway_redis", "gateway_redis_cluster", "gateway_redis_denied"]
+REDIS_TARGETS = ["gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster", "gateway_redis_denied"]
 # On the Redis Cluster (three masters) rather than the one standalone Redis.
 CLUSTER_TARGETS = ["gateway_redis_cluster"]
 CLUSTER_NODES = 3  # the masters of gateway_redis_cluster (bench.py --cluster-nodes sets it)
-LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster", "gateway_redis_denied"]
+LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster",
+                   "gateway_redis_denied"]
 # With --clients N, these are sent traffic from N clients (wrk-clients.lua);
 # the others keep one client (the denied target's point is one client over).
-MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_cluster"]
+MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster"]
+# #39: these run with [limiter.shares] enabled = true (standing shares: part of
+# every big token bucket decided by the replica itself, no Redis call);
+# gateway_redis_unshared is gateway_redis without it, the "before" in the same run.
+SHARES_TARGETS = ["gateway_redis", "gateway_redis_cluster"]
+# Before a shares target is measured: up to this long for its /metrics to show
+# gateway_shares_usable 1 (a replica starts using its shares ~3.1 s after its
+# first heartbeat), then SHARES_SETTLE_S more (the shares fill from empty at
+# the buckets' refill rates: within a second at the many-clients sizes).
+SHARES_GAUGE = "gateway_shares_usable"
+SHARES_WAIT_S = 15.0
+SHARES_SETTLE_S = 1.5
+# Many-clients mode (--clients N): every per-client bucket (the ip tier and the
+# route's per-client bucket) holds this many tokens and refills this many per
+# second, for every target alike: a crowd far below its limits, each bucket
+# full again within a second (a share of a bucket refilling at 0.01/s would
+# never fill). The over route keeps capacity 1, refill 0.000001/s.
+MANY_CLIENTS_CAPACITY = 1000000
+MANY_CLIENTS_REFILL = 1000000
+# #39's anchor: a redis-server of its own driven the way envoyproxy/ratelimit
+# drives one (INCRBY + EXPIRE per descriptor, three descriptors per request,
+# pipelined) by redis_anchor.c, from --clients N Zipf clients; each round
+# measures these requests-per-pipeline settings, one window each.
+ANCHOR = "redis_anchor"
+ANCHOR_PIPELINES = (16, 1)
+# Measured by default only in many-clients mode (--clients N); --targets
+# naming them measures them anyway (the anchor always needs --clients).
+CLIENTS_ONLY_TARGETS = ["gateway_redis_unshared", ANCHOR]
 NGINX_TARGETS = ["nginx_limit_req", "nginx_tls"]
 # gateway_local with the client named by a verified JWT (RS256, a key file)
 # instead of an API key: the same hot client, the same tiers.

@@ -14,8 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import (CLK_TCK, HERE, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS,
-                    TLS_TARGETS, BenchError, log, warn)
+from common import (ANCHOR, ANCHOR_PIPELINES, CLK_TCK, HERE, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
+                    ROOT, SCRIPT_COMMANDS, SHARES_GAUGE, TLS_TARGETS, BenchError, log, warn)
 from lt.procs import free_ports
 from targets import Targets, http_get, wait_until
 
@@ -55,17 +55,22 @@ def all_process_ticks() -> dict[int, int]:
 
 
 METRIC_RE = re.compile(r'^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$')
+PLAIN_METRIC_RE = re.compile(r'^(\w+)\s+([0-9.eE+-]+)$')
 
 
 def gateway_metrics(admin: str) -> dict:
     """Status counts and failover counters from the gateway's /metrics."""
     status, _, body = http_get(f"http://{admin}/metrics", timeout=5)
-    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}, "lease_tokens": {}}
+    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}, "lease_tokens": {}, "shares": {}}
     if status != 200:
         return out
     for line in body.decode(errors="replace").splitlines():
         m = METRIC_RE.match(line.strip())
         if not m:
+            # #39's gauges (gateway_shares_usable, gateway_shares_entries) carry no labels.
+            pm = PLAIN_METRIC_RE.match(line.strip())
+            if pm and pm.group(1).startswith("gateway_shares_"):
+                out["shares"][pm.group(1)] = float(pm.group(2))
             continue
         name, labels, value = m.group(1), m.group(2), float(m.group(3))
         lab = dict(re.findall(r'(\w+)="([^"]*)"', labels))
@@ -117,6 +122,7 @@ class Meter:
         self.tg = tg
         self.warnings = tg.warnings
         self.fixedrate = tools / "fixedrate"
+        self.anchor_bin = tools / "redis_anchor"  # build_anchor(tools) compiles it
 
     def snapshot(self, target: str) -> dict:
         info = self.tg.t[target]
@@ -183,6 +189,14 @@ class Meter:
             paths = delta_counts(mb.get("decided_by", {}), me.get("decided_by", {}))
             if sum(paths.values()) > 0:
                 r["lease_share"] = paths.get("lease", 0) / sum(paths.values())
+                # #39: requests whose every tier a standing share decided (no Redis call).
+                r["share_decided"] = paths.get("share", 0) / sum(paths.values())
+            gauges = me.get("shares", {})
+            if "gateway_shares_entries" in gauges:
+                r["shares_entries"] = gauges["gateway_shares_entries"]
+            if target in self.tg.shares and gauges.get(SHARES_GAUGE) != 1:
+                warn(f"{target}: {SHARES_GAUGE} is {gauges.get(SHARES_GAUGE, 'absent')} at the end of the window "
+                     "(its shares were not in use)", self.warnings)
             # Tokens leased, given back and lost (expired unreturned) per request.
             lt = delta_counts(mb.get("lease_tokens", {}), me.get("lease_tokens", {}))
             if lt:
@@ -286,6 +300,61 @@ class Meter:
         if self.tg.redis_nodes(target) and target in REDIS_TARGETS:
             r["redis_memory"] = self.redis_memory(target)
         return r
+
+    def anchor(self, tag: str) -> dict:
+        """#39's anchor for one round: redis_anchor.c drives the anchor's own
+        redis-server the way envoyproxy/ratelimit does (per request, three
+        descriptors, each INCRBY + EXPIRE 60), from --clients N Zipf clients
+        (as wrk-clients.lua draws them), one window of --duration seconds per
+        requests-per-pipeline setting (ANCHOR_PIPELINES), each after a warm-up.
+        Redis's CPU per request is INFO cpu's delta over the window's requests;
+        its idle CPU (no client) is measured first, as for the gateways."""
+        a, r = self.a, self.tg.anchor
+        idle = self.redis_idle(ANCHOR)
+        res: dict = {"redis_idle_cpu_ms_per_s": idle * 1e3 if idle is not None else None, "pipelines": {}}
+        for i, p in enumerate(ANCHOR_PIPELINES):
+            argv = [str(self.anchor_bin), "--port", str(r.port), "--pipeline", str(p),
+                    "--connections", str(a.anchor_connections), "--clients", str(a.clients), "--zipf", f"{a.zipf:g}",
+                    "--over", f"{a.over:g}"]
+            if a.warmup > 0:
+                rc, _, _ = self.loadgen(argv + ["--duration", f"{a.warmup:g}", "--seed", str(2 * i + 1)],
+                                        a.warmup + 30)
+                if rc != 0:
+                    raise BenchError(f"redis_anchor (warm-up, {p} per pipeline) failed (exit {rc}); "
+                                     "see logs/loadgen.stderr")
+            jp = self.out / "raw" / f"{tag}-{ANCHOR}-p{p}.json"
+            b_all, b_info, b_wall = all_process_ticks(), r.info(), time.monotonic()
+            rc, lg_ticks, _ = self.loadgen(argv + ["--duration", f"{a.duration:g}", "--seed", str(2 * i + 2),
+                                                   "--out", str(jp)], a.duration + 30)
+            e_info, e_wall, e_all = r.info(), time.monotonic(), all_process_ticks()
+            if rc != 0 or not jp.exists():
+                raise BenchError(f"redis_anchor ({p} per pipeline) failed (exit {rc}); see logs/loadgen.stderr")
+            w = json.loads(jp.read_text())
+            n = max(w["requests"], 1)
+            wall = e_wall - b_wall
+            calls = {}
+            for c in set(b_info["cmd"]) | set(e_info["cmd"]):
+                d = e_info["cmd"].get(c, {"calls": 0})["calls"] - b_info["cmd"].get(c, {"calls": 0})["calls"]
+                if d and c != "info":
+                    calls[c] = d
+            cpu = e_info["cpu"] - b_info["cpu"]
+            ours = set(self.tg.our_pids) | {os.getpid()}
+            foreign = sum(t - b_all.get(q, 0) for q, t in e_all.items() if q not in ours)
+            res["pipelines"][str(p)] = {
+                "requests_per_pipeline": p, "rps": w["rps"], "requests": w["requests"], "secs": w["seconds"],
+                "connections": w["connections"], "errors": w["errors"],
+                "redis_cpu_us_per_req": cpu * 1e6 / n,
+                "redis_cpu_us_per_req_above_idle": max(0.0, cpu * 1e6 / n - idle * wall * 1e6 / n)
+                if idle is not None else None,
+                "redis_cpu_cores": cpu / wall,
+                "redis_commands_per_req": {c: round(v / n, 4) for c, v in sorted(calls.items())},
+                "redis_net_bytes_per_req": sum(int(e_info.get(k, 0)) - int(b_info.get(k, 0)) for k in NET_KEYS) / n,
+                "keys": sum(int(m.group(1)) for m in re.finditer(r"keys=(\d+)", " ".join(
+                    v for k, v in e_info.items() if isinstance(v, str) and k.startswith("db")))),
+                "loadgen_cpu_cores": lg_ticks / CLK_TCK / wall,
+                "other_cpu_pct": round(100.0 * max(foreign, 0) / CLK_TCK / wall, 1),
+            }
+        return res
 
     def redis_memory(self, target: str, samples: int = 100) -> dict:
         """Bytes per bucket in Redis, right after a window (token buckets expire
@@ -560,6 +629,21 @@ class Meter:
         log(f"memory: {n:,} clients: RSS {res['rss_before_mib']} -> {res['rss_after_mib']} MiB "
             f"(at the cap: {res['rss_at_cap_mib']} MiB; peak {res['hwm_mib']} MiB)")
         return res
+
+
+def build_anchor(tools: Path) -> Path:
+    """redis_anchor.c compiled into `tools` when missing or older than its
+    source (as loadtest/lib.sh compiles fixedrate.c)."""
+    src, exe = HERE / "redis_anchor.c", tools / "redis_anchor"
+    if not exe.exists() or src.stat().st_mtime > exe.stat().st_mtime:
+        log("compiling loadtest/bench/redis_anchor.c")
+        tools.mkdir(parents=True, exist_ok=True)
+        tmp = tools / "redis_anchor.tmp"
+        out = subprocess.run(["cc", "-O2", "-Wall", "-o", str(tmp), str(src), "-lm"], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise BenchError(f"cc redis_anchor.c failed:\n{out.stderr}")
+        tmp.replace(exe)
+    return exe
 
 
 def tool_version(argv: list[str]) -> str:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from checks import compute_context
-from common import HERE, REDIS_TARGETS, ROOT, log
+from common import ANCHOR_PIPELINES, HERE, REDIS_TARGETS, ROOT, log
 from lt.plots import pyplot, save_png  # after common, which puts loadtest/ on sys.path
 
 # --- report: markdown table and chart ----------------------------------------------------
@@ -36,7 +36,10 @@ def markdown(s: dict) -> str:
         L.append(f"Machine: {m['nproc']} × {m['cpu_model']}, Linux {m['kernel']}, {m['mem_gib']} GiB; "
                  f"{m['gateway']} (commit {m['git_commit']}{', dirty tree' if m['git_dirty'] else ''}, "
                  f"binary built {m['gateway_binary_built']}).")
-        L += ["", "| target (issue) | value | limit | result |", "|---|--:|--:|---|"]
+        L.append("")
+        L += anchor_md(s)
+        L += failed_md(s)
+        L += ["| target (issue) | value | limit | result |", "|---|--:|--:|---|"]
         for c in s["checks"]:
             if c["value"] is not None:
                 L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | "
@@ -88,6 +91,15 @@ def markdown(s: dict) -> str:
             L.append("Lease tokens per request (`gateway_lease_tokens_total`): " + "; ".join(
                 f"`{t}` " + ", ".join(f"{k} {v:.3f}" for k, v in x.items()) for t, x in toks) + ".")
         L.append("")
+    standing = [(t, d) for t, d in T.items() if t in REDIS_TARGETS and d.get("share_decided") is not None
+                and t in ((s.get("run") or {}).get("shares") or {}).get("targets", [])]
+    if standing:
+        L.append("Decided on a standing share (`[limiter.shares]`, #39: every tier decided by the replica's own "
+                 "share, no Redis call), share of the max-throughput window's requests: " + ", ".join(
+                     f"`{t}` {100 * d['share_decided']:.1f}%"
+                     + (f" ({d['shares_entries']:,.0f} share entries at the end)"
+                        if d.get("shares_entries") is not None else "") for t, d in standing) + ".")
+        L.append("")
     L += paired_md(s)
     L += cluster_md(s)
     L += clients_md(s)
@@ -105,11 +117,16 @@ def markdown(s: dict) -> str:
             L.append(f"- {c['label']}: {fmt(c['value'], 3)}")
         L.append("")
     L += tls_md(s)
+    L += anchor_md(s)
+    L += failed_md(s)
     L.append("| target (issue) | value | limit | result |")
     L.append("|---|--:|--:|---|")
     for c in s["checks"]:
+        if c.get("issue") == 39:
+            continue  # in their own table, beside the before
         res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
         L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | {res} |")
+    L += clients_checks_md(s)
     L += memory_md(s)
     return "\n".join(L) + "\n"
 
@@ -205,7 +222,78 @@ def clients_md(s: dict) -> list[str]:
             f"windows of {', '.join(f'`{t}`' for t in c['targets'])}, every request came from one of {c['n']:,} clients "
             f"(X-Forwarded-For from trusted 127.0.0.1), the client of rank r sending in proportion to 1/r^{c['zipf']:g}; "
             f"{c['over_pct']:g} % of the clients are over their limit (answered 429 after their first request). "
-            f"Share answered 429: {shares or 'n/a'}. The fixed-rate (latency) windows keep one client.", ""]
+            f"Share answered 429: {shares or 'n/a'}. The fixed-rate (latency) windows keep one client."
+            + (f" The per-client buckets (the ip tier, the route's per-client bucket) hold "
+               f"{c['per_client_capacity']:,} tokens and refill {c['per_client_refill_per_sec']:,}/s, every target "
+               "alike: a crowd far below its limits." if c.get("per_client_capacity") else ""), ""]
+
+
+def anchor_md(s: dict) -> list[str]:
+    """#39's anchor (envoyproxy/ratelimit's way, on its own Redis) beside the
+    gateways' Redis CPU per request from the same run."""
+    an = s.get("anchor")
+    if not an or not an.get("pipelines"):
+        return []
+    run = s.get("run") or {}
+    c, ar = run.get("clients") or {}, run.get("anchor") or {}
+    ps = an["pipelines"]
+    base = ps.get("16", {}).get("redis_cpu_us_per_req")
+
+    def vs(x):
+        return fmt(x / base, 3) + "×" if x is not None and base else "n/a"
+
+    L = [f"The anchor (#39): envoyproxy/ratelimit's way, on a redis-server of its own "
+         f"(`loadtest/bench/redis_anchor.c`): per request three descriptors (the client's address, the API key, the "
+         f"route with the client), each `INCRBY key 1` + `EXPIRE key 60`; {ar.get('connections', '?')} connections, "
+         f"each with one pipeline in flight; the clients drawn as in the gateways' windows"
+         + (f" ({c['n']:,} clients, Zipf {c['zipf']:g})" if c else "")
+         + f"; one {run.get('duration_s', 0):g} s window per setting and round, medians of rounds. Its requests/s "
+         "go straight to Redis; the gateways' are HTTP requests through the proxy (max-throughput windows).", "",
+         "| | requests/s | Redis CPU µs/req | above Redis's idle CPU | script calls/req | Redis commands/req "
+         "| Redis CPU / the anchor's (16 per pipeline) |",
+         "|---|--:|--:|--:|--:|---|--:|"]
+    for p in ANCHOR_PIPELINES:
+        d = ps.get(str(p))
+        if not d:
+            continue
+        cmds = ", ".join(f"{k} {v:g}" for k, v in d.get("redis_commands_per_req", {}).items())
+        L.append(f"| anchor, {p} request{'s' if p != 1 else ''} per pipeline | {fmt(d['rps'], 0)} | "
+                 f"{fmt(d['redis_cpu_us_per_req'], 2)} | {fmt(d.get('redis_cpu_us_per_req_above_idle'), 2)} | | "
+                 f"{cmds} | {vs(d['redis_cpu_us_per_req'])} |")
+    T = s["targets"]
+    for t, g in (an.get("gateways") or {}).items():
+        cmds = ", ".join(f"{k} {v:g}" for k, v in (T.get(t, {}).get("redis_commands_per_req") or {}).items()
+                         if v >= 0.0005)
+        L.append(f"| `{t}` | {fmt(g.get('rps'), 0)} | {fmt(g.get('redis_cpu_us_per_req'), 2)} | "
+                 f"{fmt(g.get('redis_cpu_us_per_req_above_idle'), 2)} | {fmt(g.get('script_calls_per_req'), 3)} | "
+                 f"{cmds} | {vs(g.get('redis_cpu_us_per_req'))} |")
+    L += ["", f"The anchor's Redis idle: {fmt(an.get('redis_idle_cpu_ms_per_s'), 2)} ms CPU per second with no client; "
+          "the gateways' Redis CPU is summed over the cluster's nodes for `gateway_redis_cluster`.", ""]
+    return L
+
+
+def clients_checks_md(s: dict) -> list[str]:
+    """#39's targets (many-clients mode), each beside gateway_redis_unshared's figure: the before."""
+    cs = [c for c in s.get("checks", []) if c.get("issue") == 39]
+    if not cs:
+        return []
+    L = ["", "#39 (many clients; after: `gateway_redis` with `[limiter.shares]`, before: `gateway_redis_unshared`, "
+             "shares off, same run):", "",
+         "| target (issue) | after | before | limit | result |", "|---|--:|--:|--:|---|"]
+    for c in cs:
+        res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
+        L.append(f"| {c['label']} | {c.get('shown') or fmt(c['value'], 3)} | {fmt(c.get('before'), 3)} | "
+                 f"{c['op']} {c['limit']:g} | {res} |")
+    notes = [f"- {c['label']}: {c['note']}." for c in cs if c.get("note")]
+    return L + ([""] + notes if notes else [])
+
+
+def failed_md(s: dict) -> list[str]:
+    """Targets started but failed before any window (e.g. shares never usable)."""
+    f = s.get("failed_targets") or {}
+    if not f:
+        return []
+    return ["Targets FAILED, not measured:", ""] + [f"- `{t}`: {why}" for t, why in f.items()] + [""]
 
 
 def tls_md(s: dict) -> list[str]:
@@ -255,11 +343,21 @@ def chart(s: dict, path: Path) -> None:
     names = list(T)
     x = range(len(names))
     colors = {"direct": "#999999", "nginx_limit_req": "#2ca02c", "pingora_bare": "#ff7f0e",
-              "nginx_tls": "#98df8a", "gateway_tls": "#9467bd", "gateway_redis_cluster": "#17becf"}
+              "nginx_tls": "#98df8a", "gateway_tls": "#9467bd", "gateway_redis_cluster": "#17becf",
+              "gateway_redis_unshared": "#aec7e8"}
     col = [colors.get(n, "#1f77b4") for n in names]
     pl = s.get("paired_latency") or {}
     paired = bool(pl.get("p99_added_ms_windows"))
-    fig, axes = plt.subplots(1, 4 if paired else 3, figsize=(21 if paired else 16, 5.2))
+    # #39: Redis CPU per request, the gateways' beside the anchor's.
+    redis39 = [(n, T[n].get("redis_cpu_us_per_req"), colors.get(n, "#1f77b4")) for n in names
+               if n in REDIS_TARGETS and n != "gateway_redis_denied" and T[n].get("redis_cpu_us_per_req") is not None]
+    for p in ANCHOR_PIPELINES:
+        d = ((s.get("anchor") or {}).get("pipelines") or {}).get(str(p))
+        if d:
+            redis39.append((f"anchor, {p}/pipeline", d["redis_cpu_us_per_req"], "#7f7f7f"))
+    panel39 = bool(s.get("anchor") or "gateway_redis_unshared" in T) and bool(redis39)
+    npanels = 3 + paired + panel39
+    fig, axes = plt.subplots(1, npanels, figsize=(5.3 * npanels, 5.2))
 
     ax = axes[0]
     rps = [T[n]["rps"] or 0 for n in names]
@@ -280,7 +378,8 @@ def chart(s: dict, path: Path) -> None:
         ax.text(i, cpu[i] + red[i], f"{cpu[i] + red[i]:.1f}", ha="center", va="bottom", fontsize=8)
     # Room for the labels: a zero-height Redis bar on top of the tallest bar
     # would otherwise pin the axis there (its sticky edge) and cut the label off.
-    ax.set_ylim(0, max([cpu[i] + red[i] for i in x] + [1]) * 1.08)
+    # (1.25: room for the legend above the bars, gateway_redis_unshared's among them.)
+    ax.set_ylim(0, max([cpu[i] + red[i] for i in x] + [1]) * 1.25)
     ax.set_title("CPU per request at max throughput")
     ax.set_ylabel("µs / request")
     ax.legend(fontsize=8)
@@ -310,6 +409,25 @@ def chart(s: dict, path: Path) -> None:
                      f"({pl['windows']} windows, {pl['rate_each']:,.0f} rps each)", fontsize=10)
         ax.set_xlabel("window")
         ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    if panel39:
+        ax = axes[-1]
+        xs = range(len(redis39))
+        vals = [v for _, v, _ in redis39]
+        ax.bar(xs, vals, color=[c for _, _, c in redis39])
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.axhline(2.0, color="#d62728", ls="--", lw=1, label="#39 target: 2 µs (gateway_redis)")
+        if min(vals) > 0 and max(vals) / min(vals) > 20:
+            ax.set_yscale("log")
+            ax.set_ylim(min(vals) / 2, max(vals + [2.0]) * 3)  # room for the labels and the legend
+        else:
+            ax.set_ylim(0, max(vals + [2.0]) * 1.12)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([n.replace("gateway_", "gw_") for n, _, _ in redis39], rotation=30, ha="right", fontsize=9)
+        ax.set_title("Redis CPU per request (#39; anchor: INCRBY+EXPIRE,\n16 or 1 requests per pipeline)", fontsize=10)
+        ax.set_ylabel("µs / request" + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     for ax in axes[:3]:

@@ -22,9 +22,10 @@ import urllib.request
 from pathlib import Path
 
 import common
-from common import (API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, JWT_TARGETS, LIMITED_TARGETS,
-                    PADDED_TARGETS,
-                    MOCK, NGINX_TARGETS, OVER_PATH, PATH, REDIS_TARGETS, TLS_TARGETS, BenchError, log, warn)
+from common import (ANCHOR, API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, JWT_TARGETS,
+                    LIMITED_TARGETS, MANY_CLIENTS_CAPACITY, MANY_CLIENTS_REFILL, MOCK, NGINX_TARGETS, OVER_PATH,
+                    PADDED_TARGETS, PATH, REDIS_TARGETS, SHARES_GAUGE, SHARES_SETTLE_S, SHARES_TARGETS, SHARES_WAIT_S,
+                    TLS_TARGETS, BenchError, log, warn)
 from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
 # --- processes ------------------------------------------------------------------
@@ -109,6 +110,19 @@ def http_get(url: str, headers: dict | None = None, timeout: float = 2.0,
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The value of metric `name` in a Prometheus text body (the first sample,
+    labelled or not), or None when it is not there."""
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+|NaN)\s*$", line.strip())
+        if m:
+            try:
+                return float(m.group(1))
+            except ValueError:
+                return None
+    return None
 
 
 def wait_until(what: str, pred, secs: float, proc: subprocess.Popen | None = None, log_path: Path | None = None):
@@ -319,6 +333,8 @@ class Targets:
         self.redis: Redis | None = None
         self.redis_proc = None
         self.cluster: list[Redis] = []  # the Redis Cluster's masters, for CLUSTER_TARGETS
+        self.anchor: Redis | None = None  # redis_anchor's own redis-server (#39)
+        self.shares: set[str] = set()  # the gateway targets whose config enables [limiter.shares]
         self.used_memory_start: dict[int, int] = {}  # port -> used_memory before any gateway ran
         self.mock_proc = None
         self.our_pids: list[int] = []
@@ -346,7 +362,7 @@ class Targets:
 
     def start_servers(self, targets: list[str]) -> None:
         a, out = self.a, self.out
-        ports = iter(free_ports(2 + 3 * len(targets) + 2))
+        ports = iter(free_ports(3 + 3 * len(targets) + 2))
         logs = out / "logs"
         cfg = out / "config"
         self.redis_port = next(ports)
@@ -362,6 +378,13 @@ class Targets:
             self.start_cluster(cluster_ports(common.CLUSTER_NODES))
         for r in ([self.redis] if self.redis else []) + self.cluster:
             self.used_memory_start[r.port] = int(r.info().get("used_memory", 0))
+        if ANCHOR in targets:
+            # #39's anchor: a fresh redis-server of its own, driven by redis_anchor.c.
+            port = next(ports)
+            self.anchor = start_redis_server(self.procs, "redis-anchor", port, logs / "redis-anchor.log")
+            self.our_pids.append(self.anchor.proc.pid)
+            self.t[ANCHOR] = {"url": f"redis://127.0.0.1:{port}", "pids": lambda p=self.anchor.proc: [p.pid],
+                              "headers": {}, "proc": self.anchor.proc, "log": logs / "redis-anchor.log"}
 
         ml = logs / "mock-upstream.log"
         self.mock_proc = self.procs.start(
@@ -418,6 +441,8 @@ class Targets:
             'upstream = "mock"\n'
             'limit = { algorithm = "token_bucket", capacity = 1, refill_per_sec = 0.000001, scope = "client" }\n'
         )
+        per_client_capacity = MANY_CLIENTS_CAPACITY if many else 1000000000
+        per_client_refill = MANY_CLIENTS_REFILL if many else 1000000000
         for t in [t for t in targets if t in GATEWAY_TARGETS]:
             port, admin_port = next(ports), next(ports)
             subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
@@ -433,14 +458,20 @@ class Targets:
                 backend = "local" if t in ["gateway_local", *JWT_TARGETS, *PADDED_TARGETS] else "redis"
                 denied = t == "gateway_redis_denied"
                 section = cluster_section if t in CLUSTER_TARGETS else redis_section
+                shares = t in SHARES_TARGETS and backend == "redis"
+                if shares:
+                    self.shares.add(t)
                 self.render(
                     "gateway.tiers.toml", dest, **subs, BACKEND=backend, API_KEY=API_KEY,
                     REDIS_SECTION=section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
                     LEASES_SECTION=f"[limiter.leases]\nperiod_ms = {a.lease_period_ms}   # --lease-period-ms"
                     if a.lease_period_ms and backend == "redis" else "# [limiter.leases]: the defaults",
-                    ROUTE_CAPACITY=1 if denied else 1000000000,
-                    ROUTE_REFILL="0.000001" if denied else ("0.01" if many else 1000000000),
-                    CLIENT_REFILL="0.01" if many else 1000000000,
+                    SHARES_SECTION="[limiter.shares]\nenabled = true   # #39: standing shares, no Redis call"
+                    if shares else "# [limiter.shares]: off (the default)",
+                    ROUTE_CAPACITY=1 if denied else per_client_capacity,
+                    ROUTE_REFILL="0.000001" if denied else per_client_refill,
+                    CLIENT_CAPACITY=per_client_capacity,
+                    CLIENT_REFILL=per_client_refill,
                     OVER_PATH=OVER_PATH,
                     TRUSTED_PROXIES='trusted_proxies = ["127.0.0.1/32"]   # --clients: wrk plays the load balancer'
                     if many else "# one client: no trusted proxy",
@@ -473,6 +504,58 @@ class Targets:
 
             wait_until(f"{t} (/readyz backend {want})", ready, 30, info["proc"], info["log"])
 
+    def wait_shares(self, targets: list[str]) -> dict[str, str]:
+        """#39: waits (at most SHARES_WAIT_S) until every target of `targets`
+        whose config enables [limiter.shares] shows gateway_shares_usable 1 on
+        its /metrics, then SHARES_SETTLE_S more (the shares fill from empty),
+        so the windows measure the steady state. Returns {target: why} for
+        those whose gauge never showed 1."""
+        waiting = [t for t in targets if t in self.shares]
+        if not waiting:
+            return {}
+        t0 = time.monotonic()
+        last: dict[str, str] = {}
+        ok: list[str] = []
+        next_log = 0.0
+        while waiting:
+            for t in list(waiting):
+                info = self.t[t]
+                if info["proc"].poll() is not None:
+                    last[t] = f"the gateway exited ({info['proc'].returncode})"
+                    continue
+                try:
+                    st, _, body = http_get(f"http://{info['admin']}/metrics", timeout=2)
+                    v = metric_value(body.decode(errors="replace"), SHARES_GAUGE) if st == 200 else None
+                    last[t] = (f"{SHARES_GAUGE} {v:g}" if v is not None
+                               else f"no {SHARES_GAUGE} gauge" if st == 200 else f"/metrics answered {st}")
+                except Exception as e:  # noqa: BLE001 (a slow or refused /metrics: try again)
+                    v, last[t] = None, f"/metrics: {e}"
+                if v == 1:
+                    waiting.remove(t)
+                    ok.append(t)
+                    log(f"{t}: {SHARES_GAUGE} 1 after {time.monotonic() - t0:.1f} s")
+            el = time.monotonic() - t0
+            if not waiting or el >= SHARES_WAIT_S:
+                break
+            if el >= next_log:
+                log(f"waiting for {SHARES_GAUGE} 1 on {', '.join(waiting)} ({el:.1f} of {SHARES_WAIT_S:g} s; "
+                    + "; ".join(f"{t}: {last.get(t, 'not asked yet')}" for t in waiting) + ")")
+                next_log = el + 2.0
+            time.sleep(0.2)
+        failed = {t: (f"its /metrics (http://{self.t[t]['admin']}/metrics) did not show {SHARES_GAUGE} 1 within "
+                      f"{SHARES_WAIT_S:g} s of the wait ([limiter.shares] enabled = true in config/{t}.toml; "
+                      f"last seen: {last.get(t, 'nothing')})") for t in waiting}
+        if ok:
+            log(f"shares usable on {', '.join(ok)}: {SHARES_SETTLE_S:g} s more for them to fill")
+            time.sleep(SHARES_SETTLE_S)
+        return failed
+
+    def drop(self, t: str) -> None:
+        """Stops a target that cannot be measured (by its PID) and forgets it."""
+        info = self.t.pop(t, None)
+        if info and info.get("proc") is not None:
+            self.procs.stop_one(info["proc"])
+
     def start_cluster(self, ports: list[int]) -> None:
         """A Redis Cluster of `len(ports)` masters (no replicas) on 127.0.0.1,
         made with redis-cli --cluster create as tests/integration/support/topology.rs does
@@ -488,15 +571,17 @@ class Targets:
 
     def redis_nodes(self, target: str) -> list[Redis]:
         """The Redis servers a target's limiter uses (none for the others):
-        the cluster's masters or the standalone Redis."""
+        the cluster's masters or the standalone Redis (the anchor: its own)."""
+        if target == ANCHOR:
+            return [self.anchor] if self.anchor is not None else []
         if target in CLUSTER_TARGETS:
             return list(self.cluster)
         return [self.redis] if self.redis is not None else []
 
     def redis_pids(self, target: str) -> list[int]:
-        """The processes of `redis_nodes(target)`."""
-        if target in CLUSTER_TARGETS:
-            return [r.proc.pid for r in self.cluster if r.proc is not None]
+        """The processes of `redis_nodes(target)` (the standalone Redis for its targets only)."""
+        if target == ANCHOR or target in CLUSTER_TARGETS:
+            return [r.proc.pid for r in self.redis_nodes(target) if r.proc is not None]
         return [self.redis_proc.pid] if self.redis is not None and target in REDIS_TARGETS else []
 
     def start_nginx(self, t: str, port: int, upstream: str) -> None:
@@ -533,7 +618,7 @@ class Targets:
 
     def prime(self, targets: list[str]) -> None:
         """One request per target, its answer kept; the denied client spends its token."""
-        for t in targets:
+        for t in [t for t in targets if t != ANCHOR]:
             info = self.t[t]
             hdr = info["headers"]
             statuses = []
