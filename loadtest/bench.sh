@@ -7,7 +7,7 @@
 #                     [--wrk-threads N] [--upstream-threads N] [--rate RPS]
 #                     [--paired-rounds N] [--lease-period-ms N]
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
-#                     [--memory-clients N] [--memory-max-entries N]
+#                     [--memory-clients N] [--memory-max-entries N] [--no-memory-redis]
 #                     [--clients N [--zipf S] [--over PCT]] [--cluster-nodes N]
 #                     [--anchor-connections N] [--redis-idle SECS]
 #                     [--gateway-bin PATH [--gateway-note TEXT]]
@@ -116,7 +116,19 @@
 #                    on the local backend with local_max_entries = 1,000,000 and
 #                    an ip tier is sent 1.2 million distinct clients (wrk naming
 #                    each in X-Forwarded-For from trusted 127.0.0.1); its VmRSS
-#                    before, at the cap and after
+#                    before, at the cap and after. Then its Redis variant (#39):
+#                    the same on the Redis backend (a fresh redis-server of its
+#                    own) with [limiter.shares] enabled = true and an ip tier of
+#                    1,000,000 tokens refilling 1,000,000/s (cut into a pool and
+#                    standing shares; gateway.memory-redis.toml), sent once its
+#                    /metrics shows gateway_shares_usable 1 and 1.5 s more (up to
+#                    15 s, else FAILED, exit status 1): VmRSS before, at the cap
+#                    and after, gateway_shares_entries along the way and at the
+#                    end (a target: <= local_max_entries), bytes per client
+#                    ((RSS at the cap - before) / share entries then), Redis's
+#                    keys (DBSIZE) and used_memory at the end. Both side by side
+#                    in summary.md/.json (memory, memory_redis) and memory.png.
+#                    About two minutes each; --no-memory-redis: the local one only
 #   --memory-only    only the memory step
 #   --clients N      many-clients mode: in the max-throughput windows of
 #                    gateway_local, gateway_redis, gateway_redis_unshared and

@@ -217,7 +217,12 @@ def run(args) -> int:
             if args.perf:
                 extra["perf"] = meter.perf([t for t in targets if t not in ("direct", ANCHOR)])
         if args.memory or args.memory_only:
-            extra["memory"] = meter.memory()
+            # The local backend, then (#39) the Redis backend with standing shares.
+            extra["memory"] = meter.memory("local")
+            if args.memory_redis:
+                extra["memory_redis"] = meter.memory("redis")
+                if extra["memory_redis"].get("failed"):
+                    extra["failed_targets"]["memory (Redis backend, shares)"] = extra["memory_redis"]["failed"]
         for t in targets:
             p = tg.t[t]["proc"]
             if p.poll() is not None:
@@ -242,9 +247,11 @@ def run(args) -> int:
     # address as SNI (rustls: "Illegal SNI extension", ignored) and opens one
     # connection it closes at once to check the address ("tls handshake eof").
     gateway_logs = {}
-    for t in list(targets) + (["memory-gateway"] if "memory" in extra else []):
+    memory_gateways = (["memory-gateway"] if "memory" in extra else []) + \
+        (["memory-redis-gateway"] if "memory_redis" in extra else [])
+    for t in list(targets) + memory_gateways:
         lp = out / "logs" / f"{t}.log"
-        if (t in GATEWAY_TARGETS or t in ("memory-gateway", "pingora_bare")) and lp.exists():
+        if (t in GATEWAY_TARGETS or t in memory_gateways or t == "pingora_bare") and lp.exists():
             lines = [ln for ln in lp.read_text(errors="replace").splitlines()
                      if re.search(r"\b(WARN|ERROR|panic)", ln, re.I)]
             aborts = [ln for ln in lines if "Downstream ConnectionClosed" in ln]
@@ -344,6 +351,8 @@ def main() -> int:
     r.add_argument("--memory-clients", type=int, default=1_200_000)
     r.add_argument("--memory-max-entries", type=int, default=1_000_000)
     r.add_argument("--memory-timeout", type=int, default=600)
+    r.add_argument("--no-memory-redis", dest="memory_redis", action="store_false",
+                   help="the memory step without its Redis variant (#39: the Redis backend with [limiter.shares])")
     r.add_argument("--clients", type=int, default=0)
     r.add_argument("--cluster-nodes", type=int, default=common.CLUSTER_NODES)
     r.add_argument("--zipf", type=float, default=1.0)

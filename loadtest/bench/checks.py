@@ -301,6 +301,16 @@ def compute_checks(s: dict) -> list[dict]:
         checks.append(("memory_growth_after_cap_pct",
                        f"local backend RSS growth from the cap ({mem['local_max_entries']:,}) to "
                        f"{mem['clients']:,} clients (%): bounded", "<=", 10.0))
+    mr = s.get("memory_redis")
+    if mr and not mr.get("failed"):
+        # #39: on the Redis backend the local state is the standing shares;
+        # for a million clients and more it stays within local_max_entries.
+        seen = [x for x in (mr.get("shares_entries"), mr.get("shares_entries_max")) if x is not None]
+        vals["memory_redis_shares_entries"] = max(seen) if seen else None
+        checks.append(("memory_redis_shares_entries",
+                       f"Redis backend with [limiter.shares]: gateway_shares_entries, the most seen (every second) "
+                       f"and at the end, {mr['clients']:,} clients (#39): within local_max_entries", "<=",
+                       float(mr["local_max_entries"])))
     out = []
     for key, label, op, limit in checks:
         v = vals[key]

@@ -14,10 +14,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import (ANCHOR, ANCHOR_PIPELINES, CLK_TCK, HERE, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
-                    ROOT, SCRIPT_COMMANDS, SHARES_GAUGE, TLS_TARGETS, BenchError, log, warn)
+from common import (ANCHOR, ANCHOR_PIPELINES, CLK_TCK, HERE, MANY_CLIENTS_TARGETS, MEMORY_REDIS_CAPACITY,
+                    MEMORY_REDIS_REFILL, OVER_PATH, PATH, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS, SHARES_GAUGE,
+                    SHARES_SETTLE_S, SHARES_WAIT_S, TLS_TARGETS, BenchError, log, warn)
 from lt.procs import free_ports
-from targets import Targets, http_get, wait_until
+from targets import Targets, http_get, start_redis_server, wait_until
 
 # --- /proc and Redis counters -----------------------------------------------------------
 
@@ -536,55 +537,120 @@ class Meter:
                 res[name] = str(txt.relative_to(self.out))
         return res
 
-    def memory(self) -> dict:
-        """The local backend holding a million distinct client buckets."""
+    def memory(self, variant: str = "local") -> dict:
+        """The memory step: a gateway sent --memory-clients distinct clients
+        (wrk-xff.lua), its VmRSS before, at the cap (local_max_entries) and
+        after. `variant` "local": the local backend (gateway.memory.toml, one
+        ip-tier bucket per client). "redis" (#39): the Redis backend with
+        [limiter.shares] (gateway.memory-redis.toml) on a fresh redis-server of
+        its own, the ip tier big enough to be cut, measured once
+        gateway_shares_usable is 1 (and SHARES_SETTLE_S more); adds the share
+        entries (gateway_shares_entries) along the way and at the end, and
+        Redis's keys (DBSIZE) and used_memory."""
         a = self.a
-        port, admin_port = free_ports(2)
-        cfg = self.out / "config" / "memory.toml"
-        self.tg.render("gateway.memory.toml", cfg, THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}",
-                       ADMIN_ADDR=f"127.0.0.1:{admin_port}", UPSTREAM_ADDR=f"127.0.0.1:{self.tg.mock_port}",
-                       MAX_ENTRIES=a.memory_max_entries)
+        redis_variant = variant == "redis"
+        name = "memory-redis-gateway" if redis_variant else "memory-gateway"
+        tag = "memory (Redis, shares)" if redis_variant else "memory"
+        logs = self.out / "logs"
+        port, admin_port, redis_port = free_ports(3)
+        subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
+                    UPSTREAM_ADDR=f"127.0.0.1:{self.tg.mock_port}", MAX_ENTRIES=a.memory_max_entries)
+        redis = None
+        used0 = 0
+        if redis_variant:
+            # A fresh redis-server of its own, as the Redis targets' (stopped by PID at the end).
+            redis = start_redis_server(self.tg.procs, "redis-memory", redis_port, logs / "redis-memory.log")
+            used0 = int(redis.info().get("used_memory", 0))
+            cfg = self.out / "config" / "memory-redis.toml"
+            self.tg.render("gateway.memory-redis.toml", cfg, **subs, REDIS_PORT=redis_port,
+                           CLIENT_CAPACITY=MEMORY_REDIS_CAPACITY, CLIENT_REFILL=MEMORY_REDIS_REFILL)
+        else:
+            cfg = self.out / "config" / "memory.toml"
+            self.tg.render("gateway.memory.toml", cfg, **subs)
         chk = subprocess.run([str(self.tg.gateway), "check", "-c", str(cfg)], capture_output=True, text=True)
+        (logs / f"{name}-check.txt").write_text(chk.stdout + chk.stderr)
         if chk.returncode != 0:
             raise BenchError(f"gateway check -c {cfg} failed:\n{chk.stdout}{chk.stderr}")
-        gl = self.out / "logs" / "memory-gateway.log"
-        p = self.tg.procs.start("memory-gateway", [str(self.tg.gateway), "run", "-c", str(cfg)], gl,
+        gl = logs / f"{name}.log"
+        p = self.tg.procs.start(name, [str(self.tg.gateway), "run", "-c", str(cfg)], gl,
                                 signal.SIGINT, env=dict(os.environ, GATEWAY_LOG="warn"))
         admin = f"127.0.0.1:{admin_port}"
         url = f"http://127.0.0.1:{port}/"
-        wait_until("memory gateway", lambda: http_get(f"http://{admin}/readyz")[0] == 200, 30, p, gl)
+        want = "redis" if redis_variant else "local"
+
+        def ready() -> bool:
+            st, _, body = http_get(f"http://{admin}/readyz")
+            return st == 200 and json.loads(body).get("backend", want) == want
+
+        wait_until(f"{tag} gateway (/readyz backend {want})", ready, 30, p, gl)
+        shares_usable_after = None
+        if redis_variant:
+            t0 = time.monotonic()
+            last = None
+            while time.monotonic() - t0 < SHARES_WAIT_S:
+                if p.poll() is not None:
+                    break
+                try:
+                    last = gateway_metrics(admin)["shares"].get(SHARES_GAUGE)
+                except Exception:  # noqa: BLE001 (a slow /metrics: ask again)
+                    last = None
+                if last == 1:
+                    break
+                time.sleep(0.2)
+            if last != 1:
+                self.tg.procs.stop_one(p)
+                self.tg.procs.stop_one(redis.proc)
+                why = (f"its /metrics did not show {SHARES_GAUGE} 1 within {SHARES_WAIT_S:g} s "
+                       f"(last seen: {last}; config/memory-redis.toml, logs/{name}.log)")
+                warn(f"{tag}: FAILED, not measured: {why}", self.warnings)
+                return {"variant": "redis", "failed": why, "local_max_entries": a.memory_max_entries}
+            shares_usable_after = round(time.monotonic() - t0, 1)
+            log(f"{tag}: {SHARES_GAUGE} 1 after {shares_usable_after} s; {SHARES_SETTLE_S:g} s more for the "
+                "shares to fill")
+            time.sleep(SHARES_SETTLE_S)
         for i in range(20):
             http_get(url, {"X-Forwarded-For": f"198.51.100.{i + 1}"})
         time.sleep(0.5)
         rss0 = proc_status_kb(p.pid, "VmRSS")
         total = a.memory_clients
+        m0 = gateway_metrics(admin)
+        base = int(sum(m0["status"].values()))
 
-        def served() -> int:
-            return int(sum(gateway_metrics(admin)["status"].values()))
+        def dbsize() -> int | None:
+            try:
+                return int(redis.cmd("DBSIZE").strip())
+            except (BenchError, ValueError, subprocess.TimeoutExpired):
+                return None
 
-        base = served()
-        log(f"memory: RSS {rss0 / 1024:.1f} MiB before; {total:,} distinct clients (X-Forwarded-For) next, "
+        log(f"{tag}: RSS {rss0 / 1024:.1f} MiB before; {total:,} distinct clients (X-Forwarded-For) next, "
             f"local_max_entries = {a.memory_max_entries:,}")
         env = dict(os.environ, XFF_CLIENTS="4194304", XFF_THREADS=str(a.wrk_threads), XFF_PATH="/")
-        errf = open(self.out / "logs" / "memory-wrk.txt", "wb")
+        errf = open(logs / f"{name.replace('-gateway', '')}-wrk.txt", "wb")
         w = subprocess.Popen(["wrk", "-t", str(a.wrk_threads), "-c", str(a.connections), "-d", f"{a.memory_timeout}s",
                               "--timeout", "5s", "-s", str(HERE / "wrk-xff.lua"), url],
                              stdout=errf, stderr=subprocess.STDOUT, env=env)
         errf.close()
-        curve = [(0, rss0)]
+        # (clients, RSS kB, share entries, Redis keys): the last two for the Redis variant only.
+        curve = [(0, rss0, m0["shares"].get("gateway_shares_entries") if redis_variant else None,
+                  dbsize() if redis_variant else None)]
         t0 = time.monotonic()
         last_print = 0.0
         n = 0
         try:
             while w.poll() is None:
                 time.sleep(1.0)
-                n = served() - base
+                m = gateway_metrics(admin)
+                n = int(sum(m["status"].values())) - base
                 rss = proc_status_kb(p.pid, "VmRSS")
-                curve.append((n, rss))
+                ent = m["shares"].get("gateway_shares_entries") if redis_variant else None
+                keys = dbsize() if redis_variant else None
+                curve.append((n, rss, ent, keys))
                 el = time.monotonic() - t0
                 if el - last_print >= 5 or n >= total:
                     last_print = el
-                    log(f"memory: {n:,}/{total:,} clients, {n / el:,.0f} rps, RSS {rss / 1024:.1f} MiB")
+                    log(f"{tag}: {n:,}/{total:,} clients, {n / el:,.0f} rps, RSS {rss / 1024:.1f} MiB"
+                        + (f", {ent:,.0f} share entries, {keys:,} Redis keys" if redis_variant and ent is not None
+                           and keys is not None else ""))
                 if n >= total:
                     break
         finally:
@@ -596,21 +662,55 @@ class Meter:
                     w.kill()
                     w.wait()
         elapsed = time.monotonic() - t0
-        time.sleep(1.0)
-        n = served() - base
+        # The share gauge is set on each heartbeat (every second): two, so the
+        # end's figure counts every request sent.
+        time.sleep(2.2 if redis_variant else 1.0)
+        m1 = gateway_metrics(admin)
+        n = int(sum(m1["status"].values())) - base
         rss1 = proc_status_kb(p.pid, "VmRSS")
         hwm = proc_status_kb(p.pid, "VmHWM")
-        statuses = {k: int(v) for k, v in gateway_metrics(admin)["status"].items()}
-        curve.append((n, rss1))
+        statuses = {k: int(v) for k, v in m1["status"].items()}
+        entries1 = m1["shares"].get("gateway_shares_entries") if redis_variant else None
+        keys1 = dbsize() if redis_variant else None
+        curve.append((n, rss1, entries1, keys1))
         alive = p.poll() is None
         self.tg.procs.stop_one(p)
+        redis_end = None
+        if redis_variant:
+            info = redis.info()
+            used1 = int(info.get("used_memory", 0))
+            ks = [k for _, _, _, k in curve if k is not None]
+            redis_end = {
+                "keys": keys1,
+                "keys_max": max(ks) if ks else None,
+                "used_memory_mib": round(used1 / 1048576, 1),
+                "used_memory_start_mib": round(used0 / 1048576, 1),
+                "used_memory_growth_mib": round((used1 - used0) / 1048576, 1),
+                "used_memory_rss_mib": round(int(info.get("used_memory_rss", 0)) / 1048576, 1),
+                "bytes_per_key": round((used1 - used0) / keys1) if keys1 and keys1 >= 1000 else None,
+                "expired_keys": int(info.get("expired_keys", 0)),
+                "evicted_keys": int(info.get("evicted_keys", 0)),
+                "script_calls": sum(v["calls"] for c, v in info["cmd"].items() if c in SCRIPT_COMMANDS),
+            }
+            self.tg.procs.stop_one(redis.proc)
         if n < total:
-            warn(f"memory: only {n:,} of {total:,} clients were served within {a.memory_timeout}s", self.warnings)
+            warn(f"{tag}: only {n:,} of {total:,} clients were served within {a.memory_timeout}s", self.warnings)
         if not alive:
-            warn("memory: the gateway died during the memory step", self.warnings)
-        at_cap_point = next(((k, rss) for k, rss in curve if k >= a.memory_max_entries), None)
-        at_cap_clients, at_cap = at_cap_point if at_cap_point else (None, None)
+            warn(f"{tag}: the gateway died during the memory step", self.warnings)
+        if redis_variant:
+            # At the cap: the sample with the most share entries, the table at
+            # its fullest. Clients sent past it are no measure: a shard that is
+            # full drops its full shares (a bucket refilling 1,000,000/s is full
+            # again within microseconds: nearly all of them), so the entries
+            # fall while the hash tables keep their capacity.
+            withe = [(k, rss, ent) for k, rss, ent, _ in curve if ent is not None]
+            at_cap_point = max(withe, key=lambda x: x[2]) if withe else None
+        else:
+            at_cap_point = next(((k, rss, ent) for k, rss, ent, _ in curve if k >= a.memory_max_entries), None)
+        at_cap_clients, at_cap, at_cap_entries = at_cap_point if at_cap_point else (None, None, None)
         res = {
+            "variant": variant,
+            "backend": want,
             "clients": n,
             "clients_target": total,
             "local_max_entries": a.memory_max_entries,
@@ -624,10 +724,49 @@ class Meter:
             "growth_after_cap_pct": round(100.0 * (rss1 - at_cap) / at_cap, 1) if at_cap else None,
             "rps": round(n / elapsed),
             "statuses": statuses,
-            "rss_curve": [{"clients": k, "rss_mib": round(v / 1024, 1)} for k, v in curve],
+            "rss_curve": [{"clients": k, "rss_mib": round(v / 1024, 1),
+                           **({"shares_entries": ent, "redis_keys": keys} if redis_variant else {})}
+                          for k, v, ent, keys in curve],
         }
-        log(f"memory: {n:,} clients: RSS {res['rss_before_mib']} -> {res['rss_after_mib']} MiB "
-            f"(at the cap: {res['rss_at_cap_mib']} MiB; peak {res['hwm_mib']} MiB)")
+        if redis_variant:
+            ents = [e for _, _, e, _ in curve if e is not None]
+            decided = delta_counts(m0.get("decided_by", {}), m1.get("decided_by", {}))
+            fb = delta_counts(m0["fallback"], m1["fallback"])
+            after_peak = [(k, e) for k, _, e, _ in curve if e is not None and at_cap_clients is not None
+                          and k > at_cap_clients]
+            low = min(after_peak, key=lambda x: x[1]) if after_peak else None
+            res.update({
+                "at_cap_basis": "the sample with the most share entries (gateway_shares_entries), the table at its "
+                                "fullest",
+                "entries_after_sweep": {"clients": low[0], "shares_entries": low[1]} if low else None,
+                "section": "[limiter.shares] enabled = true (fraction: the default)",
+                "ip_tier": {"capacity": MEMORY_REDIS_CAPACITY, "refill_per_sec": MEMORY_REDIS_REFILL},
+                "shares_usable_after_s": shares_usable_after,
+                "settle_s": SHARES_SETTLE_S,
+                "shares_entries": entries1,
+                "shares_entries_max": max(ents) if ents else None,
+                "shares_entries_at_cap": at_cap_entries,
+                # Bytes per client: RSS at the cap less before, over the share
+                # entries held then (bytes_per_entry: over the clients sent by
+                # then, as the local variant's).
+                "bytes_per_share_entry": round((at_cap - rss0) * 1024 / at_cap_entries)
+                if at_cap and at_cap_entries else None,
+                "bytes_per_share_entry_end": round((rss1 - rss0) * 1024 / entries1) if entries1 else None,
+                "decided_by": decided,
+                "fallback_transitions": fb,
+                "backend_at_end": m1["backend"],
+                "redis": redis_end,
+            })
+            if fb:
+                warn(f"{tag}: the limiter failed over during the step: {fb}", self.warnings)
+            if entries1 is not None and entries1 > a.memory_max_entries:
+                warn(f"{tag}: {entries1:,.0f} share entries at the end, over local_max_entries "
+                     f"({a.memory_max_entries:,})", self.warnings)
+        log(f"{tag}: {n:,} clients: RSS {res['rss_before_mib']} -> {res['rss_after_mib']} MiB "
+            f"(at the cap: {res['rss_at_cap_mib']} MiB; peak {res['hwm_mib']} MiB)"
+            + (f"; {entries1:,.0f} share entries at the end (at most {res['shares_entries_max']:,.0f}); Redis "
+               f"{redis_end['keys']} keys, used_memory {redis_end['used_memory_mib']} MiB"
+               if redis_variant and entries1 is not None else ""))
         return res
 
 

@@ -26,6 +26,11 @@ def fmt(v, nd=1, pct=False):
     return f"{v:.{nd}f}"
 
 
+def fmt_limit(v) -> str:
+    """A check's limit: as given (0.5, 1.3), whole large ones with separators (1,000,000)."""
+    return f"{v:,.0f}" if abs(v) >= 10000 and float(v).is_integer() else f"{v:g}"
+
+
 def markdown(s: dict) -> str:
     run, m = s["run"], s["machine"]
     T = s["targets"]
@@ -42,7 +47,7 @@ def markdown(s: dict) -> str:
         L += ["| target (issue) | value | limit | result |", "|---|--:|--:|---|"]
         for c in s["checks"]:
             if c["value"] is not None:
-                L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | "
+                L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {fmt_limit(c['limit'])} | "
                          f"{'**pass**' if c['pass'] else '**FAIL**'} |")
         return "\n".join(L + memory_md(s)) + "\n"
     L.append(f"Run `{run['dir']}` ({run['mode']}): {run['rounds']} rounds, alternating order; "
@@ -125,7 +130,7 @@ def markdown(s: dict) -> str:
         if c.get("issue") == 39:
             continue  # in their own table, beside the before
         res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
-        L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {c['limit']:g} | {res} |")
+        L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {fmt_limit(c['limit'])} | {res} |")
     L += clients_checks_md(s)
     L += memory_md(s)
     return "\n".join(L) + "\n"
@@ -283,7 +288,7 @@ def clients_checks_md(s: dict) -> list[str]:
     for c in cs:
         res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
         L.append(f"| {c['label']} | {c.get('shown') or fmt(c['value'], 3)} | {fmt(c.get('before'), 3)} | "
-                 f"{c['op']} {c['limit']:g} | {res} |")
+                 f"{c['op']} {fmt_limit(c['limit'])} | {res} |")
     notes = [f"- {c['label']}: {c['note']}." for c in cs if c.get("note")]
     return L + ([""] + notes if notes else [])
 
@@ -320,20 +325,94 @@ def tls_md(s: dict) -> list[str]:
 def memory_md(s: dict) -> list[str]:
     L = []
     mem = s.get("memory")
-    if mem:
+    mr = s.get("memory_redis")
+    if mem and not (mr and not mr.get("failed")):  # else in memory_redis_md's table, beside the Redis variant
         L.append("")
         L.append(f"Memory (local backend, `local_max_entries` = {mem['local_max_entries']:,}): {mem['clients']:,} distinct "
                  f"clients through X-Forwarded-For at {mem['rps']:,} rps; gateway VmRSS {mem['rss_before_mib']} MiB "
-                 f"before, {mem['rss_at_cap_mib']} MiB once the cap was reached (at {mem['rss_at_cap_clients']:,} clients), "
-                 f"{mem['rss_after_mib']} "
+                 f"before, {mem['rss_at_cap_mib']} MiB once the cap was reached (at {fmt_int(mem['rss_at_cap_clients'])} "
+                 f"clients), {mem['rss_after_mib']} "
                  f"MiB after (peak {mem['hwm_mib']} MiB); ≈{mem['bytes_per_entry']} bytes per bucket; "
                  f"growth past the cap {mem['growth_after_cap_pct']} %.")
+    if mr and mr.get("failed"):
+        L += ["", f"Memory, Redis backend with `[limiter.shares]` (#39): **FAILED**, not measured: {mr['failed']}."]
+    elif mr:
+        L += memory_redis_md(mem, mr)
     if s.get("warnings"):
         L.append("")
         L.append("Warnings:")
         for w in s["warnings"]:
             L.append(f"- {w}")
     return L
+
+
+def fmt_int(v) -> str:
+    return "n/a" if v is None else f"{v:,.0f}"
+
+
+def memory_redis_md(mem: dict | None, mr: dict) -> list[str]:
+    """#39: the memory step's Redis variant (standing shares) beside the local one."""
+    rd = mr.get("redis") or {}
+    tier = mr.get("ip_tier") or {}
+    loc = mem or {}
+
+    def mib(d, k):
+        return f"{d[k]}" if d.get(k) is not None else "n/a"
+
+    rows = [
+        ("distinct clients sent (X-Forwarded-For)", fmt_int(loc.get("clients")), fmt_int(mr["clients"])),
+        ("requests/s while sending", fmt_int(loc.get("rps")), fmt_int(mr["rps"])),
+        ("gateway VmRSS before, MiB", mib(loc, "rss_before_mib"), mib(mr, "rss_before_mib")),
+        ("gateway VmRSS at the cap, MiB (local: the first sample past the cap's clients; Redis: the most share "
+         "entries seen)",
+         f"{mib(loc, 'rss_at_cap_mib')} ({fmt_int(loc.get('rss_at_cap_clients'))} clients)",
+         f"{mib(mr, 'rss_at_cap_mib')} ({fmt_int(mr.get('rss_at_cap_clients'))} clients, "
+         f"{fmt_int(mr.get('shares_entries_at_cap'))} entries)"),
+        ("gateway VmRSS after, MiB (peak)", f"{mib(loc, 'rss_after_mib')} ({mib(loc, 'hwm_mib')})",
+         f"{mib(mr, 'rss_after_mib')} ({mib(mr, 'hwm_mib')})"),
+        ("growth past the cap, %", mib(loc, "growth_after_cap_pct"), mib(mr, "growth_after_cap_pct")),
+        ("entries held at the end (most seen)", "n/a (no gauge; at most the cap)",
+         f"{fmt_int(mr.get('shares_entries'))} ({fmt_int(mr.get('shares_entries_max'))}) "
+         "`gateway_shares_entries`"),
+        ("**bytes per client**: (RSS at the cap − before) / entries held then (local: the clients sent, up to "
+         "the cap)", fmt_int(loc.get("bytes_per_entry")), fmt_int(mr.get("bytes_per_share_entry"))),
+        ("Redis keys (DBSIZE) at the end (most seen)", "",
+         f"{fmt_int(rd.get('keys'))} ({fmt_int(rd.get('keys_max'))})"),
+        ("Redis used_memory at the end, MiB (growth since its start)", "",
+         f"{mib(rd, 'used_memory_mib')} ({mib(rd, 'used_memory_growth_mib')})"),
+    ]
+    decided = mr.get("decided_by") or {}
+    tot = sum(decided.values())
+    dec = ", ".join(f"{k} {100 * v / tot:.1f} %" for k, v in sorted(decided.items(), key=lambda x: -x[1])) if tot else ""
+    L = ["", f"Memory, local backend beside the Redis backend with `[limiter.shares] enabled = true` (#39; a fresh "
+             f"redis-server of its own; the ip tier {fmt_int(tier.get('capacity'))} tokens refilling "
+             f"{fmt_int(tier.get('refill_per_sec'))}/s, cut into a pool and standing shares; sent once "
+             f"`gateway_shares_usable` was 1, after {mr.get('shares_usable_after_s')} s, and {mr.get('settle_s', 0):g} s "
+             f"more), `local_max_entries` = {mr['local_max_entries']:,} on both:", "",
+         "| | local backend | Redis backend, shares on |", "|---|--:|--:|"]
+    L += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    notes = []
+    if dec:
+        notes.append(f"How the Redis variant's requests were decided (`gateway_limiter_decisions_total`): {dec}.")
+    if rd:
+        notes.append(f"Redis at the end: {fmt_int(rd.get('expired_keys'))} keys expired, "
+                     f"{fmt_int(rd.get('script_calls'))} script calls in all, used_memory_rss "
+                     f"{mib(rd, 'used_memory_rss_mib')} MiB"
+                     + (f", ≈{rd['bytes_per_key']} bytes per key held (used_memory growth / keys)"
+                        if rd.get("bytes_per_key") else "") + ".")
+    sw = mr.get("entries_after_sweep")
+    if sw and mr.get("shares_entries_at_cap") and sw["shares_entries"] < 0.5 * mr["shares_entries_at_cap"]:
+        notes.append(f"The share table at its fullest held {fmt_int(mr['shares_entries_at_cap'])} entries "
+                     f"({fmt_int(mr.get('rss_at_cap_clients'))} clients sent); a shard that is full drops its full "
+                     f"shares (a bucket refilling {fmt_int(tier.get('refill_per_sec'))}/s is full again within "
+                     f"microseconds: nearly all), down to {fmt_int(sw['shares_entries'])} entries at "
+                     f"{fmt_int(sw['clients'])} clients, then it grows again; the tables keep their capacity, so RSS "
+                     "stays near its level at the cap.")
+    if mr.get("fallback_transitions"):
+        notes.append(f"The limiter failed over during the step: {mr['fallback_transitions']}.")
+    notes.append("The share gauge is set on each heartbeat (every second): the entries at the cap may lag the "
+                 "RSS sample by up to a second's requests; the end's figure is read two heartbeats after the last.")
+    return L + [""] + notes
 
 
 def chart(s: dict, path: Path) -> None:
@@ -448,17 +527,38 @@ def memory_chart(s: dict, path: Path) -> None:
     plt = pyplot()
 
     mem = s["memory"]
-    xs = [p["clients"] / 1e6 for p in mem["rss_curve"]]
-    ys = [p["rss_mib"] for p in mem["rss_curve"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, ys, marker=".", color="#1f77b4")
-    ax.axvline(mem["local_max_entries"] / 1e6, color="#d62728", linestyle="--",
+    mr = s.get("memory_redis")
+    if mr and (mr.get("failed") or not mr.get("rss_curve")):
+        mr = None
+    fig, axes = plt.subplots(1, 2 if mr else 1, figsize=(13, 4.4) if mr else (7, 4), squeeze=False)
+    ax = axes[0][0]
+    variants = [(mem, "local backend", "#1f77b4")] + ([(mr, "Redis backend, [limiter.shares]", "#d62728")] if mr else [])
+    for m, label, color in variants:
+        xs = [p["clients"] / 1e6 for p in m["rss_curve"]]
+        ys = [p["rss_mib"] for p in m["rss_curve"]]
+        ax.plot(xs, ys, marker=".", color=color, label=label)
+    ax.axvline(mem["local_max_entries"] / 1e6, color="#555555", linestyle="--",
                label=f"local_max_entries = {mem['local_max_entries']:,}")
     ax.set_xlabel("distinct clients sent (millions)")
     ax.set_ylabel("gateway VmRSS (MiB)")
-    ax.set_title("local backend: RSS while new clients arrive")
+    ax.set_title("RSS while new clients arrive" if mr else "local backend: RSS while new clients arrive")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if mr:
+        ax = axes[0][1]
+        pts = [p for p in mr["rss_curve"] if p.get("shares_entries") is not None]
+        ax.plot([p["clients"] / 1e6 for p in pts], [p["shares_entries"] / 1e6 for p in pts], marker=".",
+                color="#d62728", label="gateway_shares_entries")
+        kp = [p for p in mr["rss_curve"] if p.get("redis_keys") is not None]
+        ax.plot([p["clients"] / 1e6 for p in kp], [p["redis_keys"] / 1e6 for p in kp], marker=".",
+                color="#7f7f7f", label="Redis keys (DBSIZE)")
+        ax.axhline(mr["local_max_entries"] / 1e6, color="#555555", linestyle="--",
+                   label=f"local_max_entries = {mr['local_max_entries']:,}")
+        ax.set_xlabel("distinct clients sent (millions)")
+        ax.set_ylabel("millions")
+        ax.set_title("Redis backend with standing shares (#39): entries held")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, path, 110)
 
@@ -509,7 +609,7 @@ def cluster_run_md(s: dict, chart_name: str) -> list[str]:
     L += clients_md(s)
     for ch in s["checks"]:
         if ch["key"].startswith("cluster_") and ch["value"] is not None:
-            L.append(f"- {ch['label']}: {fmt(ch['value'], 3)} (limit {ch['op']} {ch['limit']:g}): "
+            L.append(f"- {ch['label']}: {fmt(ch['value'], 3)} (limit {ch['op']} {fmt_limit(ch['limit'])}): "
                      f"{'**pass**' if ch['pass'] else '**FAIL**'}")
     failovers = [w for w in s.get("warnings", []) if "failed over" in w]
     if failovers:

@@ -82,7 +82,8 @@ impl Standing {
         Standing {
             fraction,
             instances: instances.max(1),
-            per_shard: max_entries.div_ceil(SHARDS).max(1),
+            // Never past `local_max_entries` (a table of fewer than 16 holds 16).
+            per_shard: (max_entries / SHARDS).max(1),
             base: Instant::now(),
             ttl,
             join_wait: ttl + JOIN_MARGIN,
@@ -293,5 +294,88 @@ impl Standing {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Algorithm;
+
+    fn check(key: String, capacity: u64, refill_per_sec: f64) -> Check {
+        Check {
+            tier: Tier::Ip,
+            key,
+            algorithm: Algorithm::TokenBucket {
+                capacity,
+                refill_per_sec,
+            },
+            shadow: false,
+            cost: 1,
+            shards: 1,
+        }
+    }
+
+    /// A standing replica of one, its shares usable (past the join wait,
+    /// polled: the membership's clock is the process's own).
+    fn usable(max_entries: usize) -> Standing {
+        // Announcements of a second, heard continuously: usable 1.1 s in.
+        let s = Standing::new(0.25, 1, max_entries, Duration::from_secs(1));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let t = Instant::now();
+            s.heard(t, t, 1);
+            if s.is_usable(false) {
+                return s;
+            }
+            assert!(t < deadline, "usable after the join wait");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A million clients through a table of a thousand: it never holds
+    /// more; a share that is not full is never dropped to make room (its
+    /// client goes to the pool instead).
+    #[test]
+    fn the_table_stays_within_its_bound() {
+        let s = usable(1000);
+        // Shares fill from empty at 250/s: a token each within 4 ms, and
+        // none full again within the test.
+        let probe = check("rl:ip:x:probe".into(), 1_000_000, 1000.0);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while s.level(&probe, false).is_none_or(|l| l.0 < 2) {
+            assert!(Instant::now() < deadline, "shares fill");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut covered = 0;
+        for i in 0..1_000_000u32 {
+            let c = check(format!("rl:ip:x:{i}"), 1_000_000, 1000.0);
+            if s.take(std::slice::from_ref(&c), false).is_some() {
+                covered += 1;
+            }
+            assert!(s.len() <= 1000, "entries {} at client {i}", s.len());
+        }
+        assert!(
+            covered >= 900,
+            "the first thousand or so were covered: {covered}"
+        );
+        assert!(covered <= 1000, "then none: {covered}");
+    }
+
+    #[test]
+    fn uncut_tiers_are_left_to_redis_and_a_refusal_gives_back() {
+        let s = usable(100);
+        let small = check("rl:ip:x:small".into(), 10, 1.0);
+        assert!(s.take(std::slice::from_ref(&small), false).is_none());
+        let big = check("rl:ip:x:big".into(), 1_000_000, 1_000_000.0);
+        let taken = s
+            .take(&[big.clone(), small.clone()], false)
+            .expect("big covered");
+        assert!(taken.decisions[0].is_some() && taken.decisions[1].is_none());
+        let before = s.level(&big, false).expect("level").0;
+        s.give_back(&[big.clone(), small], &taken.decisions);
+        assert!(s.level(&big, false).expect("level").0 >= before);
+        assert_eq!(s.forget(&["rl:ip:x:big"]), 1);
+        assert!(s.is_empty());
     }
 }

@@ -342,4 +342,146 @@ mod tests {
         m.heard(0, 10, 2, ttl, wait);
         assert!(matches!(m.heard(S, 3 * S, 2, ttl, wait), Heard::New { .. }));
     }
+
+    /// The whole scheme over simulated replicas that join, leave, lose
+    /// touch with Redis and come back, under random traffic: over every
+    /// interval the pool and the shares together admit at most capacity +
+    /// rate × its length. (With more live replicas than `instances`, a
+    /// replica cut off from Redis has no slot kept: the bound is held with
+    /// cut-offs only up to `instances` replicas, as the README says.)
+    #[test]
+    fn pool_and_shares_never_pass_the_bound_as_replicas_come_and_go() {
+        const MS: Micros = 1000;
+        let (ttl, wait, instances) = (3 * S, 3 * S + 100 * MS, 3u32);
+        for seed in 0..32u64 {
+            // A bucket full again in 2 s, and one in 200 s: a joiner that
+            // started its shares full would pass the second's bound.
+            let (capacity, rate, fraction) = match seed % 4 {
+                0 | 1 => (100u64, 50.0, 0.25),
+                _ => (1000, 5.0, 0.5),
+            };
+            let alg = tb(capacity, rate);
+            let Some(Algorithm::TokenBucket {
+                capacity: pool_cap,
+                refill_per_sec: pool_rate,
+            }) = pool(&alg, fraction)
+            else {
+                panic!("cut")
+            };
+            let mut rng = fastrand::Rng::with_seed(seed);
+            // Scale-out past `instances` in half the runs, cut-offs in the rest.
+            let (most, cutoffs) = if seed % 2 == 0 { (6, false) } else { (3, true) };
+            struct Replica {
+                m: Membership,
+                ramp: Micros,
+                share: Option<Share>,
+                up: bool,
+                cut: bool,
+                next_beat: Micros,
+                busy: f64,
+            }
+            let mut reps: Vec<Replica> = Vec::new();
+            // The replica set: (replica, expires at).
+            let mut set: Vec<(usize, Micros)> = Vec::new();
+            let mut pool_tat: Option<f64> = None;
+            let mut admitted: Vec<Micros> = Vec::new();
+            let (mut on_shares, mut on_pool) = (0u64, 0u64);
+            let mut now: Micros = 1_700_000_000 * S;
+            let end = now + 60 * S;
+            while now < end {
+                // Membership changes, now and then.
+                if rng.f64() < 0.0004 {
+                    let live = reps.iter().filter(|r| r.up).count();
+                    if live < most && (live == 0 || rng.bool()) {
+                        reps.push(Replica {
+                            m: Membership::default(),
+                            ramp: 0,
+                            share: None,
+                            up: true,
+                            cut: false,
+                            next_beat: now,
+                            busy: rng.f64(),
+                        });
+                    } else if let Some(r) = reps
+                        .iter_mut()
+                        .filter(|r| r.up)
+                        .nth(rng.usize(..live.max(1)))
+                    {
+                        if cutoffs && rng.bool() {
+                            r.cut = !r.cut;
+                        } else {
+                            r.up = false;
+                            r.m.leave();
+                        }
+                    }
+                }
+                for (i, r) in reps.iter_mut().enumerate() {
+                    if !r.up {
+                        continue;
+                    }
+                    if now >= r.next_beat {
+                        r.next_beat = now + S;
+                        if !r.cut {
+                            let d = rng.i64(0..5 * MS);
+                            let exec = now + d;
+                            set.retain(|&(j, until)| until > exec && j != i);
+                            set.push((i, exec + ttl));
+                            let n = set.len() as u32;
+                            if let Heard::New { ramp_from } = r.m.heard(now, exec + d, n, ttl, wait)
+                            {
+                                r.ramp = ramp_from;
+                                r.share = None;
+                            }
+                        }
+                    }
+                    if rng.f64() >= r.busy * 0.5 {
+                        continue;
+                    }
+                    let cut_share =
+                        r.m.usable(now, wait, r.cut)
+                            .and_then(|n| share(&alg, fraction, n.max(instances)));
+                    if let Some((cap, srate)) = cut_share {
+                        let s = match r.share {
+                            Some(s) => s.rescale(cap, srate, now),
+                            None => Share::fresh(cap, srate, now, r.ramp),
+                        };
+                        if let (_, Some(next)) = s.take(1, now) {
+                            r.share = Some(next);
+                            admitted.push(now);
+                            on_shares += 1;
+                            continue;
+                        }
+                        r.share = Some(s);
+                    }
+                    if r.cut {
+                        continue; // the fallback is another story
+                    }
+                    let e = gcra::token_bucket(pool_cap, pool_rate, pool_tat, now, 1);
+                    if let Update::Gcra { tat } = e.update {
+                        if e.decision.allowed {
+                            pool_tat = Some(tat);
+                            admitted.push(now);
+                            on_pool += 1;
+                        }
+                    }
+                }
+                now += MS;
+            }
+            // Over every interval [t_i, t_j]: j - i + 1 <= C + r (t_j - t_i).
+            let (mut low, mut worst) = (f64::MAX, f64::MIN);
+            for (j, &t) in admitted.iter().enumerate() {
+                let f = j as f64 - rate * t as f64 / 1e6;
+                low = low.min(f);
+                worst = worst.max(f - low + 1.0 - capacity as f64);
+            }
+            assert!(
+                worst <= 1e-6,
+                "seed {seed}: an interval saw {worst:.3} over the bound ({on_shares} on shares, {on_pool} on the pool)"
+            );
+            assert!(
+                on_shares > 0 && on_pool > 0,
+                "seed {seed}: {on_shares} on shares, {on_pool} on the pool"
+            );
+        }
+    }
 }
