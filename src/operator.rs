@@ -116,8 +116,21 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                         "redis_buckets_deleted": n,
                     }))
                 } else {
+                    // With standing shares a cut bucket's key holds its pool;
+                    // each replica's share lives in that replica.
+                    let shares = config.limiter.shares;
+                    let cut = |c: &crate::limiter::Check| {
+                        shares.enabled && crate::limiter::standing::cuts(c, shares.fraction)
+                    };
+                    let peeked: Vec<_> = checks
+                        .iter()
+                        .map(|c| match cut(c) {
+                            true => crate::limiter::standing::pool_check(c, shares.fraction),
+                            false => c.clone(),
+                        })
+                        .collect();
                     let (snapshots, _) = redis
-                        .peek(&checks)
+                        .peek(&peeked)
                         .await
                         .map_err(|e| unreachable(redact(e.to_string())))?;
                     let list: Vec<Value> = snapshots
@@ -129,6 +142,11 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                             b["remaining"] = s.remaining.into();
                             b["reset_ms"] = s.reset_after_us.div_ceil(1000).into();
                             b["backend"] = "redis".into();
+                            if cut(&checks[i]) {
+                                b["limit"] =
+                                    crate::limiter::algorithms::quota(&checks[i].algorithm).into();
+                                b["shares"] = "the pool only: each replica's standing share is in its GET /limits".into();
+                            }
                             b
                         })
                         .collect();

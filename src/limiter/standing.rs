@@ -76,6 +76,23 @@ impl Taken {
     }
 }
 
+/// Whether `fraction` cuts this check's bucket into a pool and shares: a
+/// big token bucket, not a quota, a global limit's sub-bucket or a shadow.
+pub fn cuts(c: &Check, fraction: f64) -> bool {
+    !c.shadow && c.shards == 1 && c.tier != Tier::Quota && pool(&c.algorithm, fraction).is_some()
+}
+
+/// The check as Redis decides it: a cut bucket's pool (same key).
+pub fn pool_check(c: &Check, fraction: f64) -> Check {
+    match pool(&c.algorithm, fraction).filter(|_| cuts(c, fraction)) {
+        Some(algorithm) => Check {
+            algorithm,
+            ..c.clone()
+        },
+        None => c.clone(),
+    }
+}
+
 impl Standing {
     /// `ttl`: how long a heartbeat's announcement lives in Redis.
     pub fn new(fraction: f64, instances: u32, max_entries: usize, ttl: Duration) -> Self {
@@ -100,10 +117,7 @@ impl Standing {
 
     /// Whether this check's bucket is cut into a pool and shares.
     pub fn cuts(&self, c: &Check) -> bool {
-        !c.shadow
-            && c.shards == 1
-            && c.tier != Tier::Quota
-            && pool(&c.algorithm, self.fraction).is_some()
+        cuts(c, self.fraction)
     }
 
     /// The checks as Redis decides them: a cut bucket's pool in its place
@@ -116,13 +130,7 @@ impl Standing {
     }
 
     pub fn pool_check(&self, c: &Check) -> Check {
-        match pool(&c.algorithm, self.fraction).filter(|_| self.cuts(c)) {
-            Some(algorithm) => Check {
-                algorithm,
-                ..c.clone()
-            },
-            None => c.clone(),
-        }
+        pool_check(c, self.fraction)
     }
 
     /// A heartbeat sent at `sent` and answered at `answered` counted

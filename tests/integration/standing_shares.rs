@@ -301,3 +301,62 @@ fn a_crowd_over_three_replicas_stays_within_every_clients_bound() {
         "most of the crowd decided on shares: {on_shares}"
     );
 }
+
+/// What an operator sees of a cut bucket: a replica's `/limits` gives the
+/// bucket's own limit and what the pool and this replica's share hold;
+/// `gateway limits show` (no replica) gives the pool alone and says so.
+/// A plan of 1000 at 1000/s cut by a quarter among `instances = 3`: the
+/// pool 750, each share 83.
+#[test]
+fn limits_show_the_pool_and_the_share() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let plan = "capacity = 1000\nrefill_per_sec = 1000";
+    let gw = GatewayGuard::start(&config(&redis.url(), &up, 0.25, plan, ""));
+    wait_usable(&gw);
+    // The share fills from empty in capacity / rate = 1 s.
+    support::wait_for(
+        "a request decided on the share",
+        Duration::from_secs(10),
+        || {
+            let r = gw
+                .client()
+                .request("GET", "/r", &[("x-api-key", "hot-secret")], b"")
+                .expect("request");
+            assert_eq!(r.status, 200);
+            (gw.metric("gateway_limiter_decisions_total{path=\"share\"}") > 0.0).then_some(())
+        },
+    );
+    let v = gw.admin_get("/limits?key=hot").json();
+    let key = v["buckets"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["tier"] == "key"))
+        .unwrap_or_else(|| panic!("a key bucket: {v}"))
+        .clone();
+    let remaining = key["remaining"].as_u64().expect("remaining");
+    assert_eq!(key["limit"].as_u64(), Some(1000), "{v}");
+    assert!(
+        (700..=833).contains(&remaining),
+        "the pool's 750 and the share's 83, nearly: {v}"
+    );
+    let (code, out, err) = support::gateway_cli(
+        &["limits", "show", "--key", "hot", "--json"],
+        &gw.config_path,
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let key = v["buckets"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["tier"] == "key"))
+        .unwrap_or_else(|| panic!("a key bucket: {out}"))
+        .clone();
+    let pool = key["remaining"].as_u64().expect("remaining");
+    assert_eq!(key["limit"].as_u64(), Some(1000), "{out}");
+    assert!((650..=750).contains(&pool), "the pool alone: {out}");
+    assert!(
+        key["shares"]
+            .as_str()
+            .is_some_and(|s| s.contains("pool only")),
+        "{out}"
+    );
+}
