@@ -44,18 +44,39 @@ pub struct Standing {
     base: Instant,
     ttl: Duration,
     join_wait: Duration,
-    /// The membership, and (wall µs) when this membership's shares began to
-    /// fill.
-    membership: Mutex<(Membership, Micros)>,
+    /// The membership, when this membership's shares began to fill, and
+    /// the last time the count fell (with the largest count before it):
+    /// shares this replica holds no entry for are no fuller than then.
+    /// Times are µs since `base`: shares never read the wall clock, which
+    /// a step forward would refill.
+    membership: Mutex<Members>,
     shards: Box<[Mutex<Shard>]>,
     hasher: std::collections::hash_map::RandomState,
     entries: AtomicUsize,
 }
 
 #[derive(Default)]
+struct Members {
+    m: Membership,
+    ramp_from: Micros,
+    /// The count shares were last cut by, and (when it fell, the largest
+    /// count before).
+    n: u32,
+    grew: Option<(Micros, u32)>,
+}
+
+#[derive(Default)]
 struct Shard {
     map: HashMap<Box<str>, Share>,
     swept: Option<Instant>,
+}
+
+/// How shares are cut at one moment (`now`, µs since `base`).
+struct Cut {
+    n: u32,
+    ramp_from: Micros,
+    grew: Option<(Micros, u32)>,
+    now: Micros,
 }
 
 /// What a request took from its shares.
@@ -104,7 +125,7 @@ impl Standing {
             base: Instant::now(),
             ttl,
             join_wait: ttl + JOIN_MARGIN,
-            membership: Mutex::new((Membership::default(), 0)),
+            membership: Mutex::new(Members::default()),
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             hasher: Default::default(),
             entries: AtomicUsize::new(0),
@@ -142,10 +163,15 @@ impl Standing {
         );
         let mut m = self.membership.lock();
         let heard =
-            m.0.heard(self.mono(sent), self.mono(answered), count, ttl, wait);
+            m.m.heard(self.mono(sent), self.mono(answered), count, ttl, wait);
+        let n = count.max(self.instances);
+        if n < m.n {
+            let before = m.grew.map_or(m.n, |(_, b)| b.max(m.n));
+            m.grew = Some((self.mono(Instant::now()), before));
+        }
+        m.n = n;
         if let Heard::New { ramp_from } = heard {
-            let wall_now = SystemClock.now_us();
-            m.1 = wall_now + (ramp_from - self.mono(Instant::now()));
+            m.ramp_from = ramp_from;
             drop(m);
             // Others may have grown into what these shares held.
             for s in self.shards.iter() {
@@ -159,19 +185,29 @@ impl Standing {
 
     /// A replica that stops uses no share again.
     pub fn leave(&self) {
-        self.membership.lock().0.leave();
+        self.membership.lock().m.leave();
     }
 
-    /// The replica count shares are cut for now, if this replica may use
-    /// them, and when its shares began to fill.
-    fn usable(&self, frozen: bool) -> Option<(u32, Micros)> {
+    /// How shares are cut now, if this replica may use them.
+    fn usable(&self, frozen: bool) -> Option<Cut> {
         let m = self.membership.lock();
-        let n = m.0.usable(
-            self.mono(Instant::now()),
-            self.join_wait.as_micros() as Micros,
-            frozen,
-        )?;
-        Some((n.max(self.instances), m.1))
+        let now = self.mono(Instant::now());
+        let n =
+            m.m.usable(now, self.join_wait.as_micros() as Micros, frozen)?;
+        Some(Cut {
+            n: n.max(self.instances),
+            ramp_from: m.ramp_from,
+            grew: m.grew,
+            now,
+        })
+    }
+
+    /// A share this replica holds no entry for.
+    fn absent(&self, c: &Check, cap: u64, rate: f64, cut: &Cut) -> Share {
+        let grew = cut.grew.and_then(|(when, before)| {
+            share(&c.algorithm, self.fraction, before).map(|(cap, _)| (when, cap))
+        });
+        Share::absent(cap, rate, cut.now, cut.ramp_from, grew)
     }
 
     pub fn is_usable(&self, frozen: bool) -> bool {
@@ -185,12 +221,15 @@ impl Standing {
     /// Tries each cut tier on its share. `frozen`: Redis is out of reach
     /// (the breaker is open).
     pub fn take(&self, checks: &[Check], frozen: bool) -> Option<Taken> {
-        let (n, ramp_from) = self.usable(frozen)?;
-        let now = SystemClock.now_us();
+        // A request's tiers are a bit mask in its outcome.
+        if checks.len() >= 64 {
+            return None;
+        }
+        let cut = self.usable(frozen)?;
         let mut decisions = Vec::with_capacity(checks.len());
         for c in checks {
             let d = if self.cuts(c) {
-                self.take_one(c, n, ramp_from, now)
+                self.take_one(c, &cut)
             } else {
                 None
             };
@@ -198,13 +237,14 @@ impl Standing {
         }
         let taken = Taken {
             decisions,
-            now_us: now,
+            now_us: SystemClock.now_us(),
         };
         taken.any().then_some(taken)
     }
 
-    fn take_one(&self, c: &Check, n: u32, ramp_from: Micros, now: Micros) -> Option<Decision> {
-        let (cap, rate) = share(&c.algorithm, self.fraction, n)?;
+    fn take_one(&self, c: &Check, cut: &Cut) -> Option<Decision> {
+        let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
+        let now = cut.now;
         let mut shard = self.shard(&c.key).lock();
         let current = match shard.map.get(c.key.as_str()) {
             Some(s) => s.rescale(cap, rate, now),
@@ -212,7 +252,7 @@ impl Standing {
                 if shard.map.len() >= self.per_shard && !self.sweep(&mut shard, now) {
                     return None;
                 }
-                Share::fresh(cap, rate, now, ramp_from)
+                self.absent(c, cap, rate, cut)
             }
         };
         let (e, next) = current.take(c.cost, now);
@@ -241,15 +281,15 @@ impl Standing {
     /// Tokens the covered tiers took, given back (the request was refused
     /// elsewhere, or never reached the upstream).
     pub fn give_back(&self, checks: &[Check], decisions: &[Option<Decision>]) {
-        let now = SystemClock.now_us();
         for (c, d) in checks.iter().zip(decisions) {
             if d.is_some_and(|d| d.allowed) {
-                self.give_back_one(c, now);
+                self.give_back_one(c);
             }
         }
     }
 
-    pub fn give_back_one(&self, c: &Check, now: Micros) {
+    pub fn give_back_one(&self, c: &Check) {
+        let now = self.mono(Instant::now());
         let mut shard = self.shard(&c.key).lock();
         if let Some(s) = shard.map.get_mut(c.key.as_str()) {
             *s = s.give_back(c.cost, now);
@@ -286,14 +326,13 @@ impl Standing {
         if !self.cuts(c) {
             return None;
         }
-        let (n, ramp_from) = self.usable(frozen)?;
-        let (cap, rate) = share(&c.algorithm, self.fraction, n)?;
-        let now = SystemClock.now_us();
+        let cut = self.usable(frozen)?;
+        let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
         let s = match self.shard(&c.key).lock().map.get(c.key.as_str()) {
-            Some(s) => s.rescale(cap, rate, now),
-            None => Share::fresh(cap, rate, now, ramp_from),
+            Some(s) => s.rescale(cap, rate, cut.now),
+            None => self.absent(c, cap, rate, &cut),
         };
-        Some((s.level(now).floor() as u64, cap))
+        Some((s.level(cut.now).floor() as u64, cap))
     }
 
     pub fn len(&self) -> usize {

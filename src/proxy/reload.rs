@@ -271,6 +271,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             l0.local_max_entries != l1.local_max_entries,
         ),
         ("limiter.leases", l0.leases != l1.leases),
+        // Every replica must cut a bucket alike: a fraction changed on one
+        // reads the others' pool under another capacity.
+        ("limiter.shares", l0.shares != l1.shares),
         (
             "limiter.quota_retention_days",
             l0.quota_retention_days != l1.quota_retention_days,

@@ -86,6 +86,9 @@ pub struct Share {
     pub tat: f64,
     pub cap: u64,
     pub rate: f64,
+    /// When it was last written: a rescale refills the time since at the
+    /// slower of the two rates (the count may have changed any time in it).
+    pub at: Micros,
 }
 
 impl Share {
@@ -97,6 +100,37 @@ impl Share {
             tat: (now as f64).max(ramp_from as f64 + cap as f64 * t),
             cap,
             rate,
+            at: now,
+        }
+    }
+
+    /// A share this replica holds no entry for (never seen, or dropped when
+    /// full): full, but after the count fell (`grew`: when, and the
+    /// capacity before) no fuller than that capacity then plus its refill
+    /// since, so a replica leaving hands out nothing.
+    pub fn absent(
+        cap: u64,
+        rate: f64,
+        now: Micros,
+        ramp_from: Micros,
+        grew: Option<(Micros, u64)>,
+    ) -> Self {
+        let s = Share::fresh(cap, rate, now, ramp_from);
+        match grew {
+            Some((when, before)) if before < cap => {
+                let level =
+                    (before as f64 + rate * (now - when).max(0) as f64 / 1e6).min(cap as f64);
+                s.with_level(level.min(s.level(now)), now)
+            }
+            _ => s,
+        }
+    }
+
+    fn with_level(&self, level: f64, now: Micros) -> Self {
+        Share {
+            tat: now as f64 + (self.cap as f64 - level) * 1e6 / self.rate,
+            at: now,
+            ..*self
         }
     }
 
@@ -111,17 +145,22 @@ impl Share {
         self.tat <= now as f64
     }
 
-    /// The same share under new parameters: its level kept, clamped to
-    /// the new capacity.
+    /// The same share under new parameters: its level when last written,
+    /// refilled since at the slower of the two rates (the count changed at
+    /// some moment in between, unknown here), clamped to the new capacity.
+    /// Shrinking adds nothing; growing hands out nothing.
     pub fn rescale(&self, cap: u64, rate: f64, now: Micros) -> Self {
         if cap == self.cap && rate == self.rate {
             return *self;
         }
-        let level = self.level(now).min(cap as f64);
+        let then = self.level(self.at);
+        let refill = rate.min(self.rate) * (now - self.at).max(0) as f64 / 1e6;
+        let level = (then + refill).min(self.level(now)).min(cap as f64);
         Share {
             tat: now as f64 + (cap as f64 - level) * 1e6 / rate,
             cap,
             rate,
+            at: now,
         }
     }
 
@@ -130,7 +169,11 @@ impl Share {
     pub fn take(&self, cost: u64, now: Micros) -> (Evaluation, Option<Share>) {
         let e = gcra::token_bucket(self.cap, self.rate, Some(self.tat), now, cost);
         let next = match (&e.update, e.decision.allowed) {
-            (Update::Gcra { tat }, true) => Some(Share { tat: *tat, ..*self }),
+            (Update::Gcra { tat }, true) => Some(Share {
+                tat: *tat,
+                at: now,
+                ..*self
+            }),
             _ => None,
         };
         (e, next)
@@ -141,6 +184,7 @@ impl Share {
     pub fn give_back(&self, cost: u64, now: Micros) -> Self {
         Share {
             tat: (self.tat - cost as f64 * 1e6 / self.rate).max(now as f64),
+            at: now.max(self.at),
             ..*self
         }
     }
@@ -187,10 +231,13 @@ impl Membership {
                 self.joined = Some((since, until.max(sent + ttl)));
                 Heard::Kept
             }
+            // Counted from when Redis ran it (at the latest, its answer):
+            // every other replica has heard it or stopped an announcement's
+            // life after that.
             _ => {
-                self.joined = Some((sent, sent + ttl));
+                self.joined = Some((answered, sent + ttl));
                 Heard::New {
-                    ramp_from: sent + join_wait,
+                    ramp_from: answered + join_wait,
                 }
             }
         }
@@ -282,6 +329,7 @@ mod tests {
             tat: now as f64,
             cap: 30,
             rate: 10.0,
+            at: now,
         }; // full: 30
         let smaller = s.rescale(20, 7.5, now);
         assert!((smaller.level(now) - 20.0).abs() < 1e-9);
@@ -293,6 +341,51 @@ mod tests {
         assert!((bigger.level(now + S) - 35.0).abs() < 1e-6);
     }
 
+    /// A share spent to nothing, then left untouched while a replica joined
+    /// (n 3 -> 4 for a bucket of 1000 at 5/s cut by half): 150 s later it
+    /// has refilled at the new, slower rate, not the old one (125, where
+    /// the sum over replicas would pass the bound by 89: the review's case).
+    #[test]
+    fn an_untouched_share_refills_at_the_slower_rate_across_a_join() {
+        let alg = tb(1000, 5.0);
+        let (cap3, rate3) = share(&alg, 0.5, 3).expect("share");
+        let (cap4, rate4) = share(&alg, 0.5, 4).expect("share");
+        let t0 = 1000 * S;
+        let spent = Share {
+            tat: t0 as f64 + cap3 as f64 * 1e6 / rate3,
+            cap: cap3,
+            rate: rate3,
+            at: t0,
+        };
+        assert!(spent.level(t0) < 1e-9);
+        let later = spent.rescale(cap4, rate4, t0 + 150 * S);
+        assert!(
+            later.level(t0 + 150 * S) <= rate4 * 150.0 + 1e-6,
+            "{} over 150 s at {rate4}/s",
+            later.level(t0 + 150 * S)
+        );
+    }
+
+    /// After a replica left (n 4 -> 3), a share this replica held no entry
+    /// for is no fuller than the old share then plus the new rate's refill
+    /// since: the leaver's unspent tokens are not handed out.
+    #[test]
+    fn an_absent_share_after_a_leave_is_no_fuller_than_before_it() {
+        let alg = tb(1000, 5.0);
+        let (cap4, _) = share(&alg, 0.5, 4).expect("share");
+        let (cap3, rate3) = share(&alg, 0.5, 3).expect("share");
+        let t = 1000 * S;
+        let s = Share::absent(cap3, rate3, t + S, 0, Some((t, cap4)));
+        assert!(
+            (s.level(t + S) - (cap4 as f64 + rate3)).abs() < 1e-6,
+            "{}",
+            s.level(t + S)
+        );
+        let long_after = Share::absent(cap3, rate3, t + 1000 * S, 0, Some((t, cap4)));
+        assert!(long_after.full(t + 1000 * S));
+        assert!(Share::absent(cap3, rate3, t, 0, None).full(t));
+    }
+
     #[test]
     fn take_and_give_back() {
         let now = 10 * S;
@@ -300,6 +393,7 @@ mod tests {
             tat: now as f64,
             cap: 3,
             rate: 1.0,
+            at: now,
         };
         for i in 0..3 {
             let (e, next) = s.take(1, now);
@@ -320,11 +414,13 @@ mod tests {
         let mut m = Membership::default();
         assert_eq!(
             m.heard(0, 1000, 3, ttl, wait),
-            Heard::New { ramp_from: wait }
+            Heard::New {
+                ramp_from: 1000 + wait
+            }
         );
         assert_eq!(m.usable(S, wait, false), None, "joining");
         assert_eq!(m.heard(S, S + 1000, 3, ttl, wait), Heard::Kept);
-        assert_eq!(m.usable(wait, wait, false), Some(3));
+        assert_eq!(m.usable(wait + 1000, wait, false), Some(3));
         assert_eq!(m.heard(2 * S, 2 * S + 1000, 4, ttl, wait), Heard::Kept);
         assert_eq!(m.usable(4 * S, wait, false), Some(4));
         // No answer for a whole life: not counted any more.
@@ -333,7 +429,7 @@ mod tests {
         assert_eq!(
             m.heard(6 * S, 6 * S + 10, 4, ttl, wait),
             Heard::New {
-                ramp_from: 6 * S + wait
+                ramp_from: 6 * S + 10 + wait
             }
         );
         // An answer that came back after the last announcement expired:
@@ -353,7 +449,7 @@ mod tests {
     fn pool_and_shares_never_pass_the_bound_as_replicas_come_and_go() {
         const MS: Micros = 1000;
         let (ttl, wait, instances) = (3 * S, 3 * S + 100 * MS, 3u32);
-        for seed in 0..32u64 {
+        for seed in 0..64u64 {
             // A bucket full again in 2 s, and one in 200 s: a joiner that
             // started its shares full would pass the second's bound.
             let (capacity, rate, fraction) = match seed % 4 {
@@ -379,6 +475,11 @@ mod tests {
                 cut: bool,
                 next_beat: Micros,
                 busy: f64,
+                /// Quiet for a while: its share untouched as the count changes.
+                quiet: bool,
+                /// The count it last cut by, and when it fell (the largest before).
+                n: u32,
+                grew: Option<(Micros, u32)>,
             }
             let mut reps: Vec<Replica> = Vec::new();
             // The replica set: (replica, expires at).
@@ -387,7 +488,7 @@ mod tests {
             let mut admitted: Vec<Micros> = Vec::new();
             let (mut on_shares, mut on_pool) = (0u64, 0u64);
             let mut now: Micros = 1_700_000_000 * S;
-            let end = now + 60 * S;
+            let end = now + 120 * S;
             while now < end {
                 // Membership changes, now and then.
                 if rng.f64() < 0.0004 {
@@ -401,6 +502,9 @@ mod tests {
                             cut: false,
                             next_beat: now,
                             busy: rng.f64(),
+                            quiet: false,
+                            n: 0,
+                            grew: None,
                         });
                     } else if let Some(r) = reps
                         .iter_mut()
@@ -432,18 +536,33 @@ mod tests {
                                 r.ramp = ramp_from;
                                 r.share = None;
                             }
+                            let n = n.max(instances);
+                            if n < r.n {
+                                r.grew = Some((now, r.grew.map_or(r.n, |g| g.1.max(r.n))));
+                            }
+                            r.n = n;
                         }
                     }
-                    if rng.f64() >= r.busy * 0.5 {
+                    // A full share may be dropped (the table's sweep).
+                    if r.share.is_some_and(|s| s.full(now)) && rng.f64() < 0.01 {
+                        r.share = None;
+                    }
+                    if rng.f64() < 0.00005 {
+                        r.quiet = !r.quiet;
+                    }
+                    if r.quiet || rng.f64() >= r.busy * 0.5 {
                         continue;
                     }
                     let cut_share =
                         r.m.usable(now, wait, r.cut)
                             .and_then(|n| share(&alg, fraction, n.max(instances)));
                     if let Some((cap, srate)) = cut_share {
+                        let grew = r.grew.and_then(|(when, before)| {
+                            share(&alg, fraction, before).map(|s| (when, s.0))
+                        });
                         let s = match r.share {
                             Some(s) => s.rescale(cap, srate, now),
-                            None => Share::fresh(cap, srate, now, r.ramp),
+                            None => Share::absent(cap, srate, now, r.ramp, grew),
                         };
                         if let (_, Some(next)) = s.take(1, now) {
                             r.share = Some(next);

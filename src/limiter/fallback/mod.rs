@@ -328,6 +328,11 @@ impl Fallback {
             return self.decide_shared_tiers(checks).await;
         };
         let frozen = !self.redis_up.load(Ordering::Acquire);
+        // Cut off from Redis, shares stand in only for the local fallback:
+        // "deny" refuses and "allow" admits everything.
+        if frozen && self.on_failure != OnRedisFailure::Local {
+            return self.decide_shared_tiers(&pool).await;
+        }
         let Some(taken) = standing.take(checks, frozen) else {
             return self.decide_shared_tiers(&pool).await;
         };
@@ -628,10 +633,9 @@ impl Fallback {
             // where they were decided.
             let on_share = |i: usize| covered & (1 << i) != 0;
             if let Some(standing) = &self.standing {
-                let now = SystemClock.now_us();
                 for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
                     if on_share(i) && d.allowed {
-                        standing.give_back_one(c, now);
+                        standing.give_back_one(c);
                     }
                 }
             }
