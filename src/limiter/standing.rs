@@ -63,11 +63,16 @@ struct Members {
     /// count before).
     n: u32,
     grew: Option<(Micros, u32)>,
+    /// Bumped by each new membership (every share dropped).
+    generation: u64,
 }
 
 #[derive(Default)]
 struct Shard {
     map: HashMap<Box<str>, Share>,
+    /// The membership its shares belong to: a request that read an older
+    /// one (a rejoin cleared the table meanwhile) inserts nothing.
+    generation: u64,
     swept: Option<Instant>,
 }
 
@@ -77,6 +82,7 @@ struct Cut {
     ramp_from: Micros,
     grew: Option<(Micros, u32)>,
     now: Micros,
+    generation: u64,
 }
 
 /// What a request took from its shares.
@@ -172,12 +178,15 @@ impl Standing {
         m.n = n;
         if let Heard::New { ramp_from } = heard {
             m.ramp_from = ramp_from;
+            m.generation += 1;
+            let generation = m.generation;
             drop(m);
             // Others may have grown into what these shares held.
             for s in self.shards.iter() {
                 let mut s = s.lock();
                 self.entries.fetch_sub(s.map.len(), Ordering::Relaxed);
                 s.map.clear();
+                s.generation = generation;
             }
             tracing::info!(replicas = count, "limiter: standing shares rejoin the replica set; they fill from empty once it has counted this replica");
         }
@@ -199,6 +208,7 @@ impl Standing {
             ramp_from: m.ramp_from,
             grew: m.grew,
             now,
+            generation: m.generation,
         })
     }
 
@@ -246,6 +256,9 @@ impl Standing {
         let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
         let now = cut.now;
         let mut shard = self.shard(&c.key).lock();
+        if shard.generation != cut.generation {
+            return None;
+        }
         let current = match shard.map.get(c.key.as_str()) {
             Some(s) => s.rescale(cap, rate, now),
             None => {
@@ -303,18 +316,6 @@ impl Standing {
             if self.shard(k).lock().map.remove(*k).is_some() {
                 dropped += 1;
             }
-        }
-        self.entries.fetch_sub(dropped, Ordering::Relaxed);
-        dropped
-    }
-
-    /// Every share dropped (a reset of everything).
-    pub fn clear(&self) -> usize {
-        let mut dropped = 0;
-        for s in self.shards.iter() {
-            let mut s = s.lock();
-            dropped += s.map.len();
-            s.map.clear();
         }
         self.entries.fetch_sub(dropped, Ordering::Relaxed);
         dropped
