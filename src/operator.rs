@@ -122,13 +122,13 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
                     let cut = |c: &crate::limiter::Check| {
                         shares.enabled && crate::limiter::standing::cuts(c, shares.fraction)
                     };
-                    let peeked: Vec<_> = checks
-                        .iter()
-                        .map(|c| match cut(c) {
-                            true => crate::limiter::standing::pool_check(c, shares.fraction),
-                            false => c.clone(),
-                        })
-                        .collect();
+                    let peeked: Vec<_> = match shares.enabled {
+                        true => checks
+                            .iter()
+                            .map(|c| crate::limiter::standing::pool_check(c, shares.fraction))
+                            .collect(),
+                        false => checks.clone(),
+                    };
                     let (snapshots, _) = redis
                         .peek(&peeked)
                         .await

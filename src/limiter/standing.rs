@@ -94,8 +94,13 @@ pub struct Taken {
 }
 
 impl Taken {
-    pub fn all(&self) -> bool {
-        !self.decisions.is_empty() && self.decisions.iter().all(Option::is_some)
+    /// Bit i: tier i was covered by its share.
+    pub fn covered(&self) -> u64 {
+        self.decisions
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.is_some())
+            .fold(0, |m, (i, _)| m | 1 << i)
     }
 
     pub fn any(&self) -> bool {
@@ -111,7 +116,10 @@ pub fn cuts(c: &Check, fraction: f64) -> bool {
 
 /// The check as Redis decides it: a cut bucket's pool (same key).
 pub fn pool_check(c: &Check, fraction: f64) -> Check {
-    match pool(&c.algorithm, fraction).filter(|_| cuts(c, fraction)) {
+    match cuts(c, fraction)
+        .then(|| pool(&c.algorithm, fraction))
+        .flatten()
+    {
         Some(algorithm) => Check {
             algorithm,
             ..c.clone()
@@ -212,8 +220,12 @@ impl Standing {
         })
     }
 
-    /// A share this replica holds no entry for.
-    fn absent(&self, c: &Check, cap: u64, rate: f64, cut: &Cut) -> Share {
+    /// A share as it stands now under `cut`: the one held, rescaled, or
+    /// one this replica holds no entry for.
+    fn current(&self, held: Option<Share>, c: &Check, cap: u64, rate: f64, cut: &Cut) -> Share {
+        if let Some(s) = held {
+            return s.rescale(cap, rate, cut.now);
+        }
         let grew = cut.grew.and_then(|(when, before)| {
             share(&c.algorithm, self.fraction, before).map(|(cap, _)| (when, cap))
         });
@@ -259,15 +271,11 @@ impl Standing {
         if shard.generation != cut.generation {
             return None;
         }
-        let current = match shard.map.get(c.key.as_str()) {
-            Some(s) => s.rescale(cap, rate, now),
-            None => {
-                if shard.map.len() >= self.per_shard && !self.sweep(&mut shard, now) {
-                    return None;
-                }
-                self.absent(c, cap, rate, cut)
-            }
-        };
+        let held = shard.map.get(c.key.as_str()).copied();
+        if held.is_none() && shard.map.len() >= self.per_shard && !self.sweep(&mut shard, now) {
+            return None;
+        }
+        let current = self.current(held, c, cap, rate, cut);
         let (e, next) = current.take(c.cost, now);
         let next = next?;
         if shard.map.insert(c.key.as_str().into(), next).is_none() {
@@ -329,10 +337,8 @@ impl Standing {
         }
         let cut = self.usable(frozen)?;
         let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
-        let s = match self.shard(&c.key).lock().map.get(c.key.as_str()) {
-            Some(s) => s.rescale(cap, rate, cut.now),
-            None => self.absent(c, cap, rate, &cut),
-        };
+        let held = self.shard(&c.key).lock().map.get(c.key.as_str()).copied();
+        let s = self.current(held, c, cap, rate, &cut);
         Some((s.level(cut.now).floor() as u64, cap))
     }
 

@@ -324,26 +324,27 @@ impl Fallback {
         let Some(standing) = &self.standing else {
             return self.decide_shared_tiers(checks).await;
         };
-        let Some(pool) = standing.pool_view(checks) else {
+        if !checks.iter().any(|c| standing.cuts(c)) {
             return self.decide_shared_tiers(checks).await;
-        };
+        }
+        // Built only when Redis decides a tier: a request its shares cover
+        // copies no check.
+        let pool = |c: &Check| standing.pool_check(c);
         let frozen = !self.redis_up.load(Ordering::Acquire);
         // Cut off from Redis, shares stand in only for the local fallback:
         // "deny" refuses and "allow" admits everything.
         if frozen && self.on_failure != OnRedisFailure::Local {
-            return self.decide_shared_tiers(&pool).await;
+            return self
+                .decide_shared_tiers(&checks.iter().map(pool).collect())
+                .await;
         }
         let Some(taken) = standing.take(checks, frozen) else {
-            return self.decide_shared_tiers(&pool).await;
+            return self
+                .decide_shared_tiers(&checks.iter().map(pool).collect())
+                .await;
         };
-        let all = (1u64 << checks.len()) - 1;
-        let covered = taken
-            .decisions
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.is_some())
-            .fold(0u64, |m, (i, _)| m | 1 << i);
-        if covered == all {
+        let covered = taken.covered();
+        if covered == (1u64 << checks.len()) - 1 {
             metrics::decided_by(DecidedBy::Share);
             return Outcome::Decided {
                 verdict: Verdict {
@@ -355,11 +356,11 @@ impl Fallback {
                 standing: covered,
             };
         }
-        let rest: Arc<[Check]> = pool
+        let rest: Arc<[Check]> = checks
             .iter()
             .zip(&taken.decisions)
             .filter(|(_, d)| d.is_none())
-            .map(|(c, _)| c.clone())
+            .map(|(c, _)| pool(c))
             .collect();
         let outcome = self.decide_shared_tiers(&rest).await;
         merge_standing(checks, &taken, outcome, standing)
@@ -768,12 +769,7 @@ fn merge_standing(
     outcome: Outcome,
     standing: &Standing,
 ) -> Outcome {
-    let covered = taken
-        .decisions
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| d.is_some())
-        .fold(0u64, |m, (i, _)| m | 1 << i);
+    let covered = taken.covered();
     // Where the j-th undecided tier sits among all.
     let places: Vec<usize> = (0..checks.len())
         .filter(|i| covered & (1 << i) == 0)
