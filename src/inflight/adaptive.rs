@@ -64,6 +64,12 @@ pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
 /// doubles the wait, up to `PROBE_EVERY_MAX` (a probe past the workers of
 /// a small server costs the request behind it a whole service time).
 const PROBE_EVERY: u32 = 4;
+/// A probe of requests sends this many more than it probes past, one more
+/// each time one is back: a round trip on a busy host can be late by more
+/// than a worker's wait, and one late answer taken for a queue stalled a
+/// climb from a slow start ended by noise (32 workers of 20 ms, from 3,
+/// took 17 s).
+const PROBE_ROUNDS: u32 = 3;
 const PROBE_EVERY_MAX: u32 = 64;
 /// A level where one request past the workers is a tenth or more of the
 /// round trip for every request (`queued_at_best`).
@@ -85,10 +91,15 @@ pub struct Gradient {
     failures: usize,
     started: Micros,
     /// Interval means remembered: (when, mean µs, the most in flight, the
-    /// standard error of that mean in µs).
-    means: VecDeque<(Micros, u64, u32, f64)>,
-    /// Doubling each interval until the first queue shows.
+    /// standard error of that mean and the standard deviation of its round
+    /// trips, in µs).
+    means: VecDeque<(Micros, u64, u32, f64, f64)>,
+    /// The standard deviation of the round trips that set the unloaded one.
+    min_sd: f64,
+    /// Doubling each interval until the first queue shows; held once
+    /// for a small one.
     slow_start: bool,
+    slow_held: bool,
     /// The last limit that showed no queue: a slow start from `min` stops
     /// there (TCP's ssthresh), the server's workers being what it was.
     good: f64,
@@ -104,9 +115,17 @@ pub struct Gradient {
     /// round trip.
     slide: Option<(f64, u64, bool)>,
     /// Calm intervals needed before the next probe past what it knew;
-    /// the limit the current interval probes from, when it is a probe.
+    /// the limit the current interval probes from, when it is a probe,
+    /// and how far.
     probe_every: u32,
-    probing: Option<f64>,
+    probing: Option<(f64, f64)>,
+    /// A probe of requests (a small limit's: the limit stays, and requests
+    /// go past it, as many at once as it probes past, `PROBE_ROUNDS` - 1
+    /// more in all): those not sent yet, those sent and not back, and of
+    /// those back, how many (found a queue, judged).
+    probe_unsent: u32,
+    probe_out: u32,
+    probe_votes: (u32, u32),
     /// The level probes last found room at, and how many times in a row.
     wins: (f64, u32),
     /// The concurrency the last queue showed at, and when; the most
@@ -150,7 +169,9 @@ impl Gradient {
             failures: 0,
             started: now,
             means: VecDeque::new(),
+            min_sd: 0.0,
             slow_start: true,
+            slow_held: false,
             good: f64::MAX,
             prev: None,
             ran_at: limit as f64,
@@ -158,6 +179,9 @@ impl Gradient {
             slide: None,
             probe_every: PROBE_EVERY,
             probing: None,
+            probe_unsent: 0,
+            probe_out: 0,
+            probe_votes: (0, 0),
             wins: (0.0, 0),
             queued_at: None,
             best: (0.0, now),
@@ -178,6 +202,55 @@ impl Gradient {
 
     pub fn estimate(&self) -> Estimate {
         self.last
+    }
+
+    /// Whether a request that arrives now, with the limit's slots full,
+    /// goes past it as a probe's; if so, the wait it would have past the
+    /// server's workers: until the oldest in flight (sent at
+    /// `oldest_sent`) is back. A small limit probes with requests, not
+    /// an interval at a higher limit, which queued a request a wave for
+    /// two round trips: one request past the workers waits, and only it.
+    /// It goes when that wait is at most half a round trip (it costs its
+    /// request no more) and well past the round trips' own scatter (else
+    /// there is nothing to tell room from a queue by): a request sent
+    /// just before a worker frees waits next to nothing either way.
+    pub fn take_probe(&mut self, now: Micros, oldest_sent: Micros) -> Option<u64> {
+        let min_rtt = self.last.min_rtt_us as f64;
+        let expected = min_rtt - (now - oldest_sent) as f64;
+        let floor = (4.0 * self.min_sd).max(min_rtt / 20.0);
+        let past = self
+            .probing
+            .map_or(0.0, |(from, to)| to.floor() - from.floor());
+        if self.probe_unsent == 0
+            || self.probe_out as f64 >= past
+            || expected > min_rtt / 2.0
+            || expected < floor
+        {
+            return None;
+        }
+        self.probe_unsent -= 1;
+        self.probe_out += 1;
+        Some(expected as u64)
+    }
+
+    /// A probe's request came back after `rtt_us`, having been expected to
+    /// wait `expected_us` past the workers: a queue if it waited half that.
+    /// (Call before its `sample`.)
+    pub fn probe_answered(&mut self, rtt_us: u64, expected_us: u64) {
+        if self.probing.is_none() || self.probe_out == 0 {
+            return;
+        }
+        self.probe_out -= 1;
+        let waited = rtt_us as f64 - self.last.min_rtt_us as f64;
+        self.probe_votes.1 += 1;
+        if waited > expected_us as f64 / 2.0 {
+            self.probe_votes.0 += 1;
+        }
+    }
+
+    /// A probe's request that taught nothing (failed, or its client left).
+    pub fn probe_lost(&mut self) {
+        self.probe_out = self.probe_out.saturating_sub(1);
     }
 
     /// One request's round trip, with the requests in flight when it was
@@ -202,17 +275,22 @@ impl Gradient {
 
     fn close_if_due(&mut self, now: Micros) -> Option<Estimate> {
         // Two round trips at least: the samples that close an interval were
-        // sent under the limit it set, not the one before. A probe lasts
-        // just that (its queue costs a doubled round trip a wave).
+        // sent under the limit it set, not the one before. A probe at a
+        // higher limit lasts just that (its queue costs a doubled round
+        // trip a wave); a probe of requests until they are back, or four
+        // round trips (none was sent, or one never came back).
         let two_rtts = 2 * self.last.sample_rtt_us as Micros;
-        let span = if self.probing.is_some() {
-            two_rtts
-        } else {
-            INTERVAL_US.max(two_rtts)
-        };
         let age = now - self.started;
         let seen = self.samples.len() + self.failures;
-        let due = (age >= span && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US;
+        let due = if self.probing_by_requests() {
+            let back = self.probe_unsent == 0 && self.probe_out == 0;
+            (back && age >= two_rtts && seen >= MIN_SAMPLES)
+                || age >= MAX_INTERVAL_US.max(2 * two_rtts)
+        } else if self.probing.is_some() {
+            (age >= two_rtts && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US
+        } else {
+            (age >= INTERVAL_US.max(two_rtts) && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US
+        };
         if !due {
             return None;
         }
@@ -225,6 +303,7 @@ impl Gradient {
     /// An interval of failures: a tenth less, no slow start.
     fn back_off(&mut self, now: Micros) -> Estimate {
         self.slow_start = false;
+        self.end_probe();
         self.limit = (self.limit * 0.9).clamp(self.min as f64, self.max as f64);
         self.samples.clear();
         self.failures = 0;
@@ -232,6 +311,22 @@ impl Gradient {
         self.started = now;
         self.last.limit = self.limit as u32;
         self.last
+    }
+
+    /// A probe of requests, the limit staying where it was (a probe at a
+    /// higher limit raised it).
+    fn probing_by_requests(&self) -> bool {
+        self.probing
+            .is_some_and(|(_, to)| self.limit.floor() < to.floor())
+    }
+
+    /// The probe under way ends (judged or not): the limit it started
+    /// from, and how far it went.
+    fn end_probe(&mut self) -> Option<(f64, f64)> {
+        self.probe_unsent = 0;
+        self.probe_out = 0;
+        self.probe_votes = (0, 0);
+        self.probing.take()
     }
 
     fn update(&mut self, now: Micros) -> Estimate {
@@ -248,7 +343,11 @@ impl Gradient {
         // (A small limit's interval holds few requests: a round of them
         // is enough, else the mix hid a slower server at 4 workers of
         // 200 ms for an interval, and the limit fell to 1.)
-        let limit = self.last.limit.max(1);
+        // (A probe's requests went past the limit, as far as it probed.)
+        let limit = self
+            .probing
+            .map_or(self.last.limit, |(_, to)| to as u32)
+            .max(1);
         let fresh = self.samples.iter().filter(|s| s.1 <= limit).count();
         if fresh >= (limit as usize).clamp(2, MIN_SAMPLES / 2) && fresh < self.samples.len() {
             self.samples.retain(|s| s.1 <= limit);
@@ -272,9 +371,10 @@ impl Gradient {
         if self.busiest <= self.min {
             self.means.clear();
         }
-        self.means.push_back((now, sample, self.busiest, se));
+        self.means
+            .push_back((now, sample, self.busiest, se, var.sqrt()));
         // Old means go once one measured no busier came after them.
-        while let Some(&(t, _, busy, _)) = self.means.front() {
+        while let Some(&(t, _, busy, ..)) = self.means.front() {
             let stale =
                 now - t > MIN_RTT_WINDOW_US && self.means.iter().skip(1).any(|m| m.2 <= busy);
             if !stale && self.means.len() <= MAX_MEANS {
@@ -313,18 +413,20 @@ impl Gradient {
                 && sample as f64 >= 1.5 * stale_min as f64);
         if slower {
             self.means.clear();
-            self.means.push_back((now, sample, self.busiest, se));
+            self.means
+                .push_back((now, sample, self.busiest, se, var.sqrt()));
             self.slow_start = true;
             self.slide = None;
         }
         let grew = self.limit > self.ran_at;
         self.ran_at = self.limit;
         let prev = self.prev.replace((sent_at, sample, grew));
-        let (min_rtt, min_se) = self
+        let (min_rtt, min_se, min_sd) = self
             .means
             .iter()
             .min_by_key(|m| m.1)
-            .map_or((sample, se), |m| (m.1, m.3));
+            .map_or((sample, se, var.sqrt()), |m| (m.1, m.3, m.4));
+        self.min_sd = min_sd;
         // What the interval's mean may exceed the unloaded round trip by
         // with no queue: BUFFER, and the noise of such a mean (two standard
         // errors of the mean that set the unloaded round trip: measured
@@ -346,26 +448,45 @@ impl Gradient {
         let tolerated = BUFFER.min(QUEUE_TOLERATED / sent_at.max(1.0));
         let gradient =
             ((min_rtt as f64 * (1.0 + tolerated) + noise) / sample as f64).clamp(0.5, 1.0 + BUFFER);
-        self.slow_start &= gradient >= 1.0;
+        // A slow start ends at the first queue; one under a tenth of the
+        // round trip, the first time, holds the limit for an interval
+        // instead: the first loaded interval on a busy host can run a few
+        // per cent slow (the load's own start), and a slow start ended at
+        // 4 of 32 workers climbed back by probes for seconds. A doubling
+        // past the workers shows more (a quarter at 5 -> 10 over 8).
+        let hold = self.slow_start && (0.9..1.0).contains(&gradient) && !self.slow_held;
+        self.slow_held = hold;
+        self.slow_start &= gradient >= 1.0 || hold;
         // The limit this interval probed from, if it was a probe. A probe
         // is judged by its own requests (those sent past where it started):
         // in waves, one that found no free worker waited a whole service
         // time for the next wave, while the interval's mean moved by 1/N
         // (at 32 workers, within the noise).
-        let probed = self.probing.take();
+        let (by_requests, votes) = (self.probing_by_requests(), self.probe_votes);
+        let probe = self.end_probe();
+        let probed = probe.map(|(from, _)| from);
         // One request past N workers is a standing queue of one: by Little's
         // law every round trip then waits 1/N of one on average. Half that
         // is tolerated (at 4 workers a probe's 1.25x mean once passed for
         // room, and the limit sat at 5 half the time: a p99 of 2.2x).
-        let probe_failed = probed.is_some_and(|from| {
+        // A probe of requests: a queue if over a third of its requests
+        // found one (probing two past, one of the two waits if there was
+        // room for one).
+        // One none of whose requests came back (its client left, the
+        // upstream failed it, no moment came to send it) tells nothing.
+        let verdict = probed.and_then(|from| {
+            if by_requests {
+                return (votes.1 > 0).then_some(votes.0 * 3 > votes.1);
+            }
             let (sum, n) = self
                 .samples
                 .iter()
                 .filter(|s| s.1 as f64 > from.floor())
                 .fold((0u64, 0u64), |(sum, n), s| (sum + s.0, n + 1));
             let queue_of_half = QUEUE_TOLERATED / from.floor().max(1.0);
-            n > 0 && sum as f64 / n as f64 > min_rtt as f64 * (1.0 + queue_of_half) + noise
+            (n > 0).then(|| sum as f64 / n as f64 > min_rtt as f64 * (1.0 + queue_of_half) + noise)
         });
+        let probe_failed = verdict == Some(true);
         let queued = gradient < 1.0 || probe_failed;
         let full = self.busiest as f64 >= self.limit.floor();
         // A slide starts at the interval before the first queue.
@@ -401,7 +522,9 @@ impl Gradient {
             }
             self.calm = 0;
             self.climb = 1.0;
-            self.queued_at = Some((sent_at, now));
+            // (A probe that found it: where it went, not the limit.)
+            let at = probe.filter(|_| probe_failed).map_or(sent_at, |(_, to)| to);
+            self.queued_at = Some((at, now));
             self.calm_run = (0.0, 0);
             self.wins = (0.0, 0);
             if probed.is_some() {
@@ -409,7 +532,8 @@ impl Gradient {
             }
         } else if full {
             let at = self.limit.floor();
-            if probed.is_some() {
+            if let Some((_, to)) = probe.filter(|_| verdict == Some(false)) {
+                let at = to.floor();
                 // Room past what it knew. The next probe comes in half the
                 // wait, to this level again until it found room here twice
                 // (once may be luck: a server's workers that free up out of
@@ -453,7 +577,9 @@ impl Gradient {
         if !queued && !self.slow_start {
             self.good = self.limit;
         }
-        let mut next = if self.slow_start {
+        let mut next = if hold {
+            self.limit
+        } else if self.slow_start {
             if self.limit * 2.0 >= self.good {
                 self.slow_start = false;
             }
@@ -484,14 +610,25 @@ impl Gradient {
             self.calm += 1;
             if self.calm >= self.probe_every && full {
                 self.calm = 0;
-                self.probing = Some(self.limit);
                 let mut to = self.limit.floor() + self.climb;
                 if let Some((at, when)) = self.queued_at {
                     if now - when <= MIN_RTT_WINDOW_US {
                         to = to.min(at.round() - 1.0);
                     }
                 }
-                to.max(self.limit.floor() + 1.0)
+                let to = to.max(self.limit.floor() + 1.0);
+                self.probing = Some((self.limit, to));
+                // Where one request past the workers is a tenth or more of
+                // everyone's round trip: requests, not a limit, if the
+                // round trips are steady enough to time them by (under a
+                // sixteenth of one in scatter: an exponential service
+                // leaves no moment when a worker is known busy).
+                if self.limit.floor() <= SMALL_LEVEL && 16.0 * min_sd <= min_rtt as f64 {
+                    self.probe_unsent = (to - self.limit.floor()) as u32 + PROBE_ROUNDS - 1;
+                    self.limit
+                } else {
+                    to
+                }
             } else {
                 self.limit
             }
@@ -543,12 +680,29 @@ mod tests {
         let (mut out, end) = (Vec::new(), *t + secs * 1_000_000);
         while *t < end {
             *t += 12_500;
-            let c = g.limit();
-            if let Some(e) = g.sample(*t, rtt(workers, service_us, c), c) {
+            let (c, rtt) = fluid_step(g, *t, workers, service_us);
+            if let Some(e) = g.sample(*t, rtt, c) {
                 out.push((*t, e.limit));
             }
         }
         out
+    }
+
+    /// A request of the fluid model: sent at the limit, or past it as a
+    /// probe's, expected to wait a mean gap between answers (what one
+    /// past the workers waits by Little's law); its (in flight, round
+    /// trip).
+    fn fluid_step(g: &mut Gradient, t: Micros, workers: u32, service_us: u64) -> (u32, u64) {
+        let (min_rtt, c) = (g.estimate().min_rtt_us as i64, g.limit());
+        let oldest = t - min_rtt + min_rtt / c.max(1) as i64;
+        match g.take_probe(t, oldest) {
+            Some(expected) => {
+                let rtt = rtt(workers, service_us, c + 1);
+                g.probe_answered(rtt, expected);
+                (c + 1, rtt)
+            }
+            None => (c, rtt(workers, service_us, c)),
+        }
     }
 
     /// The limits chosen from `from` on.
@@ -666,9 +820,9 @@ mod tests {
         let step = (service_us / workers as u64) as i64;
         while *t < end {
             *t += step.min(12_500);
-            let c = g.limit();
+            let (c, rtt) = fluid_step(g, *t, workers, service_us);
             let noise = rng.u64(0..=2 * jitter_us) as i64 - jitter_us as i64;
-            let rtt = (rtt(workers, service_us, c) as i64 + noise).max(1) as u64;
+            let rtt = (rtt as i64 + noise).max(1) as u64;
             if let Some(e) = g.sample(*t, rtt, c) {
                 out.push((*t, e.limit));
             }
@@ -734,45 +888,75 @@ mod tests {
                 s
             }
         };
-        run_served(g, secs, workers, service)
+        run_served(g, secs, workers, &[], service_us + jitter_us / 2, service)
     }
 
     /// A server of `workers` workers whose request started at `at` takes
     /// `service(at)`, with a client that always has a request waiting
-    /// (closed loop at the limit, and the probe's requests past it).
+    /// (closed loop at the limit), and new ones arriving at random at twice
+    /// the capacity for a probe to go with (`mean_us`: the mean service).
+    /// More workers join at the times in `joining`.
     fn run_served(
         g: &mut Gradient,
         secs: i64,
         workers: u32,
+        joining: &[Micros],
+        mean_us: u64,
         mut service: impl FnMut(Micros) -> u64,
     ) -> Timeline {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
-        let mut free: BinaryHeap<Reverse<Micros>> = (0..workers).map(|_| Reverse(0)).collect();
-        // (end, sent, in flight when sent)
-        let mut pending: BinaryHeap<Reverse<(Micros, Micros, u32)>> = BinaryHeap::new();
+        const ARRIVAL: Micros = -1;
+        let mut rng = fastrand::Rng::with_seed(3);
+        let gap = (mean_us / (2 * workers as u64)).max(1);
+        let mut free: BinaryHeap<Reverse<Micros>> = (0..workers)
+            .map(|_| Reverse(0))
+            .chain(joining.iter().map(|at| Reverse(*at)))
+            .collect();
+        // Events: (when, sent, in flight when sent, a probe's expected
+        // wait or 0), or an arrival (when, ARRIVAL, ..).
+        let mut events: BinaryHeap<Reverse<(Micros, Micros, u32, u64)>> = BinaryHeap::new();
         let (mut rtts, mut limits, mut in_flight) = (Vec::new(), Vec::new(), 0u32);
-        let mut send = |t: Micros, in_flight: &mut u32, pending: &mut BinaryHeap<_>| {
+        let mut send = |t: Micros, in_flight: &mut u32, events: &mut BinaryHeap<_>, probe| {
             let Reverse(at) = free.pop().unwrap();
             let end = t.max(at) + service(t.max(at)) as Micros;
             free.push(Reverse(end));
             *in_flight += 1;
-            pending.push(Reverse((end, t, *in_flight)));
+            events.push(Reverse((end, t, *in_flight, probe)));
         };
         while in_flight < g.limit() {
-            send(0, &mut in_flight, &mut pending);
+            send(0, &mut in_flight, &mut events, 0);
         }
-        while let Some(Reverse((end, sent, c))) = pending.pop() {
-            if end > secs * 1_000_000 {
+        events.push(Reverse((rng.u64(1..=2 * gap) as Micros, ARRIVAL, 0, 0)));
+        while let Some(Reverse((t, sent, c, probe))) = events.pop() {
+            if t > secs * 1_000_000 {
                 break;
             }
+            if sent == ARRIVAL {
+                let oldest = events
+                    .iter()
+                    .map(|e| e.0 .1)
+                    .filter(|s| *s != ARRIVAL)
+                    .min();
+                if in_flight >= g.limit() {
+                    if let Some(expected) = g.take_probe(t, oldest.unwrap_or(t)) {
+                        send(t, &mut in_flight, &mut events, expected);
+                    }
+                }
+                events.push(Reverse((t + rng.u64(1..=2 * gap) as Micros, ARRIVAL, 0, 0)));
+                continue;
+            }
             in_flight -= 1;
-            rtts.push((end, (end - sent) as u64));
-            if let Some(e) = g.sample(end, (end - sent) as u64, c) {
-                limits.push((end, e.limit));
+            let rtt = (t - sent) as u64;
+            rtts.push((t, rtt));
+            if probe > 0 {
+                g.probe_answered(rtt, probe);
+            }
+            if let Some(e) = g.sample(t, rtt, c) {
+                limits.push((t, e.limit));
             }
             while in_flight < g.limit() {
-                send(end, &mut in_flight, &mut pending);
+                send(t, &mut in_flight, &mut events, 0);
             }
         }
         (rtts, limits)
@@ -815,6 +999,37 @@ mod tests {
                 served * 100.0
             );
         }
+    }
+
+    /// A small server's limit probes past its workers with requests timed
+    /// to wait at most half a round trip: no probe doubles anyone's round
+    /// trip (a probe at a higher limit cost a request a wave a whole
+    /// service time: the matrix's 8 workers of 200 ms at 2.4x p99). And
+    /// workers that join are found by those probes.
+    #[test]
+    fn a_small_servers_probes_double_no_round_trip_and_find_workers_that_join() {
+        for (workers, service, jitter) in [(4, 200_000, 0), (8, 200_000, 1_000), (4, 50_000, 0)] {
+            let mut g = Gradient::new(1, 256, 0);
+            let (rtts, limits) = run_slowing(&mut g, 60, workers, service, jitter, Micros::MAX);
+            let settled = rtts.iter().filter(|(t, _)| *t >= 15_000_000);
+            let worst = settled.map(|(_, r)| *r).max().unwrap_or(0) as f64 / service as f64;
+            let limits = after(&limits, 15_000_000);
+            assert!(
+                worst <= 1.6 && limits.iter().all(|l| *l == workers),
+                "{workers} x {service} us: worst {worst:.2}x; limits {limits:?}"
+            );
+        }
+        let (service, joined) = (50_000, 20_000_000);
+        let mut g = Gradient::new(1, 256, 0);
+        let (_, limits) = run_served(&mut g, 60, 4, &[joined, joined], service, |_| service);
+        let mut before = limits
+            .iter()
+            .filter(|(t, _)| (10_000_000..joined).contains(t));
+        let found = after(&limits, 40_000_000);
+        assert!(
+            before.all(|(_, l)| *l == 4) && found.iter().all(|l| *l == 6),
+            "limits {limits:?}"
+        );
     }
 
     /// Workers out of step (service times scatter a little): one request
@@ -861,7 +1076,7 @@ mod tests {
             let mut rng = fastrand::Rng::with_seed(7);
             let mean = 50_000.0;
             let exp = |_| (-(1.0 - rng.f64()).ln() * mean) as u64 + 1;
-            let (rtts, _) = run_served(&mut g, 60, workers, exp);
+            let (rtts, _) = run_served(&mut g, 60, workers, &[], mean as u64, exp);
             let done = rtts.iter().filter(|(t, _)| *t >= 15_000_000).count();
             let used = done as f64 * mean / (workers as f64 * 45e6);
             println!(
@@ -872,6 +1087,34 @@ mod tests {
         }
     }
 
+    /// A sample every 2 ms at the limit, round trips `percent` % of the
+    /// fluid model's for `span_us` once the limit reaches `level`; until
+    /// that span is over, or `until` if later.
+    fn slowed_once(
+        g: &mut Gradient,
+        t: &mut Micros,
+        (workers, service): (u32, u64),
+        level: u32,
+        span_us: Micros,
+        percent: u64,
+        until: Micros,
+    ) {
+        let mut slow_from = None;
+        loop {
+            *t += 2_000;
+            let c = g.limit();
+            if c >= level && slow_from.is_none() {
+                slow_from = Some(*t);
+            }
+            let slow = slow_from.is_some_and(|from| *t - from < span_us);
+            let pct = if slow { percent } else { 100 };
+            g.sample(*t, rtt(workers, service, c) * pct / 100, c);
+            if slow_from.is_some() && !slow && *t >= until {
+                return;
+            }
+        }
+    }
+
     #[test]
     fn a_slow_start_ended_by_noise_climbs_on_to_the_workers() {
         let mut t = 0;
@@ -879,23 +1122,7 @@ mod tests {
         let (workers, service) = (32, 50_000);
         // 150 ms of scattered answers (a busy machine) once the slow start
         // reaches 8: it ends there, far below the workers.
-        let mut noise_from = None;
-        loop {
-            t += 2_000;
-            let c = g.limit();
-            if c >= 8 && noise_from.is_none() {
-                noise_from = Some(t);
-            }
-            let noisy = noise_from.is_some_and(|from| t - from < 150_000);
-            g.sample(
-                t,
-                rtt(workers, service, c) * if noisy { 13 } else { 10 } / 10,
-                c,
-            );
-            if noise_from.is_some() && !noisy {
-                break;
-            }
-        }
+        slowed_once(&mut g, &mut t, (workers, service), 8, 150_000, 130, 0);
         assert!(g.limit() < 16, "{:?}", g.estimate());
         let limits = run(&mut g, &mut t, 10, workers, service);
         // Past the noise it climbs by probes (no "slower server" verdict
@@ -903,6 +1130,16 @@ mod tests {
         // at the workers within 7 s, then no more than one past them.
         let settled = after(&limits, t - 3_000_000);
         assert!(settled.iter().all(|l| (32..=33).contains(l)), "{limits:?}");
+    }
+
+    #[test]
+    fn one_slightly_slow_interval_does_not_end_a_slow_start() {
+        let mut t = 0;
+        let mut g = Gradient::new(1, 256, t);
+        // The first interval at 4 runs 6 % slow (the load's own start on a
+        // busy host): held there an interval, then doubling on.
+        slowed_once(&mut g, &mut t, (32, 50_000), 4, 100_000, 106, 2_000_000);
+        assert!(g.limit() >= 32, "{:?}", g.estimate());
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct Settings {
 /// Waiters by (priority, highest first; arrival, oldest first).
 type Key = (Reverse<i64>, u64);
 
+/// A slot given: the requests in flight then (itself included), and when
+/// (µs from `Gate::started`).
+type Slot = (u32, i64);
+
 /// Round trips remembered for how long an abandoned request keeps its slot.
 const RECENT_RTTS: usize = 64;
 
@@ -76,11 +80,33 @@ struct Inner {
     /// The limit now: `settings.limit`, or the adaptive controller's.
     limit: u32,
     in_flight: u32,
-    waiting: BTreeMap<Key, oneshot::Sender<Result<(), Shed>>>,
+    waiting: BTreeMap<Key, oneshot::Sender<Result<Slot, Shed>>>,
     next: u64,
     gradient: Option<Gradient>,
     /// Slots kept after their request ended (the client left first).
     held: u64,
+    /// When the slots in flight were given (µs from `Gate::started`), and
+    /// how many at each time: the oldest tells an adaptive probe when a
+    /// worker comes free.
+    given: BTreeMap<i64, u32>,
+}
+
+impl Inner {
+    fn take_slot(&mut self, now: i64) -> Slot {
+        self.in_flight += 1;
+        *self.given.entry(now).or_default() += 1;
+        (self.in_flight, now)
+    }
+
+    fn give_back(&mut self, given: i64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if let Some(n) = self.given.get_mut(&given) {
+            *n -= 1;
+            if *n == 0 {
+                self.given.remove(&given);
+            }
+        }
+    }
 }
 
 pub struct Gate {
@@ -100,6 +126,7 @@ impl Gate {
                 next: 0,
                 gradient: None,
                 held: 0,
+                given: BTreeMap::new(),
             }),
             started: Instant::now(),
         });
@@ -129,16 +156,17 @@ impl Gate {
                 let _ = tx.send(Err(Shed::QueueFull));
             }
         }
-        Self::hand_out(&mut g);
+        Self::hand_out(&mut g, now);
     }
 
     /// A static limit set from outside (a pool-wide figure over the live
     /// replicas); ignored while adaptive.
     pub fn set_limit(&self, limit: u32) {
+        let now = self.now_us();
         let mut g = self.inner.lock();
         if g.gradient.is_none() && g.limit != limit {
             g.limit = limit.max(1);
-            Self::hand_out(&mut g);
+            Self::hand_out(&mut g, now);
         }
     }
 
@@ -181,10 +209,25 @@ impl Gate {
     /// A slot for a request of `priority`, waiting in the queue if need be.
     pub async fn acquire(self: &Arc<Self>, priority: i64) -> Result<Permit, Shed> {
         let (key, rx, timeout) = {
+            let now = self.now_us();
             let mut g = self.inner.lock();
             if g.in_flight < g.limit && g.waiting.is_empty() {
-                g.in_flight += 1;
-                return Ok(self.permit(g.in_flight));
+                let slot = g.take_slot(now);
+                return Ok(self.permit(slot, None));
+            }
+            // An adaptive limit's probe goes past it with a request as it
+            // arrives (the newest, as adaptive LIFO would serve anyway).
+            let oldest = g.given.first_key_value().map_or(now, |(at, _)| *at);
+            let probe = if g.in_flight >= g.limit {
+                g.gradient
+                    .as_mut()
+                    .and_then(|gr| gr.take_probe(now, oldest))
+            } else {
+                None
+            };
+            if probe.is_some() {
+                let slot = g.take_slot(now);
+                return Ok(self.permit(slot, probe));
             }
             if g.waiting.len() >= g.settings.queue {
                 // Full: this one goes in only in place of a lower priority.
@@ -228,16 +271,15 @@ impl Gate {
             }
         };
         wait.rx = None; // answered: nothing for its drop to undo
-        answer.map(|()| {
-            let in_flight = self.inner.lock().in_flight;
-            self.permit(in_flight)
-        })
+        answer.map(|slot| self.permit(slot, None))
     }
 
-    fn permit(self: &Arc<Self>, in_flight: u32) -> Permit {
+    fn permit(self: &Arc<Self>, (in_flight, given): Slot, probe: Option<u64>) -> Permit {
         Permit {
             gate: self.clone(),
             in_flight,
+            given,
+            probe,
             sent: None,
             rtt: None,
             failed: false,
@@ -259,14 +301,14 @@ impl Gate {
     }
 
     /// Gives the free slots to the waiters, highest priority first.
-    fn hand_out(g: &mut Inner) {
+    fn hand_out(g: &mut Inner, now: i64) {
         while g.in_flight < g.limit {
             let Some((_, tx)) = Self::next_waiter(g) else {
                 return;
             };
-            g.in_flight += 1;
-            if tx.send(Ok(())).is_err() {
-                g.in_flight -= 1; // its waiter is gone
+            let slot = g.take_slot(now);
+            if tx.send(Ok(slot)).is_err() {
+                g.give_back(slot.1); // its waiter is gone
             }
         }
     }
@@ -277,7 +319,7 @@ impl Gate {
     /// the queue never empties, and serving the newest keeps an admitted
     /// request's wait near none, while the oldest run out their short
     /// wait and are refused).
-    fn next_waiter(g: &mut Inner) -> Option<(Key, oneshot::Sender<Result<(), Shed>>)> {
+    fn next_waiter(g: &mut Inner) -> Option<(Key, oneshot::Sender<Result<Slot, Shed>>)> {
         if g.gradient.is_none() {
             return g.waiting.pop_first();
         }
@@ -290,10 +332,17 @@ impl Gate {
         g.waiting.remove_entry(&newest)
     }
 
-    fn release(&self, sample: Option<Sample>) {
+    /// A probe's request that will teach nothing.
+    fn probe_lost(&self) {
+        if let Some(gr) = self.inner.lock().gradient.as_mut() {
+            gr.probe_lost();
+        }
+    }
+
+    fn release(&self, sample: Option<Sample>, given: i64, probe: Option<u64>) {
         let now = self.now_us();
         let mut g = self.inner.lock();
-        g.in_flight = g.in_flight.saturating_sub(1);
+        g.give_back(given);
         if let Some(Sample::Answered { rtt, .. }) = sample {
             if g.recent.len() == RECENT_RTTS {
                 g.recent.pop_front();
@@ -303,7 +352,11 @@ impl Gate {
         if let (Some(sample), Some(gr)) = (sample, g.gradient.as_mut()) {
             let e = match sample {
                 Sample::Answered { rtt, in_flight } => {
-                    gr.sample(now, rtt.as_micros() as u64, in_flight)
+                    let rtt = rtt.as_micros() as u64;
+                    if let Some(expected) = probe {
+                        gr.probe_answered(rtt, expected);
+                    }
+                    gr.sample(now, rtt, in_flight)
                 }
                 Sample::Failed { in_flight } => gr.failure(now, in_flight),
             };
@@ -311,7 +364,7 @@ impl Gate {
                 g.limit = e.limit;
             }
         }
-        Self::hand_out(&mut g);
+        Self::hand_out(&mut g, now);
     }
 }
 
@@ -321,7 +374,7 @@ impl Gate {
 struct Waiting {
     gate: Arc<Gate>,
     key: Key,
-    rx: Option<oneshot::Receiver<Result<(), Shed>>>,
+    rx: Option<oneshot::Receiver<Result<Slot, Shed>>>,
 }
 
 impl Drop for Waiting {
@@ -329,10 +382,14 @@ impl Drop for Waiting {
         let Some(mut rx) = self.rx.take() else {
             return;
         };
+        let now = self.gate.now_us();
         let mut g = self.gate.inner.lock();
-        if g.waiting.remove(&self.key).is_none() && matches!(rx.try_recv(), Ok(Ok(()))) {
-            g.in_flight = g.in_flight.saturating_sub(1);
-            Gate::hand_out(&mut g);
+        if g.waiting.remove(&self.key).is_some() {
+            return;
+        }
+        if let Ok(Ok((_, given))) = rx.try_recv() {
+            g.give_back(given);
+            Gate::hand_out(&mut g, now);
         }
     }
 }
@@ -351,8 +408,12 @@ enum Sample {
 /// `sent` then `answered` give the adaptive limit the upstream's round trip.
 pub struct Permit {
     gate: Arc<Gate>,
-    /// Requests in flight when it was given (itself included).
+    /// Requests in flight when it was given (itself included), and when.
     in_flight: u32,
+    given: i64,
+    /// An adaptive probe's request: the wait it would have past the
+    /// upstream's workers (µs).
+    probe: Option<u64>,
     sent: Option<Instant>,
     rtt: Option<Duration>,
     /// The answer was a 5xx, or the upstream timed out.
@@ -425,16 +486,20 @@ impl Drop for Permit {
             (None, _) => None,
         };
         let hold = self.still_working();
+        let given = self.given;
+        if self.probe.is_some() && !matches!(sample, Some(Sample::Answered { .. })) {
+            self.gate.probe_lost();
+        }
         match (hold, tokio::runtime::Handle::try_current()) {
             (Some(left), Ok(rt)) if !left.is_zero() => {
                 let gate = self.gate.clone();
                 gate.inner.lock().held += 1;
                 rt.spawn(async move {
                     tokio::time::sleep(left).await;
-                    gate.release(None);
+                    gate.release(None, given, None);
                 });
             }
-            _ => self.gate.release(sample),
+            _ => self.gate.release(sample, given, self.probe),
         }
     }
 }
