@@ -126,6 +126,9 @@ T_QUEUE_FRACTION = 0.25  # of the workers
 T_P99_RATIO = 2.0
 T_SETTLE_S = 3.0
 SETTLE_BAND = 0.25
+# A phase whose load generator fell this far behind its schedule once is
+# noted: the host stalled, and every process on it with the generator.
+SEND_LAG_NOTED_MS = 25.0
 
 TARGETS = [
     ("goodput", f"goodput >= {T_GOODPUT_PCT:g}% of capacity, before and after the halving"),
@@ -843,6 +846,11 @@ def write_md(out: Path, summary: dict) -> None:
                          f"mostly `{first}`")
         for ph in ("before", "after"):
             p = r.get(ph) or {}
+            lag = p.get("max_send_lag_ms") or 0
+            if lag >= SEND_LAG_NOTED_MS:
+                notes.append(f"`{r['shape']} {r['variant']}` {ph}: the load generator fell {lag:.0f} ms behind its "
+                             "schedule once: the host stalled (the gateway and the mock run on it too), and the "
+                             "row's figures include that stall")
             if p.get("never_sent") or p.get("unfinished"):
                 notes.append(f"`{r['shape']} {r['variant']}` {ph}: {p.get('never_sent', 0)} request(s) never sent "
                              f"(every connection busy) and {p.get('unfinished', 0)} unanswered at the end, out of "
