@@ -64,8 +64,8 @@ pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
 /// doubles the wait, up to `PROBE_EVERY_MAX` (a probe past the workers of
 /// a small server costs the request behind it a whole service time).
 const PROBE_EVERY: u32 = 4;
-/// A probe of requests sends this many more than it probes past, one more
-/// each time one is back: a round trip on a busy host can be late by more
+/// A probe of requests sends this many rounds of them (the last rounds of
+/// one request each, as one is back): a round trip on a busy host can be late by more
 /// than a worker's wait, and one late answer taken for a queue stalled a
 /// climb from a slow start ended by noise (32 workers of 20 ms, from 3,
 /// took 17 s).
@@ -96,8 +96,8 @@ pub struct Gradient {
     means: VecDeque<(Micros, u64, u32, f64, f64)>,
     /// The standard deviation of the round trips that set the unloaded one.
     min_sd: f64,
-    /// Doubling each interval until the first queue shows; held once
-    /// for a small one.
+    /// Doubling each interval until the first queue shows; whether this
+    /// slow start held once for a small one.
     slow_start: bool,
     slow_held: bool,
     /// The last limit that showed no queue: a slow start from `min` stops
@@ -119,13 +119,10 @@ pub struct Gradient {
     /// and how far.
     probe_every: u32,
     probing: Option<(f64, f64)>,
-    /// A probe of requests (a small limit's: the limit stays, and requests
-    /// go past it, as many at once as it probes past, `PROBE_ROUNDS` - 1
-    /// more in all): those not sent yet, those sent and not back, and of
-    /// those back, how many (found a queue, judged).
-    probe_unsent: u32,
-    probe_out: u32,
-    probe_votes: (u32, u32),
+    /// A probe of requests, under way (a small limit's: the limit stays
+    /// and requests go past it), and the count that names each.
+    requests: Option<Requests>,
+    probes_started: u32,
     /// The level probes last found room at, and how many times in a row.
     wins: (f64, u32),
     /// The concurrency the last queue showed at, and when; the most
@@ -154,6 +151,29 @@ pub struct Estimate {
     pub sample_rtt_us: u64,
 }
 
+/// A probe of requests: at most `past` out at once, `past` + `PROBE_ROUNDS`
+/// - 1 in all.
+#[derive(Debug, Clone, Copy)]
+struct Requests {
+    id: u32,
+    past: u32,
+    unsent: u32,
+    out: u32,
+    /// The most that were out at once: the level it tested is that far
+    /// past the limit.
+    most_out: u32,
+    /// Of those back: (found a queue, judged).
+    votes: (u32, u32),
+}
+
+/// A request sent past the limit as a probe's: which probe, and the wait
+/// it would have past the server's workers (µs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Probe {
+    id: u32,
+    pub expected_us: u64,
+}
+
 impl Gradient {
     /// Starts at `min`, where the unloaded round trip shows, and doubles
     /// each interval until a queue shows (TCP's slow start), within
@@ -179,9 +199,8 @@ impl Gradient {
             slide: None,
             probe_every: PROBE_EVERY,
             probing: None,
-            probe_unsent: 0,
-            probe_out: 0,
-            probe_votes: (0, 0),
+            requests: None,
+            probes_started: 0,
             wins: (0.0, 0),
             queued_at: None,
             best: (0.0, now),
@@ -204,53 +223,77 @@ impl Gradient {
         self.last
     }
 
-    /// Whether a request that arrives now, with the limit's slots full,
-    /// goes past it as a probe's; if so, the wait it would have past the
-    /// server's workers: until the oldest in flight (sent at
-    /// `oldest_sent`) is back. A small limit probes with requests, not
-    /// an interval at a higher limit, which queued a request a wave for
-    /// two round trips: one request past the workers waits, and only it.
-    /// It goes when that wait is at most half a round trip (it costs its
-    /// request no more) and well past the round trips' own scatter (else
-    /// there is nothing to tell room from a queue by): a request sent
-    /// just before a worker frees waits next to nothing either way.
-    pub fn take_probe(&mut self, now: Micros, oldest_sent: Micros) -> Option<u64> {
-        let min_rtt = self.last.min_rtt_us as f64;
-        let expected = min_rtt - (now - oldest_sent) as f64;
-        let floor = (4.0 * self.min_sd).max(min_rtt / 20.0);
-        let past = self
-            .probing
-            .map_or(0.0, |(from, to)| to.floor() - from.floor());
-        if self.probe_unsent == 0
-            || self.probe_out as f64 >= past
-            || expected > min_rtt / 2.0
-            || expected < floor
-        {
-            return None;
-        }
-        self.probe_unsent -= 1;
-        self.probe_out += 1;
-        Some(expected as u64)
+    /// Starts a probe of `past` requests now, the unloaded round trip
+    /// taken as `min_rtt_us` (a gate's tests).
+    #[cfg(test)]
+    pub(crate) fn start_probe(&mut self, past: u32, min_rtt_us: u64) {
+        self.last.min_rtt_us = min_rtt_us;
+        self.probing = Some((self.limit, self.limit.floor() + past as f64));
+        self.probes_started += 1;
+        self.requests = Some(Requests {
+            id: self.probes_started,
+            past,
+            unsent: past + PROBE_ROUNDS - 1,
+            out: 0,
+            most_out: 0,
+            votes: (0, 0),
+        });
     }
 
-    /// A probe's request came back after `rtt_us`, having been expected to
-    /// wait `expected_us` past the workers: a queue if it waited half that.
-    /// (Call before its `sample`.)
-    pub fn probe_answered(&mut self, rtt_us: u64, expected_us: u64) {
-        if self.probing.is_none() || self.probe_out == 0 {
-            return;
+    /// A probe's requests out now: a gate times the next one by its
+    /// in-flight request this many places from the oldest.
+    pub fn probes_out(&self) -> u32 {
+        self.requests.map_or(0, |r| r.out)
+    }
+
+    /// Whether a request that arrives now, with the limit's slots full,
+    /// goes past it as a probe's; if so, with the wait it would have past
+    /// the server's workers: until the request in flight sent at `sent`
+    /// is back (the oldest, or as many places from it as probes are out).
+    /// A small limit probes with requests, not an interval at a higher
+    /// limit, which queued a request a wave for two round trips: one
+    /// request past the workers waits, and only it. It goes when that
+    /// wait is at most half a round trip (it costs its request no more)
+    /// and well past the round trips' own scatter (else there is nothing
+    /// to tell room from a queue by): a request sent just before a worker
+    /// frees waits next to nothing either way.
+    pub fn take_probe(&mut self, now: Micros, sent: Micros) -> Option<Probe> {
+        let min_rtt = self.last.min_rtt_us as f64;
+        let expected = min_rtt - (now - sent) as f64;
+        let floor = (4.0 * self.min_sd).max(min_rtt / 20.0).max(1.0);
+        let r = self.requests.as_mut()?;
+        if r.unsent == 0 || r.out >= r.past || expected > min_rtt / 2.0 || expected < floor {
+            return None;
         }
-        self.probe_out -= 1;
-        let waited = rtt_us as f64 - self.last.min_rtt_us as f64;
-        self.probe_votes.1 += 1;
-        if waited > expected_us as f64 / 2.0 {
-            self.probe_votes.0 += 1;
+        r.unsent -= 1;
+        r.out += 1;
+        r.most_out = r.most_out.max(r.out);
+        Some(Probe {
+            id: r.id,
+            expected_us: expected as u64,
+        })
+    }
+
+    /// A probe's request came back after `rtt_us`: a queue if it waited
+    /// over half its expected wait. (Call before its `sample`.) An answer
+    /// to an earlier probe counts for nothing.
+    pub fn probe_answered(&mut self, probe: Probe, rtt_us: u64) {
+        let min_rtt = self.last.min_rtt_us as f64;
+        let Some(r) = self.requests.as_mut().filter(|r| r.id == probe.id) else {
+            return;
+        };
+        r.out = r.out.saturating_sub(1);
+        r.votes.1 += 1;
+        if rtt_us as f64 - min_rtt > probe.expected_us as f64 / 2.0 {
+            r.votes.0 += 1;
         }
     }
 
     /// A probe's request that taught nothing (failed, or its client left).
-    pub fn probe_lost(&mut self) {
-        self.probe_out = self.probe_out.saturating_sub(1);
+    pub fn probe_lost(&mut self, probe: Probe) {
+        if let Some(r) = self.requests.as_mut().filter(|r| r.id == probe.id) {
+            r.out = r.out.saturating_sub(1);
+        }
     }
 
     /// One request's round trip, with the requests in flight when it was
@@ -277,19 +320,22 @@ impl Gradient {
         // Two round trips at least: the samples that close an interval were
         // sent under the limit it set, not the one before. A probe at a
         // higher limit lasts just that (its queue costs a doubled round
-        // trip a wave); a probe of requests until they are back, or four
-        // round trips (none was sent, or one never came back).
+        // trip a wave). A probe of requests lasts until they are back; with
+        // none out, twice an interval at most (no moment came to send the
+        // rest: the interval is not held up for them); with one out, four
+        // round trips or a second at most (it never came back).
         let two_rtts = 2 * self.last.sample_rtt_us as Micros;
+        let span = INTERVAL_US.max(two_rtts);
         let age = now - self.started;
         let seen = self.samples.len() + self.failures;
-        let due = if self.probing_by_requests() {
-            let back = self.probe_unsent == 0 && self.probe_out == 0;
-            (back && age >= two_rtts && seen >= MIN_SAMPLES)
+        let due = if let Some(r) = self.requests {
+            let enough = seen >= MIN_SAMPLES;
+            (r.out == 0 && enough && (r.unsent == 0 && age >= two_rtts || age >= 2 * span))
                 || age >= MAX_INTERVAL_US.max(2 * two_rtts)
         } else if self.probing.is_some() {
             (age >= two_rtts && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US
         } else {
-            (age >= INTERVAL_US.max(two_rtts) && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US
+            (age >= span && seen >= MIN_SAMPLES) || age >= MAX_INTERVAL_US
         };
         if !due {
             return None;
@@ -313,20 +359,10 @@ impl Gradient {
         self.last
     }
 
-    /// A probe of requests, the limit staying where it was (a probe at a
-    /// higher limit raised it).
-    fn probing_by_requests(&self) -> bool {
-        self.probing
-            .is_some_and(|(_, to)| self.limit.floor() < to.floor())
-    }
-
     /// The probe under way ends (judged or not): the limit it started
-    /// from, and how far it went.
-    fn end_probe(&mut self) -> Option<(f64, f64)> {
-        self.probe_unsent = 0;
-        self.probe_out = 0;
-        self.probe_votes = (0, 0);
-        self.probing.take()
+    /// from and how far it went, and its requests if it was of requests.
+    fn end_probe(&mut self) -> (Option<(f64, f64)>, Option<Requests>) {
+        (self.probing.take(), self.requests.take())
     }
 
     fn update(&mut self, now: Micros) -> Estimate {
@@ -416,6 +452,7 @@ impl Gradient {
             self.means
                 .push_back((now, sample, self.busiest, se, var.sqrt()));
             self.slow_start = true;
+            self.slow_held = false;
             self.slide = None;
         }
         let grew = self.limit > self.ran_at;
@@ -455,15 +492,19 @@ impl Gradient {
         // 4 of 32 workers climbed back by probes for seconds. A doubling
         // past the workers shows more (a quarter at 5 -> 10 over 8).
         let hold = self.slow_start && (0.9..1.0).contains(&gradient) && !self.slow_held;
-        self.slow_held = hold;
+        self.slow_held |= hold;
         self.slow_start &= gradient >= 1.0 || hold;
         // The limit this interval probed from, if it was a probe. A probe
         // is judged by its own requests (those sent past where it started):
         // in waves, one that found no free worker waited a whole service
         // time for the next wave, while the interval's mean moved by 1/N
         // (at 32 workers, within the noise).
-        let (by_requests, votes) = (self.probing_by_requests(), self.probe_votes);
-        let probe = self.end_probe();
+        let (probe, requests) = self.end_probe();
+        // A probe of requests tested as far past as it had out at once.
+        let probe = match (probe, requests) {
+            (Some((from, _)), Some(r)) => Some((from, from.floor() + r.most_out as f64)),
+            (p, _) => p,
+        };
         let probed = probe.map(|(from, _)| from);
         // One request past N workers is a standing queue of one: by Little's
         // law every round trip then waits 1/N of one on average. Half that
@@ -475,8 +516,8 @@ impl Gradient {
         // One none of whose requests came back (its client left, the
         // upstream failed it, no moment came to send it) tells nothing.
         let verdict = probed.and_then(|from| {
-            if by_requests {
-                return (votes.1 > 0).then_some(votes.0 * 3 > votes.1);
+            if let Some(r) = requests {
+                return (r.votes.1 > 0).then_some(r.votes.0 * 3 > r.votes.1);
             }
             let (sum, n) = self
                 .samples
@@ -523,7 +564,9 @@ impl Gradient {
             self.calm = 0;
             self.climb = 1.0;
             // (A probe that found it: where it went, not the limit.)
-            let at = probe.filter(|_| probe_failed).map_or(sent_at, |(_, to)| to);
+            let at = probe
+                .filter(|_| probe_failed && requests.is_some())
+                .map_or(sent_at, |(_, to)| to);
             self.queued_at = Some((at, now));
             self.calm_run = (0.0, 0);
             self.wins = (0.0, 0);
@@ -532,7 +575,7 @@ impl Gradient {
             }
         } else if full {
             let at = self.limit.floor();
-            if let Some((_, to)) = probe.filter(|_| verdict == Some(false)) {
+            if let Some((from, to)) = probe.filter(|_| verdict == Some(false)) {
                 let at = to.floor();
                 // Room past what it knew. The next probe comes in half the
                 // wait, to this level again until it found room here twice
@@ -547,7 +590,9 @@ impl Gradient {
                 if self.wins.1 >= 2 {
                     (self.queued_at_best, self.best_set) = (0, at);
                     self.best = (at, now);
-                    self.climb *= 2.0;
+                    // (At least twice as far as it went: a probe of
+                    // requests goes only as far as arrivals let it.)
+                    self.climb = (2.0 * self.climb).max(2.0 * (at - from.floor()));
                     self.wins = (0.0, 0);
                 }
                 self.probe_every = (self.probe_every / 2).max(2);
@@ -607,24 +652,35 @@ impl Gradient {
             // half the wait by one twice as far (1, 2, 4, ... past: beyond the
             // workers by at most the last step), but never as far as where
             // the last queue showed, for a window.
+            // (Never past `max`: it is the cap the operator set.)
             self.calm += 1;
-            if self.calm >= self.probe_every && full {
+            let at = self.limit.floor();
+            if self.calm >= self.probe_every && full && at < self.max as f64 {
                 self.calm = 0;
-                let mut to = self.limit.floor() + self.climb;
-                if let Some((at, when)) = self.queued_at {
+                let mut to = at + self.climb;
+                if let Some((queued, when)) = self.queued_at {
                     if now - when <= MIN_RTT_WINDOW_US {
-                        to = to.min(at.round() - 1.0);
+                        to = to.min(queued.round() - 1.0);
                     }
                 }
-                let to = to.max(self.limit.floor() + 1.0);
+                let to = to.max(at + 1.0).min(self.max as f64);
                 self.probing = Some((self.limit, to));
                 // Where one request past the workers is a tenth or more of
                 // everyone's round trip: requests, not a limit, if the
                 // round trips are steady enough to time them by (under a
                 // sixteenth of one in scatter: an exponential service
                 // leaves no moment when a worker is known busy).
-                if self.limit.floor() <= SMALL_LEVEL && 16.0 * min_sd <= min_rtt as f64 {
-                    self.probe_unsent = (to - self.limit.floor()) as u32 + PROBE_ROUNDS - 1;
+                if at <= SMALL_LEVEL && 16.0 * min_sd <= min_rtt as f64 {
+                    let past = (to - at) as u32;
+                    self.probes_started = self.probes_started.wrapping_add(1);
+                    self.requests = Some(Requests {
+                        id: self.probes_started,
+                        past,
+                        unsent: past + PROBE_ROUNDS - 1,
+                        out: 0,
+                        most_out: 0,
+                        votes: (0, 0),
+                    });
                     self.limit
                 } else {
                     to
@@ -641,8 +697,8 @@ impl Gradient {
         self.limit = next.clamp(self.min as f64, self.max as f64);
         // At the floor, growing by a twentieth a step would take long:
         // double again until a queue shows.
-        if self.limit <= self.min as f64 {
-            self.slow_start = true;
+        if self.limit <= self.min as f64 && !self.slow_start {
+            (self.slow_start, self.slow_held) = (true, false);
         }
         self.samples.clear();
         self.failures = 0;
@@ -695,14 +751,14 @@ mod tests {
     fn fluid_step(g: &mut Gradient, t: Micros, workers: u32, service_us: u64) -> (u32, u64) {
         let (min_rtt, c) = (g.estimate().min_rtt_us as i64, g.limit());
         let oldest = t - min_rtt + min_rtt / c.max(1) as i64;
-        match g.take_probe(t, oldest) {
-            Some(expected) => {
-                let rtt = rtt(workers, service_us, c + 1);
-                g.probe_answered(rtt, expected);
-                (c + 1, rtt)
-            }
-            None => (c, rtt(workers, service_us, c)),
+        // As many as may be out at once, sent together.
+        let probes: Vec<Probe> = std::iter::from_fn(|| g.take_probe(t, oldest)).collect();
+        let c = c + probes.len() as u32;
+        let rtt = rtt(workers, service_us, c);
+        for probe in probes {
+            g.probe_answered(probe, rtt);
         }
+        (c, rtt)
     }
 
     /// The limits chosen from `from` on.
@@ -913,9 +969,10 @@ mod tests {
             .map(|_| Reverse(0))
             .chain(joining.iter().map(|at| Reverse(*at)))
             .collect();
-        // Events: (when, sent, in flight when sent, a probe's expected
-        // wait or 0), or an arrival (when, ARRIVAL, ..).
-        let mut events: BinaryHeap<Reverse<(Micros, Micros, u32, u64)>> = BinaryHeap::new();
+        // Events: (when, sent, in flight when sent, a probe's), or an
+        // arrival (when, ARRIVAL, ..).
+        type Event = (Micros, Micros, u32, Option<Probe>);
+        let mut events: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
         let (mut rtts, mut limits, mut in_flight) = (Vec::new(), Vec::new(), 0u32);
         let mut send = |t: Micros, in_flight: &mut u32, events: &mut BinaryHeap<_>, probe| {
             let Reverse(at) = free.pop().unwrap();
@@ -925,38 +982,47 @@ mod tests {
             events.push(Reverse((end, t, *in_flight, probe)));
         };
         while in_flight < g.limit() {
-            send(0, &mut in_flight, &mut events, 0);
+            send(0, &mut in_flight, &mut events, None);
         }
-        events.push(Reverse((rng.u64(1..=2 * gap) as Micros, ARRIVAL, 0, 0)));
+        events.push(Reverse((rng.u64(1..=2 * gap) as Micros, ARRIVAL, 0, None)));
         while let Some(Reverse((t, sent, c, probe))) = events.pop() {
             if t > secs * 1_000_000 {
                 break;
             }
             if sent == ARRIVAL {
-                let oldest = events
+                // The in-flight request as many places from the oldest as
+                // probes are out.
+                let mut sent: Vec<Micros> = events
                     .iter()
                     .map(|e| e.0 .1)
                     .filter(|s| *s != ARRIVAL)
-                    .min();
+                    .collect();
+                sent.sort_unstable();
+                let nth = sent.get(g.probes_out() as usize).copied();
                 if in_flight >= g.limit() {
-                    if let Some(expected) = g.take_probe(t, oldest.unwrap_or(t)) {
-                        send(t, &mut in_flight, &mut events, expected);
+                    if let Some(probe) = g.take_probe(t, nth.unwrap_or(t)) {
+                        send(t, &mut in_flight, &mut events, Some(probe));
                     }
                 }
-                events.push(Reverse((t + rng.u64(1..=2 * gap) as Micros, ARRIVAL, 0, 0)));
+                events.push(Reverse((
+                    t + rng.u64(1..=2 * gap) as Micros,
+                    ARRIVAL,
+                    0,
+                    None,
+                )));
                 continue;
             }
             in_flight -= 1;
             let rtt = (t - sent) as u64;
             rtts.push((t, rtt));
-            if probe > 0 {
-                g.probe_answered(rtt, probe);
+            if let Some(probe) = probe {
+                g.probe_answered(probe, rtt);
             }
             if let Some(e) = g.sample(t, rtt, c) {
                 limits.push((t, e.limit));
             }
             while in_flight < g.limit() {
-                send(t, &mut in_flight, &mut events, 0);
+                send(t, &mut in_flight, &mut events, None);
             }
         }
         (rtts, limits)
@@ -1140,6 +1206,60 @@ mod tests {
         // busy host): held there an interval, then doubling on.
         slowed_once(&mut g, &mut t, (32, 50_000), 4, 100_000, 106, 2_000_000);
         assert!(g.limit() >= 32, "{:?}", g.estimate());
+    }
+
+    /// `max` is the operator's cap: a probe never sends past it.
+    #[test]
+    fn probes_never_send_past_max() {
+        let (mut g, mut t) = (Gradient::new(1, 4, 0), 0);
+        for _ in 0..4_000 {
+            t += 12_500;
+            let (c, rtt) = fluid_step(&mut g, t, 8, 50_000);
+            assert!(c <= 4, "{c} in flight past max 4 at {t}");
+            g.sample(t, rtt, c);
+        }
+        assert_eq!(g.limit(), 4);
+    }
+
+    /// An answer to an earlier probe (it closed without it) neither counts
+    /// in the next probe's verdict nor frees one of its places.
+    #[test]
+    fn a_late_answer_to_an_earlier_probe_counts_for_nothing() {
+        let mut g = Gradient::new(4, 4, 0);
+        g.start_probe(1, 100_000);
+        let first = g.take_probe(1_000_000, 940_000).expect("a probe");
+        g.end_probe();
+        g.start_probe(1, 100_000);
+        let second = g.take_probe(2_000_000, 1_940_000).expect("a probe");
+        assert_eq!(g.take_probe(2_000_001, 1_940_000), None, "one out at once");
+        g.probe_answered(first, 300_000);
+        let r = g.requests.expect("under way");
+        assert_eq!(
+            (r.out, r.votes),
+            (1, (0, 0)),
+            "the late answer changed nothing"
+        );
+        g.probe_answered(second, 100_000);
+        let r = g.requests.expect("under way");
+        assert_eq!((r.out, r.votes), (0, (0, 1)), "its own answer: room");
+        g.probe_lost(first);
+        assert_eq!(g.requests.map(|r| r.out), Some(0));
+    }
+
+    /// A slow start holds once for a small queue; the next small queue in
+    /// the same slow start ends it.
+    #[test]
+    fn a_slow_start_holds_once() {
+        let (mut g, mut t) = (Gradient::new(1, 256, 0), 0);
+        let shape = (32, 50_000);
+        slowed_once(&mut g, &mut t, shape, 4, 100_000, 106, 0);
+        assert!(
+            g.slow_start,
+            "held at 4, still starting: {:?}",
+            g.estimate()
+        );
+        slowed_once(&mut g, &mut t, shape, 8, 100_000, 106, 0);
+        assert!(!g.slow_start && g.limit() < 16, "{:?}", g.estimate());
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
-use super::adaptive::{Estimate, Gradient};
+use super::adaptive::{Estimate, Gradient, Probe};
 
 /// Why a request was not given a slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,9 +85,9 @@ struct Inner {
     gradient: Option<Gradient>,
     /// Slots kept after their request ended (the client left first).
     held: u64,
-    /// When the slots in flight were given (µs from `Gate::started`), and
-    /// how many at each time: the oldest tells an adaptive probe when a
-    /// worker comes free.
+    /// When the requests in flight were sent (µs from `Gate::started`;
+    /// given their slot, until sent), and how many at each time: the
+    /// oldest tells an adaptive probe when a worker comes free.
     given: BTreeMap<i64, u32>,
 }
 
@@ -100,12 +100,28 @@ impl Inner {
 
     fn give_back(&mut self, given: i64) {
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.forget(given);
+    }
+
+    fn forget(&mut self, given: i64) {
         if let Some(n) = self.given.get_mut(&given) {
             *n -= 1;
             if *n == 0 {
                 self.given.remove(&given);
             }
         }
+    }
+
+    /// The send time `places` from the oldest in flight.
+    fn nth_sent(&self, places: u32) -> Option<i64> {
+        let mut seen = 0;
+        for (at, n) in &self.given {
+            seen += n;
+            if seen > places {
+                return Some(*at);
+            }
+        }
+        None
     }
 }
 
@@ -216,14 +232,23 @@ impl Gate {
                 return Ok(self.permit(slot, None));
             }
             // An adaptive limit's probe goes past it with a request as it
-            // arrives (the newest, as adaptive LIFO would serve anyway).
-            let oldest = g.given.first_key_value().map_or(now, |(at, _)| *at);
-            let probe = if g.in_flight >= g.limit {
-                g.gradient
-                    .as_mut()
-                    .and_then(|gr| gr.take_probe(now, oldest))
-            } else {
-                None
+            // arrives (the newest, as adaptive LIFO would serve anyway),
+            // unless one waiting outranks it: the probe's slot is the next
+            // to come free. It is timed by the request in flight that
+            // frees it: as many places from the oldest as probes are out.
+            let outranked = g
+                .waiting
+                .first_key_value()
+                .is_some_and(|((Reverse(top), _), _)| *top > priority);
+            let probes_out = g.gradient.as_ref().map(Gradient::probes_out);
+            let probe = match probes_out {
+                Some(out) if g.in_flight >= g.limit && !outranked => {
+                    let next_free = g.nth_sent(out).unwrap_or(now);
+                    g.gradient
+                        .as_mut()
+                        .and_then(|gr| gr.take_probe(now, next_free))
+                }
+                _ => None,
             };
             if probe.is_some() {
                 let slot = g.take_slot(now);
@@ -274,7 +299,7 @@ impl Gate {
         answer.map(|slot| self.permit(slot, None))
     }
 
-    fn permit(self: &Arc<Self>, (in_flight, given): Slot, probe: Option<u64>) -> Permit {
+    fn permit(self: &Arc<Self>, (in_flight, given): Slot, probe: Option<Probe>) -> Permit {
         Permit {
             gate: self.clone(),
             in_flight,
@@ -333,13 +358,23 @@ impl Gate {
     }
 
     /// A probe's request that will teach nothing.
-    fn probe_lost(&self) {
+    fn probe_lost(&self, probe: Probe) {
         if let Some(gr) = self.inner.lock().gradient.as_mut() {
-            gr.probe_lost();
+            gr.probe_lost(probe);
         }
     }
 
-    fn release(&self, sample: Option<Sample>, given: i64, probe: Option<u64>) {
+    /// A request given its slot at `given` was sent `at`: when it is back
+    /// is counted from then (a connect can take a while).
+    fn sent_at(&self, given: i64, at: Instant) -> i64 {
+        let at = at.saturating_duration_since(self.started).as_micros() as i64;
+        let mut g = self.inner.lock();
+        g.forget(given);
+        *g.given.entry(at).or_default() += 1;
+        at
+    }
+
+    fn release(&self, sample: Option<Sample>, given: i64, probe: Option<Probe>) {
         let now = self.now_us();
         let mut g = self.inner.lock();
         g.give_back(given);
@@ -353,8 +388,8 @@ impl Gate {
             let e = match sample {
                 Sample::Answered { rtt, in_flight } => {
                     let rtt = rtt.as_micros() as u64;
-                    if let Some(expected) = probe {
-                        gr.probe_answered(rtt, expected);
+                    if let Some(probe) = probe {
+                        gr.probe_answered(probe, rtt);
                     }
                     gr.sample(now, rtt, in_flight)
                 }
@@ -411,9 +446,8 @@ pub struct Permit {
     /// Requests in flight when it was given (itself included), and when.
     in_flight: u32,
     given: i64,
-    /// An adaptive probe's request: the wait it would have past the
-    /// upstream's workers (µs).
-    probe: Option<u64>,
+    /// An adaptive probe's request.
+    probe: Option<Probe>,
     sent: Option<Instant>,
     rtt: Option<Duration>,
     /// The answer was a 5xx, or the upstream timed out.
@@ -430,7 +464,10 @@ impl Permit {
     /// The request went to the upstream now (a retry's round trip is
     /// measured from the first attempt).
     pub fn sent(&mut self, at: Instant) {
-        self.sent.get_or_insert(at);
+        if self.sent.is_none() {
+            self.sent = Some(at);
+            self.given = self.gate.sent_at(self.given, at);
+        }
     }
 
     /// The upstream's answer began (or it timed out): that round trip
@@ -487,8 +524,9 @@ impl Drop for Permit {
         };
         let hold = self.still_working();
         let given = self.given;
-        if self.probe.is_some() && !matches!(sample, Some(Sample::Answered { .. })) {
-            self.gate.probe_lost();
+        let answered = matches!(sample, Some(Sample::Answered { .. }));
+        if let (Some(probe), false) = (self.probe, answered) {
+            self.gate.probe_lost(probe);
         }
         match (hold, tokio::runtime::Handle::try_current()) {
             (Some(left), Ok(rt)) if !left.is_zero() => {
@@ -521,7 +559,7 @@ mod tests {
     async fn caps_then_queues_then_refuses() {
         let g = gate(2, 1, 10_000);
         let a = g.acquire(0).await.unwrap();
-        let _b = g.acquire(0).await.unwrap();
+        let b = g.acquire(0).await.unwrap();
         let waiter = tokio::spawn({
             let g = g.clone();
             async move { g.acquire(0).await.map(|_| ()) }
@@ -618,6 +656,61 @@ mod tests {
         drop(held);
         assert_eq!(g.load(), (0, 0, 1));
         let _again = g.acquire(0).await.unwrap();
+    }
+
+    /// The sum of the send times tracked is the requests in flight, however
+    /// they end; an arrival goes past an adaptive limit as a probe only
+    /// when the probe lets it, and a probe that teaches nothing frees its
+    /// place.
+    #[tokio::test]
+    async fn probes_go_past_the_limit_and_every_slot_is_accounted_for() {
+        let g = Gate::new(Settings {
+            limit: 2,
+            queue: 4,
+            queue_timeout: Duration::from_secs(10),
+            adaptive: Some((2, 2)),
+        });
+        let tracked = |g: &Arc<Gate>| {
+            let i = g.inner.lock();
+            (i.given.values().sum::<u32>(), i.in_flight)
+        };
+        let mut a = g.acquire(0).await.unwrap();
+        let b = g.acquire(0).await.unwrap();
+        a.sent(Instant::now());
+        assert_eq!(tracked(&g), (2, 2));
+        // Full, no probe under way: an arrival waits.
+        let waiter = tokio::spawn({
+            let g = g.clone();
+            async move { g.acquire(0).await.map(|p| drop(p)) }
+        });
+        while g.load().1 == 0 {
+            tokio::task::yield_now().await;
+        }
+        // A probe of one request, the unloaded round trip 200 ms: it goes
+        // once the oldest in flight is half of that old.
+        g.inner
+            .lock()
+            .gradient
+            .as_mut()
+            .unwrap()
+            .start_probe(1, 200_000);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let probe = g.acquire(0).await.unwrap();
+        assert!(probe.probe.is_some());
+        assert_eq!(tracked(&g), (3, 3), "past the limit of 2");
+        let probes_out = || g.inner.lock().gradient.as_ref().unwrap().probes_out();
+        assert_eq!(probes_out(), 1);
+        // Never answered (the client left before it was sent): it frees
+        // its place in the probe.
+        drop(probe);
+        assert_eq!(probes_out(), 0);
+        assert_eq!(tracked(&g), (2, 2));
+        a.answered();
+        drop(a);
+        waiter.await.unwrap().unwrap();
+        drop(b);
+        assert_eq!(tracked(&g), (0, 0));
+        assert!(g.inner.lock().given.is_empty());
     }
 
     #[tokio::test]
