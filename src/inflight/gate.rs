@@ -559,7 +559,7 @@ mod tests {
     async fn caps_then_queues_then_refuses() {
         let g = gate(2, 1, 10_000);
         let a = g.acquire(0).await.unwrap();
-        let b = g.acquire(0).await.unwrap();
+        let _b = g.acquire(0).await.unwrap();
         let waiter = tokio::spawn({
             let g = g.clone();
             async move { g.acquire(0).await.map(|_| ()) }
@@ -681,7 +681,7 @@ mod tests {
         // Full, no probe under way: an arrival waits.
         let waiter = tokio::spawn({
             let g = g.clone();
-            async move { g.acquire(0).await.map(|p| drop(p)) }
+            async move { g.acquire(0).await.map(drop) }
         });
         while g.load().1 == 0 {
             tokio::task::yield_now().await;
