@@ -229,7 +229,12 @@ impl Gradient {
     pub(crate) fn start_probe(&mut self, past: u32, min_rtt_us: u64) {
         self.last.min_rtt_us = min_rtt_us;
         self.probing = Some((self.limit, self.limit.floor() + past as f64));
-        self.probes_started += 1;
+        self.start_requests(past);
+    }
+
+    /// A probe of requests `past` the limit begins, named afresh.
+    fn start_requests(&mut self, past: u32) {
+        self.probes_started = self.probes_started.wrapping_add(1);
         self.requests = Some(Requests {
             id: self.probes_started,
             past,
@@ -676,16 +681,7 @@ impl Gradient {
                 // sixteenth of one in scatter: an exponential service
                 // leaves no moment when a worker is known busy).
                 if at <= SMALL_LEVEL && 16.0 * min_sd <= min_rtt as f64 {
-                    let past = (to - at) as u32;
-                    self.probes_started = self.probes_started.wrapping_add(1);
-                    self.requests = Some(Requests {
-                        id: self.probes_started,
-                        past,
-                        unsent: past + PROBE_ROUNDS - 1,
-                        out: 0,
-                        most_out: 0,
-                        votes: (0, 0),
-                    });
+                    self.start_requests((to - at) as u32);
                     self.limit
                 } else {
                     to
