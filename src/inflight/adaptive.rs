@@ -65,10 +65,10 @@ pub const MIN_RTT_WINDOW_US: Micros = 3_000_000;
 /// a small server costs the request behind it a whole service time).
 const PROBE_EVERY: u32 = 4;
 /// A probe of requests sends this many rounds of them (the last rounds of
-/// one request each, as one is back): a round trip on a busy host can be late by more
-/// than a worker's wait, and one late answer taken for a queue stalled a
-/// climb from a slow start ended by noise (32 workers of 20 ms, from 3,
-/// took 17 s).
+/// one request each, as one is back): a round trip on a busy host can be
+/// late by more than a worker's wait, and one late answer taken for a
+/// queue stalled a climb from a slow start ended by noise (32 workers of
+/// 20 ms, from 3, took 17 s).
 const PROBE_ROUNDS: u32 = 3;
 const PROBE_EVERY_MAX: u32 = 64;
 /// A level where one request past the workers is a tenth or more of the

@@ -67,8 +67,8 @@ pub struct Settings {
 type Key = (Reverse<i64>, u64);
 
 /// A slot given: the requests in flight then (itself included), and when
-/// (µs from `Gate::started`).
-type Slot = (u32, i64);
+/// (µs from `Gate::started`), if the gate keeps track (adaptive).
+type Slot = (u32, Option<i64>);
 
 /// Round trips remembered for how long an abandoned request keeps its slot.
 const RECENT_RTTS: usize = 64;
@@ -87,20 +87,29 @@ struct Inner {
     held: u64,
     /// When the requests in flight were sent (µs from `Gate::started`;
     /// given their slot, until sent), and how many at each time: the
-    /// oldest tells an adaptive probe when a worker comes free.
+    /// oldest tells an adaptive probe when a worker comes free. Kept only
+    /// under an adaptive limit (a static cap has no probes: no cost on its
+    /// path).
     given: BTreeMap<i64, u32>,
 }
 
 impl Inner {
     fn take_slot(&mut self, now: i64) -> Slot {
         self.in_flight += 1;
-        *self.given.entry(now).or_default() += 1;
-        (self.in_flight, now)
+        let given = self.gradient.is_some().then(|| self.remember(now));
+        (self.in_flight, given)
     }
 
-    fn give_back(&mut self, given: i64) {
+    fn give_back(&mut self, given: Option<i64>) {
         self.in_flight = self.in_flight.saturating_sub(1);
-        self.forget(given);
+        if let Some(given) = given {
+            self.forget(given);
+        }
+    }
+
+    fn remember(&mut self, at: i64) -> i64 {
+        *self.given.entry(at).or_default() += 1;
+        at
     }
 
     fn forget(&mut self, given: i64) {
@@ -370,11 +379,10 @@ impl Gate {
         let at = at.saturating_duration_since(self.started).as_micros() as i64;
         let mut g = self.inner.lock();
         g.forget(given);
-        *g.given.entry(at).or_default() += 1;
-        at
+        g.remember(at)
     }
 
-    fn release(&self, sample: Option<Sample>, given: i64, probe: Option<Probe>) {
+    fn release(&self, sample: Option<Sample>, given: Option<i64>, probe: Option<Probe>) {
         let now = self.now_us();
         let mut g = self.inner.lock();
         g.give_back(given);
@@ -443,9 +451,10 @@ enum Sample {
 /// `sent` then `answered` give the adaptive limit the upstream's round trip.
 pub struct Permit {
     gate: Arc<Gate>,
-    /// Requests in flight when it was given (itself included), and when.
+    /// Requests in flight when it was given (itself included), and when
+    /// (sent, once it was), if its gate keeps track.
     in_flight: u32,
-    given: i64,
+    given: Option<i64>,
     /// An adaptive probe's request.
     probe: Option<Probe>,
     sent: Option<Instant>,
@@ -466,7 +475,9 @@ impl Permit {
     pub fn sent(&mut self, at: Instant) {
         if self.sent.is_none() {
             self.sent = Some(at);
-            self.given = self.gate.sent_at(self.given, at);
+            if let Some(given) = self.given {
+                self.given = Some(self.gate.sent_at(given, at));
+            }
         }
     }
 
