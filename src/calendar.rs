@@ -12,8 +12,7 @@
 use chrono::{DateTime, Datelike, Duration, LocalResult, NaiveDate, NaiveDateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 
-/// Microseconds since the Unix epoch.
-pub type Micros = i64;
+pub use crate::clock::Micros;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Period {

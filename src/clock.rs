@@ -6,6 +6,9 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Microseconds since the Unix epoch.
+pub type Micros = i64;
+
 pub trait Clock: Send + Sync {
     fn now_us(&self) -> i64;
 }

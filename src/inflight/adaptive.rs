@@ -44,7 +44,7 @@
 
 use std::collections::VecDeque;
 
-use crate::limiter::Micros;
+use crate::clock::Micros;
 
 /// The queueing delay tolerated, as a share of the unloaded round trip,
 /// and the most a limit grows by in an interval.

@@ -27,8 +27,7 @@ use crate::config::Algorithm;
 
 pub use inspect::{inspect, Snapshot};
 
-/// Microseconds since the Unix epoch.
-pub type Micros = i64;
+pub use crate::clock::Micros;
 
 /// What a backend keeps per bucket.
 #[derive(Debug, Clone, PartialEq)]
