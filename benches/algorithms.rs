@@ -154,7 +154,7 @@ fn seed_three_tiers(c: &mut Criterion) {
 /// real key) as for a far one: the secret is hashed before any comparison.
 /// A million keys, as a keys file may hold.
 fn key_lookup(c: &mut Criterion) {
-    use ratelimit_gateway::apikeys::{digest_of, Builder, Origin};
+    use ratelimit_gateway::identity::apikeys::{digest_of, Builder, Origin};
     let n = 1_000_000;
     let mut b = Builder::new(n);
     for i in 0..n {
@@ -188,9 +188,10 @@ fn key_lookup(c: &mut Criterion) {
 /// `conclude` (the verdict into rate-limit headers, both styles).
 fn request_path(c: &mut Criterion) {
     use ratelimit_gateway::admission::{classify, conclude, Policy, RequestView};
-    use ratelimit_gateway::config::{parse, HeaderStyle};
+    use ratelimit_gateway::config::HeaderStyle;
+    use ratelimit_gateway::identity::credentials::parse;
     use ratelimit_gateway::limiter::{Decision, FallbackState, Outcome, Verdict};
-    let config = parse(
+    let (config, credentials) = parse(
         r#"
 [server]
 listen = ["127.0.0.1:8080"]
@@ -220,7 +221,7 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
 "#,
     )
     .expect("bench config");
-    let policy = Policy::new(Arc::new(config));
+    let policy = Policy::new(Arc::new(config), &credentials);
     let headers = http::HeaderMap::new();
     let view = RequestView {
         method: "GET",

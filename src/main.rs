@@ -12,6 +12,8 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use ratelimit_gateway::admission::Subject;
+use ratelimit_gateway::identity;
+use ratelimit_gateway::identity::credentials::{self, Files};
 use ratelimit_gateway::{certs, config, logging, metrics, operator, proxy};
 
 #[derive(Parser)]
@@ -203,8 +205,9 @@ fn main() -> ExitCode {
         // without it), one that is read and refused is a problem listed
         // with the file's own.
         Command::Check { config } => {
-            match config::load_checked(&config, &|tls| certs::problems(&tls.certificates, false)) {
-                Ok(cfg) => {
+            let check = |tls: &config::TlsListeners| certs::problems(&tls.certificates, false);
+            match credentials::load(&config, Some(&check), Files::MayBeElsewhere) {
+                Ok((cfg, creds)) => {
                     let certs = cfg
                         .server
                         .tls
@@ -213,9 +216,12 @@ fn main() -> ExitCode {
                     // Written without println!, which panics when the reader has
                     // gone (`gateway check | head -1`).
                     let mut out = std::io::stdout().lock();
-                    let _ = write!(out, "{}: ok\n{}", config.display(), cfg.summary());
-                    for w in cfg.warnings() {
+                    let _ = write!(out, "{}: ok\n{}", config.display(), cfg.summary(&creds));
+                    for w in cfg.warnings(&creds) {
                         eprintln!("warning: {w}");
+                    }
+                    for unread in &creds.unread {
+                        eprintln!("warning: {unread}");
                     }
                     match certs {
                         Some(Ok(c)) => {
@@ -236,7 +242,7 @@ fn main() -> ExitCode {
                     }
                     // The runtime keys live in Redis: read if it answers soon,
                     // so an id both they and this config hold is named.
-                    match operator::runtime_key_check(&cfg, Duration::from_secs(2)) {
+                    match operator::runtime_key_check(&cfg, &creds, Duration::from_secs(2)) {
                         None => {}
                         Some(Ok((n, conflicts))) if conflicts.is_empty() => {
                             let _ = writeln!(
@@ -267,8 +273,8 @@ fn main() -> ExitCode {
                 LimitsAction::Show(a) => (a, false),
                 LimitsAction::Reset(a) => (a, true),
             };
-            let cfg = match config::load(&args.config) {
-                Ok(cfg) => cfg,
+            let (cfg, creds) = match credentials::load(&args.config, None, Files::Required) {
+                Ok(loaded) => loaded,
                 Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(2);
@@ -290,7 +296,7 @@ fn main() -> ExitCode {
                 quota: args.quota,
                 reset,
             };
-            match operator::run(cfg, &ask) {
+            match operator::run(cfg, &creds, &ask) {
                 Ok(answer) => {
                     let mut out = std::io::stdout().lock();
                     let _ = if args.json {
@@ -312,14 +318,14 @@ fn main() -> ExitCode {
             at,
             format,
         } => {
-            let cfg = match config::load(&config) {
-                Ok(cfg) => cfg,
+            let (cfg, creds) = match credentials::load(&config, None, Files::Required) {
+                Ok(loaded) => loaded,
                 Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(2);
                 }
             };
-            match operator::usage(&cfg, &period, at.as_deref(), &format) {
+            match operator::usage(&cfg, &creds, &period, at.as_deref(), &format) {
                 Ok(text) => {
                     let _ = std::io::stdout().lock().write_all(text.as_bytes());
                     ExitCode::SUCCESS
@@ -333,8 +339,8 @@ fn main() -> ExitCode {
         Command::Keys { config, action } => {
             // The audit lines (target `audit`) go to stderr.
             logging::init();
-            let cfg = match config::load(&config) {
-                Ok(cfg) => cfg,
+            let (cfg, creds) = match credentials::load(&config, None, Files::Required) {
+                Ok(loaded) => loaded,
                 Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(2);
@@ -352,7 +358,7 @@ fn main() -> ExitCode {
                 KeysAction::Revoke { id } => operator::KeysAsk::Revoke { id },
                 KeysAction::List { cursor, limit } => operator::KeysAsk::List { cursor, limit },
             };
-            match operator::keys(&cfg, ask) {
+            match operator::keys(&cfg, &creds, ask) {
                 Ok(answer) => {
                     let _ = writeln!(std::io::stdout().lock(), "{answer}");
                     ExitCode::SUCCESS
@@ -365,21 +371,21 @@ fn main() -> ExitCode {
         }
         Command::Run { config } => {
             logging::init();
-            let cfg = match config::load_checked(&config, &|tls| {
-                certs::problems(&tls.certificates, true)
-            }) {
-                Ok(cfg) => cfg,
+            let check = |tls: &config::TlsListeners| certs::problems(&tls.certificates, true);
+            let (cfg, creds) = match credentials::load(&config, Some(&check), Files::Required) {
+                Ok(loaded) => loaded,
                 Err(e) => {
                     eprintln!("{e}");
                     return ExitCode::from(2);
                 }
             };
-            for w in cfg.warnings() {
+            for w in cfg.warnings(&creds) {
                 tracing::warn!("config: {w}");
             }
             metrics::install();
+            metrics::jwt_refusal_reasons(identity::jwt::TokenError::LABELS);
             // Returns only if start-up failed; serving exits the process itself.
-            if let Err(e) = proxy::server::run(cfg, &config) {
+            if let Err(e) = proxy::server::run(cfg, creds, &config) {
                 eprintln!("gateway: {e}");
             }
             ExitCode::FAILURE

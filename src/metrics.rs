@@ -3,6 +3,10 @@
 //! Labels come only from closed sets: route names from the config, the tier
 //! enum, decisions, backends, status codes. Never a client address, a path as
 //! sent, or an API key.
+//!
+//! This is the floor: every room records here, and this file names no other
+//! room's types. A label comes in as a `&'static str` (or `TierLabel`), from
+//! the room that owns its closed set.
 
 use std::sync::OnceLock;
 
@@ -11,8 +15,6 @@ use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-
-use crate::limiter::{FallbackState, LimitKind};
 
 static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 
@@ -204,9 +206,6 @@ pub fn install() {
             "gateway_jwt_refusals_total",
             "Bearer JWTs refused, by reason (malformed, algorithm, issuer, key, signature, expired, not_yet_valid, audience, claim: answered 401; keys_unavailable: the issuer's keys were never fetched or are older than jwks_max_stale_secs, answered 503)"
         );
-        for reason in crate::jwt::TokenError::LABELS {
-            counter!("gateway_jwt_refusals_total", "reason" => *reason).absolute(0);
-        }
         describe_counter!(
             "gateway_jwks_fetches_total",
             "JWKS fetches by issuer and result (ok, error: the last keys serve until jwks_max_stale_secs)"
@@ -267,17 +266,23 @@ impl DecisionLabel {
     }
 }
 
-pub fn set_backend(state: FallbackState) {
-    let (redis, local) = match state {
-        FallbackState::Redis => (1.0, 0.0),
-        FallbackState::Local => (0.0, 1.0),
-    };
-    gauge!("gateway_limiter_backend", "backend" => "redis").set(redis);
-    gauge!("gateway_limiter_backend", "backend" => "local").set(local);
+/// Every reason `gateway_jwt_refusals_total` counts, at 0 before its first.
+pub fn jwt_refusal_reasons(reasons: &[&'static str]) {
+    for reason in reasons {
+        counter!("gateway_jwt_refusals_total", "reason" => *reason).absolute(0);
+    }
 }
 
-pub fn fallback_transition(to: FallbackState) {
-    counter!("gateway_fallback_transitions_total", "to" => to.as_str()).increment(1);
+/// Which backend decides: "redis" or "local".
+pub fn set_backend(backend: &'static str) {
+    for b in ["redis", "local"] {
+        let on = if b == backend { 1.0 } else { 0.0 };
+        gauge!("gateway_limiter_backend", "backend" => b).set(on);
+    }
+}
+
+pub fn fallback_transition(to: &'static str) {
+    counter!("gateway_fallback_transitions_total", "to" => to).increment(1);
     set_backend(to);
 }
 
@@ -308,11 +313,25 @@ pub fn in_flight_refused(kind: &'static str, name: &str, reason: &'static str) {
     .increment(1);
 }
 
-/// The in-flight caps as of a scrape.
-pub fn in_flight(gates: &crate::inflight::Gates) {
+/// One in-flight gate as of a scrape: its load, the slots it has given,
+/// every reason it refuses for (at 0 before its first), and an adaptive
+/// gate's round-trip estimates (`min`, `sample`, in microseconds).
+pub struct GateScrape<'a> {
+    pub kind: &'static str,
+    pub name: &'a str,
+    pub held: u32,
+    pub queued: usize,
+    pub limit: u32,
+    pub held_total: u64,
+    pub refusal_reasons: &'static [&'static str],
+    pub rtt_us: Option<(u64, u64)>,
+}
+
+/// The series every scrape shows at 0 before their first event.
+pub fn in_flight_scrape_start(per_client_routes: impl Iterator<Item = impl ToString>) {
     counter!("gateway_refunds_total").increment(0);
     counter!("gateway_access_log_left_out_total").increment(0);
-    for route in gates.per_client_routes() {
+    for route in per_client_routes {
         counter!(
             "gateway_in_flight_refusals_total",
             "kind" => "route",
@@ -321,27 +340,26 @@ pub fn in_flight(gates: &crate::inflight::Gates) {
         )
         .increment(0);
     }
-    for (kind, name, gate) in gates.all() {
-        let (held, queued, limit) = gate.load();
-        let labels = [("kind", kind.to_string()), ("name", name.to_string())];
-        gauge!("gateway_in_flight", &labels).set(held as f64);
-        gauge!("gateway_in_flight_queued", &labels).set(queued as f64);
-        gauge!("gateway_in_flight_limit", &labels).set(limit as f64);
-        counter!("gateway_in_flight_held_total", &labels).absolute(gate.held());
-        // Every reason a gate refuses for, at 0 before its first.
-        for reason in crate::inflight::Shed::REASONS {
-            let labels = [
-                ("kind", kind.to_string()),
-                ("name", name.to_string()),
-                ("reason", reason.to_string()),
-            ];
-            counter!("gateway_in_flight_refusals_total", &labels).increment(0);
-        }
-        if let Some(e) = gate.estimate() {
-            for (estimate, us) in [("min", e.min_rtt_us), ("sample", e.sample_rtt_us)] {
-                gauge!("gateway_adaptive_rtt_seconds", "upstream" => name.to_string(), "estimate" => estimate)
-                    .set(us as f64 / 1e6);
-            }
+}
+
+pub fn in_flight_gate(g: GateScrape<'_>) {
+    let labels = [("kind", g.kind.to_string()), ("name", g.name.to_string())];
+    gauge!("gateway_in_flight", &labels).set(g.held as f64);
+    gauge!("gateway_in_flight_queued", &labels).set(g.queued as f64);
+    gauge!("gateway_in_flight_limit", &labels).set(g.limit as f64);
+    counter!("gateway_in_flight_held_total", &labels).absolute(g.held_total);
+    for reason in g.refusal_reasons {
+        let labels = [
+            ("kind", g.kind.to_string()),
+            ("name", g.name.to_string()),
+            ("reason", reason.to_string()),
+        ];
+        counter!("gateway_in_flight_refusals_total", &labels).increment(0);
+    }
+    if let Some((min, sample)) = g.rtt_us {
+        for (estimate, us) in [("min", min), ("sample", sample)] {
+            gauge!("gateway_adaptive_rtt_seconds", "upstream" => g.name.to_string(), "estimate" => estimate)
+                .set(us as f64 / 1e6);
         }
     }
 }
@@ -546,14 +564,27 @@ pub fn config_reload(ok: bool) {
 pub struct RouteMetrics {
     route: String,
     requests: [OnceLock<Counter>; STATUS_LABELS],
-    decisions: [[OnceLock<Counter>; 4]; LimitKind::COUNT],
+    decisions: [[OnceLock<Counter>; 4]; TIER_SLOTS],
     upstream: OnceLock<Histogram>,
+}
+
+/// How many kinds of limit a route's series can tell apart.
+pub const TIER_SLOTS: usize = 16;
+
+/// A kind of limit as a label (a tier, a quota's with its period): its
+/// slot in a route's series (below `TIER_SLOTS`) and its name. The limiter
+/// owns the closed set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierLabel {
+    pub slot: usize,
+    pub name: &'static str,
 }
 
 const STATUS_LABELS: usize = NAMED.len() + 6;
 
 impl RouteMetrics {
-    pub fn new(route: &str) -> Self {
+    /// `first`: the kinds every route reports from the start.
+    pub fn new(route: &str, first: &[TierLabel]) -> Self {
         let m = RouteMetrics {
             route: route.to_string(),
             requests: std::array::from_fn(|_| OnceLock::new()),
@@ -565,7 +596,7 @@ impl RouteMetrics {
         for status in statuses.chain([100, 299, 399, 499, 599, 0]) {
             m.requests_counter(status).increment(0);
         }
-        for tier in LimitKind::FIRST {
+        for &tier in first {
             for d in [
                 DecisionLabel::Allowed,
                 DecisionLabel::Rejected,
@@ -585,11 +616,11 @@ impl RouteMetrics {
         )
     }
 
-    fn decisions_counter(&self, tier: LimitKind, decision: DecisionLabel) -> &Counter {
-        self.decisions[tier.index()][decision as usize].get_or_init(|| {
+    fn decisions_counter(&self, tier: TierLabel, decision: DecisionLabel) -> &Counter {
+        self.decisions[tier.slot][decision as usize].get_or_init(|| {
             counter!(
                 "gateway_ratelimit_decisions_total",
-                "tier" => tier.as_str(),
+                "tier" => tier.name,
                 "route" => self.route.clone(),
                 "decision" => decision.as_str()
             )
@@ -600,7 +631,7 @@ impl RouteMetrics {
         self.requests_counter(status).increment(1);
     }
 
-    pub fn decision(&self, tier: LimitKind, decision: DecisionLabel) {
+    pub fn decision(&self, tier: TierLabel, decision: DecisionLabel) {
         self.decisions_counter(tier, decision).increment(1);
     }
 

@@ -13,12 +13,14 @@ use serde_json::{json, Value};
 
 use crate::admission::{self, Policy, Subject};
 use crate::config::{Backend, Config};
+use crate::identity::Credentials;
 use crate::limiter::RedisBackend;
 
 /// `gateway usage`: the period's report, rendered; on failure the exit
 /// code (2: the question is wrong, 1: Redis could not answer) and why.
 pub fn usage(
     config: &Config,
+    credentials: &Credentials,
     period: &str,
     at: Option<&str>,
     format: &str,
@@ -40,7 +42,7 @@ pub fn usage(
         .map_err(|e| (1, e.to_string()))?;
     let redis = RedisBackend::from_settings(settings, None).map_err(|e| (1, e.to_string()))?;
     let report = rt
-        .block_on(crate::usage::collect(&redis, config, &q))
+        .block_on(crate::usage::collect(&redis, config, &credentials.keys, &q))
         .map_err(|e| (1, format!("cannot read Redis: {e}")))?;
     Ok(crate::usage::render(&report, q.format))
 }
@@ -56,7 +58,7 @@ pub struct Ask {
 }
 
 /// Runs the command; the answer is the same JSON `/limits` gives.
-pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
+pub fn run(config: Config, credentials: &Credentials, ask: &Ask) -> Result<Value, String> {
     match (config.limiter.backend, &config.redis) {
         (Backend::Redis, Some(settings)) => {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -72,21 +74,22 @@ pub fn run(config: Config, ask: &Ask) -> Result<Value, String> {
             let redis = RedisBackend::from_settings(settings, None)
                 .map_err(|e| unreachable(e.to_string()))?;
             let redact = |e: String| redis.redact(&e);
-            let mut policy = Policy::new(std::sync::Arc::new(config.clone()));
+            let mut policy = Policy::new(std::sync::Arc::new(config.clone()), credentials);
             // An id the config does not hold may be a key issued at runtime:
             // read it from Redis, as a replica's synced copy would hold it.
             if let Subject::Key(id) = &ask.subject {
-                if config.keys.by_id(id).is_none() {
+                if credentials.keys.by_id(id).is_none() {
                     let found = rt
-                        .block_on(crate::apikeys::runtime::fetch(
+                        .block_on(crate::identity::apikeys::runtime::fetch(
                             &redis,
                             config.key_prefix(),
                             id,
                         ))
                         .map_err(|e| unreachable(redact(e)))?;
                     if let Some(key) = found {
-                        let store =
-                            std::sync::Arc::new(crate::apikeys::runtime::RuntimeKeys::default());
+                        let store = std::sync::Arc::new(
+                            crate::identity::apikeys::runtime::RuntimeKeys::default(),
+                        );
                         store.apply(id, Some(key));
                         policy = policy.with_runtime_keys(store);
                     }
@@ -377,6 +380,7 @@ pub enum KeysAsk {
 /// within `budget` (the message redacted). `None` without Redis.
 pub fn runtime_key_check(
     config: &Config,
+    credentials: &Credentials,
     budget: std::time::Duration,
 ) -> Option<Result<(usize, Vec<String>), String>> {
     let (Backend::Redis, Some(settings)) = (config.limiter.backend, &config.redis) else {
@@ -396,7 +400,11 @@ pub fn runtime_key_check(
     let read = rt.block_on(async {
         tokio::time::timeout(
             budget,
-            crate::apikeys::runtime::conflicts(&redis, config.key_prefix(), &config.keys),
+            crate::identity::apikeys::runtime::conflicts(
+                &redis,
+                config.key_prefix(),
+                &credentials.keys,
+            ),
         )
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {} ms", budget.as_millis())))
@@ -406,7 +414,7 @@ pub fn runtime_key_check(
 
 /// `gateway keys`: the runtime keys in Redis, as `/keys` changes them (the
 /// replicas follow within a second).
-pub fn keys(config: &Config, ask: KeysAsk) -> Result<Value, String> {
+pub fn keys(config: &Config, credentials: &Credentials, ask: KeysAsk) -> Result<Value, String> {
     let (Backend::Redis, Some(settings)) = (config.limiter.backend, &config.redis) else {
         return Err("runtime API keys are kept in Redis, and limiter.backend is \"local\": use [[api_keys]] or clients.api_keys_file".into());
     };
@@ -415,9 +423,10 @@ pub fn keys(config: &Config, ask: KeysAsk) -> Result<Value, String> {
         "cli:{}",
         std::env::var("USER").unwrap_or_else(|_| "?".into())
     );
-    let admin = crate::apikeys::admin::KeyAdmin {
+    let admin = crate::identity::apikeys::admin::KeyAdmin {
         redis: &redis,
         config,
+        config_keys: &credentials.keys,
         runtime: None,
         by: &by,
     };

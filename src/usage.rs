@@ -17,9 +17,9 @@ use std::fmt::Write;
 use chrono::{DateTime, NaiveDate, NaiveTime, TimeZone, Utc};
 use chrono_tz::Tz;
 
-use crate::apikeys::KeyRef;
 use crate::calendar::{self, Period, Span};
 use crate::config::{Algorithm, Config};
+use crate::identity::apikeys::{KeyRef, KeySet};
 use crate::limiter::keys::{rule_prefix, unescape};
 use crate::limiter::{Micros, RedisBackend};
 
@@ -161,6 +161,7 @@ fn limit_of(config: &Config, key: &KeyRef<'_>, period: Period) -> Option<u64> {
 /// expired leases give back (`reclaimable`, by bucket).
 pub fn rows(
     config: &Config,
+    keys: &KeySet,
     period: Period,
     span: Span,
     found: Vec<(String, Option<String>)>,
@@ -188,7 +189,7 @@ pub fn rows(
         .enumerate()
         .map(|(i, r)| (r.id.clone(), i))
         .collect();
-    for k in config.keys.iter() {
+    for k in keys.iter() {
         if let Some(&i) = at.get(k.id) {
             rows[i].limit = limit_of(config, &k, period);
         }
@@ -200,6 +201,7 @@ pub fn rows(
 pub async fn collect(
     redis: &RedisBackend,
     config: &Config,
+    keys: &KeySet,
     q: &Question,
 ) -> Result<Report, String> {
     let (zone, period) = (config.limiter.quota_time_zone, q.period);
@@ -212,7 +214,7 @@ pub async fn collect(
         period,
         span,
         zone,
-        rows: rows(config, period, span, found, &back),
+        rows: rows(config, keys, period, span, found, &back),
     })
 }
 

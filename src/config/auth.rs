@@ -3,14 +3,12 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
 
 use jsonwebtoken::Algorithm as Alg;
 use toml::de::DeTable;
 
 use super::model::{JwksUrl, JwtIssuer, JwtKeys, JwtSettings};
 use super::reader::{opt, req, Reader, Value};
-use crate::jwt::keys::KeySet;
 
 const ISSUER_KEYS: &[&str] = &[
     "issuer",
@@ -213,7 +211,7 @@ fn algorithms(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<Alg>>
     ok.then_some(out)
 }
 
-/// `jwks_url` (with its `jwks_*` settings) or `key_files`, read now.
+/// `jwks_url` (with its `jwks_*` settings) or `key_files`.
 fn keys(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> Option<JwtKeys> {
     let url_settings = ISSUER_KEYS
         .iter()
@@ -249,7 +247,7 @@ fn keys(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> Op
         (Some(_), None) => {
             let url = req(r, t, p, Some(span), "jwks_url", |r, path, v| {
                 let s = r.string(path, v)?;
-                match crate::jwt::fetch::Target::parse(&s) {
+                match super::url::HttpUrl::parse(&s) {
                     Ok(_) => Some(s),
                     Err(e) => {
                         r.error(path, Some(&v.span()), e);
@@ -281,39 +279,18 @@ fn keys(r: &mut Reader<'_>, p: &str, t: &DeTable<'_>, span: &Range<usize>) -> Op
     }
 }
 
-/// Every key file read and parsed now: a bad one is named with its key.
+/// The key files, each named with its line: the `jwt` room reads them
+/// (`identity::Credentials`), so a bad one is reported with its key.
 fn key_files(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<JwtKeys> {
     let items = r.strings(path, v)?;
     if items.is_empty() {
         r.error(path, Some(&v.span()), "expected at least one key file");
         return None;
     }
-    let mut sets = Vec::new();
-    let mut ok = true;
-    for (i, (file, span)) in items.iter().enumerate() {
-        let at = format!("{path}[{i}]");
-        let read = std::fs::read(file)
-            .map_err(|e| format!("cannot read {file}: {e}"))
-            .and_then(|b| KeySet::from_file_contents(&b).map_err(|e| format!("{file}: {e}")));
-        match read {
-            Ok((set, skipped)) if set.is_empty() => {
-                let why = skipped.join("; ");
-                r.error(
-                    &at,
-                    Some(span),
-                    format!("{file} holds no signing key {why}"),
-                );
-                ok = false;
-            }
-            Ok((set, _)) => sets.push(set),
-            Err(e) => {
-                r.error(&at, Some(span), e);
-                ok = false;
-            }
-        }
+    for (i, (_, span)) in items.iter().enumerate() {
+        r.spans.insert(format!("{path}[{i}]"), span.clone());
     }
-    ok.then(|| JwtKeys::Files {
+    Some(JwtKeys::Files {
         paths: items.into_iter().map(|(f, _)| f.into()).collect(),
-        keys: Arc::new(KeySet::merge(sets)),
     })
 }

@@ -1,6 +1,6 @@
 //! `[clients]`: who the client is (trusted proxies, IPv6 prefix), who is
 //! never limited or always refused, where the API key is read from, and
-//! the file more keys are read from (`crate::apikeys::file`).
+//! the file more keys are read from (read by the `identity` room).
 
 use toml::de::DeTable;
 

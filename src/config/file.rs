@@ -19,7 +19,6 @@ use super::limits::{api_key, limit, plans};
 use super::model::*;
 use super::reader::Reader;
 use super::ConfigError;
-use crate::apikeys::KeySet;
 
 /// Parses and validates a whole file; on failure returns every problem found.
 pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, Vec<ConfigError>> {
@@ -169,22 +168,6 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         }
     }
     let api_keys: Vec<ApiKey> = api_keys.into_iter().map(|(_, k)| k).collect();
-    // The keys file only once the rest is sound: its plans must exist.
-    let keys = match (&clients, &plans) {
-        (Some(c), Some(plans)) if r.errors.is_empty() => match &c.api_keys_file {
-            Some(path) => match crate::apikeys::file::load(path, &api_keys, plans) {
-                Ok(set) => Some(set),
-                Err(e) => {
-                    let at = "clients.api_keys_file";
-                    let span = r.spans.get(at).cloned();
-                    r.error(at, span.as_ref(), e.to_string());
-                    None
-                }
-            },
-            None => Some(KeySet::inline(&api_keys)),
-        },
-        _ => None,
-    };
     if !r.errors.is_empty() {
         let mut errors = r.errors;
         errors.sort_by_key(|e| e.line.unwrap_or(0));
@@ -201,11 +184,16 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         ip_tier,
         plans: plans.expect("plans read without error"),
         api_keys,
-        keys: Arc::new(keys.expect("keys read without error")),
         upstreams: upstreams.into_iter().map(|(_, u)| u).collect(),
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         cors: cors.flatten(),
         jwt: jwt.flatten(),
+        lines: Arc::new(
+            r.spans
+                .iter()
+                .map(|(path, span)| (path.clone(), r.line_of(span)))
+                .collect(),
+        ),
     })
 }
 

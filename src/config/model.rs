@@ -67,8 +67,6 @@ pub struct Config {
     pub plans: BTreeMap<String, Plan>,
     /// `[[api_keys]]` as written.
     pub api_keys: Vec<ApiKey>,
-    /// Every key accepted: `api_keys` and those of `clients.api_keys_file`.
-    pub keys: std::sync::Arc<crate::apikeys::KeySet>,
     pub upstreams: Vec<Upstream>,
     pub routes: Vec<Route>,
     /// `[cors]`: the policy of every route without a `cors` of its own.
@@ -76,6 +74,9 @@ pub struct Config {
     pub log: LogSettings,
     /// `[auth.jwt]`: verified JWTs as the key tier's identity.
     pub jwt: Option<JwtSettings>,
+    /// Each key's line, by dotted path: for problems found in the files the
+    /// config names, once they are read (`Config::error_at`).
+    pub lines: std::sync::Arc<std::collections::HashMap<String, usize>>,
 }
 
 /// `[auth.jwt]`: the issuers whose tokens name a client, and how many
@@ -107,10 +108,9 @@ pub struct JwtIssuer {
 #[derive(Debug, Clone)]
 pub enum JwtKeys {
     Url(JwksUrl),
-    /// Read when the config is (at start and every reload).
+    /// Read with the config (at start and every reload) by the `jwt` room.
     Files {
         paths: Vec<std::path::PathBuf>,
-        keys: std::sync::Arc<crate::jwt::keys::KeySet>,
     },
 }
 

@@ -1,7 +1,7 @@
 //! The rules a key's values follow wherever the key is written: in
 //! `[[api_keys]]` (read with line numbers by `limits.rs`), on a line of
 //! `clients.api_keys_file` and in a runtime record in Redis
-//! (`crate::apikeys::file`). Pure: each says what is wrong, and its caller
+//! (read by the `identity` room). Pure: each says what is wrong, and its caller
 //! says where.
 
 use sha2::{Digest, Sha256};

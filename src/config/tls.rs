@@ -2,7 +2,7 @@
 //!
 //! Only the shape is checked here (addresses, a non-empty list of cert/key
 //! file pairs); the files themselves are read when the gateway starts and
-//! whenever they change (`crate::certs`), so a file that `check` cannot read
+//! whenever they change (the `certs` room), so a file that `check` cannot read
 //! on the machine it runs on is not a problem of the file's text.
 
 use std::ops::Range;

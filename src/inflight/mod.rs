@@ -138,6 +138,24 @@ impl Gates {
         }
     }
 
+    /// Records every gate's load in the metrics, as of a scrape.
+    pub fn scrape(&self) {
+        crate::metrics::in_flight_scrape_start(self.per_client_routes());
+        for (kind, name, gate) in self.all() {
+            let (held, queued, limit) = gate.load();
+            crate::metrics::in_flight_gate(crate::metrics::GateScrape {
+                kind,
+                name,
+                held,
+                queued,
+                limit,
+                held_total: gate.held(),
+                refusal_reasons: &Shed::REASONS,
+                rtt_us: gate.estimate().map(|e| (e.min_rtt_us, e.sample_rtt_us)),
+            });
+        }
+    }
+
     /// The routes with a cap per client, for metrics.
     pub fn per_client_routes(&self) -> impl Iterator<Item = &str> {
         self.per_client

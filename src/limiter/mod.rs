@@ -22,7 +22,7 @@ use async_trait::async_trait;
 pub use algorithms::{Decision, Micros};
 pub use fallback::{share, Fallback, FallbackState, Outcome, Reset};
 pub use local::LocalBackend;
-pub use redis::{api_key_names, slot, KeyWrite, RedisBackend};
+pub use redis::{slot, AdminConnection, RedisBackend};
 
 use crate::config::Algorithm;
 
@@ -123,7 +123,22 @@ impl LimitKind {
     pub fn index(self) -> usize {
         self.0 as usize
     }
+
+    /// As a metric label.
+    pub fn label(self) -> crate::metrics::TierLabel {
+        crate::metrics::TierLabel {
+            slot: self.index(),
+            name: self.as_str(),
+        }
+    }
+
+    /// The labels every route reports from the start.
+    pub fn first_labels() -> [crate::metrics::TierLabel; 3] {
+        Self::FIRST.map(Self::label)
+    }
 }
+
+const _: () = assert!(LimitKind::COUNT <= crate::metrics::TIER_SLOTS);
 
 /// What the backend said about a whole request.
 #[derive(Debug, Clone, PartialEq, Default)]

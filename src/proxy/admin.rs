@@ -16,6 +16,7 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 
 use super::{keys, limits, Live};
+use crate::admission::Policy;
 use crate::limiter::Fallback;
 use crate::metrics;
 
@@ -88,9 +89,9 @@ impl ServeHttp for Admin {
                 )
             }
             "/usage" => {
-                let config = self.live.load_full().policy.config.clone();
+                let policy = self.live.load_full().policy.clone();
                 let query = session.req_header().uri.query().unwrap_or("").to_string();
-                match usage(&self.limiter, &config, &query).await {
+                match usage(&self.limiter, &policy, &query).await {
                     Ok((ctype, body)) => (200, ctype, body.into_bytes()),
                     Err((status, why)) => (
                         status,
@@ -103,7 +104,7 @@ impl ServeHttp for Admin {
                 // As of this scrape, not of the last probe.
                 let on_fallback = self.limiter.health().fallback_for;
                 metrics::fallback_for(on_fallback.unwrap_or_default());
-                metrics::in_flight(&self.live.load().gates);
+                self.live.load().gates.scrape();
                 metrics::render().into_bytes()
             }),
             _ => (404, "text/plain", b"not found\n".to_vec()),
@@ -125,16 +126,17 @@ impl ServeHttp for Admin {
 /// HTTP (a read, open like `/limits`).
 async fn usage(
     limiter: &Fallback,
-    config: &crate::config::Config,
+    policy: &Policy,
     query: &str,
 ) -> Result<(&'static str, String), (u16, String)> {
+    let config = &policy.config;
     let mut period = None;
     let mut at = None;
     let mut format = "csv".to_string();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let v =
-            crate::attributes::decode(v).map_err(|e| (400, format!("query parameter {k} {e}")))?;
+        let v = crate::identity::attributes::decode(v)
+            .map_err(|e| (400, format!("query parameter {k} {e}")))?;
         match k {
             "period" => period = Some(v),
             "at" => at = Some(v),
@@ -157,7 +159,7 @@ async fn usage(
     let Some(redis) = limiter.redis() else {
         return Err((409, "usage is read from Redis, and limiter.backend is \"local\": GET /limits?key=ID&quota=PERIOD".into()));
     };
-    let report = crate::usage::collect(redis, config, &q)
+    let report = crate::usage::collect(redis, config, &policy.keys, &q)
         .await
         .map_err(|e| (503, format!("cannot read Redis: {e}")))?;
     Ok((

@@ -1,4 +1,4 @@
-//! `/keys` on the admin listener: runtime API keys (`crate::apikeys::admin`).
+//! `/keys` on the admin listener: runtime API keys (`crate::identity::apikeys::admin`).
 //!
 //! - `POST /keys` `{"id", "plan", ...}`: issue one; the answer holds its
 //!   secret, shown this once (201);
@@ -18,7 +18,7 @@ use pingora::protocols::http::ServerSession;
 
 use super::limits::{authorize_change, error, Answer};
 use super::Live;
-use crate::apikeys::admin::KeyAdmin;
+use crate::identity::apikeys::admin::KeyAdmin;
 use crate::limiter::Fallback;
 
 /// The largest body read.
@@ -64,6 +64,7 @@ pub async fn serve(
     let admin = KeyAdmin {
         redis,
         config,
+        config_keys: &live.policy.keys,
         runtime: Some(&live.policy.runtime),
         by: &by,
     };

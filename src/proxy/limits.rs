@@ -20,8 +20,8 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::admission::{self, Subject};
-use crate::attributes;
 use crate::config::{admin_loopback_only, Config};
+use crate::identity::attributes;
 use crate::limiter::Fallback;
 
 /// Status, JSON body, and the headers the status calls for.

@@ -33,8 +33,9 @@ use tokio::signal::unix::{signal, SignalKind};
 use super::upstreams::Pools;
 use super::Live;
 use crate::admission::Policy;
-use crate::apikeys::KeySet;
-use crate::config::{self, Config};
+use crate::config::Config;
+use crate::identity::apikeys::KeySet;
+use crate::identity::credentials::{self, Credentials};
 use crate::inflight::Gates;
 use crate::limiter::Fallback;
 use crate::metrics;
@@ -79,7 +80,7 @@ fn metadata(path: &PathBuf) -> std::io::Result<[u8; 32]> {
 /// A load for the loading thread: the config's path, and where to answer.
 type Job = (
     PathBuf,
-    tokio::sync::oneshot::Sender<Result<Config, String>>,
+    tokio::sync::oneshot::Sender<Result<(Config, Credentials), String>>,
 );
 
 /// One thread for every reload, at idle priority (Linux's scheduling is
@@ -105,13 +106,16 @@ impl Loader {
                     tracing::warn!(error = ?e, "the config-load thread keeps the default priority");
                 }
                 for (path, reply) in rx {
-                    let _ = reply.send(config::load(&path).map_err(|e| e.to_string()));
+                    let _ = reply.send(
+                        credentials::load(&path, None, credentials::Files::Required)
+                            .map_err(|e| e.to_string()),
+                    );
                 }
             })?;
         Ok(Loader(tx))
     }
 
-    async fn load(&self, path: PathBuf) -> Result<Config, String> {
+    async fn load(&self, path: PathBuf) -> Result<(Config, Credentials), String> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.0
             .send((path, tx))
@@ -144,7 +148,7 @@ impl Reloader {
     /// Loads the file and swaps it in; whether it was.
     async fn reload(&self, why: &str) -> bool {
         match self.loader.load(self.path.clone()).await {
-            Ok(new) => {
+            Ok((new, credentials)) => {
                 let new = Arc::new(new);
                 let current = self.live.load_full();
                 // Keep the pools (and their health state) unless the upstreams changed.
@@ -166,12 +170,15 @@ impl Reloader {
                         "config reload: this key changed but takes effect only after a restart"
                     );
                 }
-                self.limiter.set_quotas(new.has_quotas());
-                self.retired.lock().push(current.policy.config.keys.clone());
-                let keys = new.keys.len();
+                let policy = Policy::new(new.clone(), &credentials)
+                    .with_runtime_keys(current.policy.runtime.clone());
+                drop(credentials);
+                self.limiter.set_quotas(policy.has_quotas());
+                self.retired.lock().push(current.policy.keys.clone());
+                let keys = policy.keys.len();
                 let gates = Gates::build(&new, Some(&current.gates), self.limiter.replicas());
                 self.live.store(Arc::new(Live::new(
-                    Arc::new(Policy::new(new).with_runtime_keys(current.policy.runtime.clone())),
+                    Arc::new(policy),
                     pools,
                     Arc::new(gates),
                 )));

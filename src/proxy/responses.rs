@@ -115,7 +115,7 @@ pub fn refusal(r: &Refusal) -> Reply {
 /// A bearer JWT refused: 401 with the RFC 6750 challenge naming why (the
 /// reason is the gateway's own words, never the token); 503 with
 /// `Retry-After` when the issuer's keys cannot be had to check it.
-fn invalid_token(e: &crate::jwt::TokenError) -> Reply {
+fn invalid_token(e: &crate::identity::jwt::TokenError) -> Reply {
     let reason = e.to_string();
     if e.status() == 503 {
         let mut reply = json(503, "unavailable", &reason);

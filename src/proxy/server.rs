@@ -20,10 +20,11 @@ use super::reload::Reloader;
 use super::upstreams::Pools;
 use super::{Gateway, Live};
 use crate::admission::Policy;
-use crate::apikeys::runtime::RuntimeKeys;
 use crate::certs::Certificates;
 use crate::clock::SystemClock;
 use crate::config::{Backend, Config};
+use crate::identity::apikeys::runtime::RuntimeKeys;
+use crate::identity::Credentials;
 use crate::limiter::standing::Standing;
 use crate::limiter::{Fallback, LocalBackend, RedisBackend};
 
@@ -46,8 +47,13 @@ impl BackgroundService for KeySync {
             let stop = async move {
                 let _ = shutdown.changed().await;
             };
-            crate::apikeys::runtime::sync(self.store.clone(), redis, self.prefix.clone(), stop)
-                .await;
+            crate::identity::apikeys::runtime::sync(
+                self.store.clone(),
+                redis,
+                self.prefix.clone(),
+                stop,
+            )
+            .await;
         }
     }
 }
@@ -59,7 +65,7 @@ struct JwksRefresh;
 #[async_trait]
 impl BackgroundService for JwksRefresh {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        crate::jwt::source::keep_fresh(async move {
+        crate::identity::jwt::source::keep_fresh(async move {
             let _ = shutdown.changed().await;
         })
         .await;
@@ -174,7 +180,7 @@ impl BackgroundService for CertificateReload {
 }
 
 /// Starts serving; returns only on a start-up error.
-pub fn run(config: Config, path: &Path) -> Result<(), String> {
+pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), String> {
     // Pingora's TLS connector reads these at start-up and panics when one
     // names a file that is not there: say so plainly instead.
     for var in ["SSL_CERT_FILE", "SSL_CERT_DIR"] {
@@ -185,7 +191,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
         }
     }
     let config = Arc::new(config);
-    crate::metrics::api_keys(config.keys.len());
+    crate::metrics::api_keys(credentials.keys.len());
     let srv = &config.server;
     // Pingora retries a taken port every second, forever: say so and stop.
     let tls_listen = srv.tls.iter().flat_map(|t| t.listen.iter());
@@ -223,12 +229,12 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
     server.bootstrap();
 
     let limiter = build_limiter(&config)?;
-    limiter.set_quotas(config.has_quotas());
+    limiter.set_quotas(credentials.has_quotas(&config));
     let pools = Pools::build(&config.upstreams)?;
     let gates = crate::inflight::Gates::build(&config, None, limiter.replicas());
     let runtime_keys = Arc::new(RuntimeKeys::default());
     let live = Arc::new(ArcSwap::from_pointee(Live::new(
-        Arc::new(Policy::new(config.clone()).with_runtime_keys(runtime_keys.clone())),
+        Arc::new(Policy::new(config.clone(), &credentials).with_runtime_keys(runtime_keys.clone())),
         Arc::new(pools),
         Arc::new(gates),
     )));
@@ -292,7 +298,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
         Reloader {
             path: path.to_path_buf(),
             live,
-            started_with: Arc::new(config.without_keys()),
+            started_with: config.clone(),
             limiter: limiter.clone(),
             retired: Default::default(),
             loader: super::reload::Loader::start()
@@ -324,7 +330,7 @@ pub fn run(config: Config, path: &Path) -> Result<(), String> {
             ));
         }
     }
-    tracing::info!(listen = ?srv.listen, admin = ?srv.admin_listen, threads = srv.threads, keys = config.keys.len(), "gateway starting");
+    tracing::info!(listen = ?srv.listen, admin = ?srv.admin_listen, threads = srv.threads, keys = credentials.keys.len(), "gateway starting");
     // From here the live policy alone holds the start-up config (and its
     // keys, maybe a million): a reload frees them.
     drop(config);

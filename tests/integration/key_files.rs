@@ -184,10 +184,32 @@ fn check_names_the_keys_file_and_its_bad_lines() {
         "{out}"
     );
     assert!(!out.contains("inline-secret"), "{out}");
-    // A file that cannot be read.
+    // A file that cannot be read here: `check` may run on another machine
+    // than the gateway (a warning, as for a certificate); `run` refuses.
     std::fs::remove_file(&keys).expect("rm");
     let (ok, out) = check(&config(&up, &keys));
-    assert!(!ok && out.contains("cannot read it"), "{out}");
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("warning: clients.api_keys_file (line")
+            && out.contains(&format!("cannot read {}", keys.display()))
+            && out.contains("`gateway run` refuses to start until it can be read"),
+        "{out}"
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        config(&up, &keys)
+            .replace("{listen}", "127.0.0.1:18080")
+            .replace("{admin}", "127.0.0.1:18081"),
+    )
+    .expect("write");
+    let (code, _, err) = support::gateway_cli(&["run"], &path);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("clients.api_keys_file (line") && err.contains("cannot read it"),
+        "{err}"
+    );
 }
 
 fn hex_sha256(s: &str) -> String {

@@ -38,7 +38,7 @@ impl Fallback {
                     );
                     // Perhaps another Redis, or the same one restarted.
                     self.persistence_due.store(true, Ordering::Release);
-                    metrics::fallback_transition(FallbackState::Redis);
+                    metrics::fallback_transition(FallbackState::Redis.as_str());
                 }
                 // Admissions decided locally while the first charge ran.
                 self.settle_later(redis).await;

@@ -238,7 +238,7 @@ impl Fallback {
             persistence_due: AtomicBool::new(true),
             persistence_warning: Mutex::new(None),
         });
-        metrics::set_backend(FallbackState::Local);
+        metrics::set_backend(FallbackState::Local.as_str());
         metrics::replicas(f.replicas());
         if let Some(leases) = f.redis.as_ref().and_then(RedisBackend::leases) {
             leases.set_replicas(f.instances);
@@ -725,7 +725,7 @@ impl Fallback {
             } else {
                 tracing::warn!(error = %text, reason = e.reason(), on_redis_failure = ?self.on_failure, "limiter: redis failed, failing over");
             }
-            metrics::fallback_transition(FallbackState::Local);
+            metrics::fallback_transition(FallbackState::Local.as_str());
         }
         *self.last_error.lock() = Some(e);
     }

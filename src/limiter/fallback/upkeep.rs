@@ -61,7 +61,7 @@ impl Fallback {
                     Ok(Ok(())) => {
                         self.redis_up.store(true, Ordering::Release);
                         *self.fallback_since.lock() = None;
-                        metrics::set_backend(FallbackState::Redis);
+                        metrics::set_backend(FallbackState::Redis.as_str());
                         tracing::info!("limiter: redis reached at start-up");
                         self.heartbeat().await;
                         self.check_persistence(redis).await;

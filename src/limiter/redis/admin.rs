@@ -228,6 +228,43 @@ impl RedisBackend {
     }
 }
 
+/// A connection other rooms use for keys of their own (the runtime API
+/// key store): the probe's connection, off the request path. Each piece
+/// of work runs within the upkeep budget (`RedisBackend::upkeep`).
+pub struct AdminConnection(Conn);
+
+impl AdminConnection {
+    pub async fn query<T: redis::FromRedisValue>(
+        &mut self,
+        cmd: &redis::Cmd,
+    ) -> Result<T, LimiterError> {
+        query(&mut self.0, cmd).await.map_err(redis_err)
+    }
+
+    /// The id of `stream`'s newest entry ("0-0" for none).
+    pub async fn newest_entry(&mut self, stream: &str) -> Result<String, LimiterError> {
+        newest_entry(&mut self.0, stream).await
+    }
+}
+
+impl RedisBackend {
+    /// A connection for another room's own keys.
+    pub async fn admin(&self) -> Result<AdminConnection, LimiterError> {
+        self.admin_connection().await.map(AdminConnection)
+    }
+
+    /// `work` (calls on an `admin` connection) within the budget of work off
+    /// the request path: `redis.timeout_ms`, at least half a second.
+    pub async fn upkeep<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, LimiterError>>,
+    ) -> Result<T, LimiterError> {
+        self.inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await
+    }
+}
+
 /// The id of `stream`'s newest entry, "0-0" when it has none: where a
 /// reader that wants only what comes next starts.
 pub(super) async fn newest_entry(conn: &mut Conn, stream: &str) -> Result<String, LimiterError> {

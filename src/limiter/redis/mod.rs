@@ -80,7 +80,6 @@ const MISPLACED_RETRIES: u32 = 3;
 const CHARGE_BATCH: usize = 200;
 
 mod admin;
-mod apikeys;
 mod cluster;
 mod connection;
 mod script;
@@ -90,8 +89,7 @@ mod watchdog;
 use connection::*;
 use script::*;
 
-pub use admin::Persistence;
-pub use apikeys::{api_key_names, KeyWrite};
+pub use admin::{AdminConnection, Persistence};
 pub use slots::slot;
 use slots::SlotMap;
 

@@ -1,6 +1,6 @@
 //! Who the client is: its address (behind trusted proxies), the bucket that
 //! address falls in, and the API key it presents (looked up in
-//! `crate::apikeys`).
+//! `crate::identity::apikeys`).
 //!
 //! Everything here is pure: it works on strings and addresses handed in, so it
 //! is tested without sockets.
@@ -134,7 +134,7 @@ pub fn presented_key<'a>(
 pub fn bearer_jwt<'a>(authorization: &[&'a [u8]]) -> Option<(usize, &'a [u8])> {
     authorization.iter().enumerate().find_map(|(i, v)| {
         bearer(v)
-            .filter(|t| crate::jwt::looks_like_jwt(t))
+            .filter(|t| crate::identity::jwt::looks_like_jwt(t))
             .map(|t| (i, t))
     })
 }

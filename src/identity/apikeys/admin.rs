@@ -10,8 +10,10 @@ use serde_json::{json, Map, Value};
 
 use super::file::{parse_record, record, Checked};
 use super::runtime::RuntimeKeys;
+use super::store::{self, KeyWrite};
+use super::KeySet;
 use crate::config::Config;
-use crate::limiter::{KeyWrite, RedisBackend};
+use crate::limiter::RedisBackend;
 
 /// Why a change was refused, with the HTTP status it answers.
 #[derive(Debug)]
@@ -31,6 +33,8 @@ fn refuse(status: u16, message: impl Into<String>) -> Refusal {
 pub struct KeyAdmin<'a> {
     pub redis: &'a RedisBackend,
     pub config: &'a Config,
+    /// The config's keys: a runtime key takes none of their ids.
+    pub config_keys: &'a KeySet,
     /// This replica's copy, updated at once (the others follow the stream).
     pub runtime: Option<&'a RuntimeKeys>,
     /// Who asked, for the audit log (an address, `cli`, a header's value).
@@ -82,7 +86,7 @@ impl KeyAdmin<'_> {
         let prefix = self.config.key_prefix();
         let mut last = String::new();
         for attempt in 0..3 {
-            match self.redis.api_key_write(prefix, id, rec, mode).await {
+            match store::write(self.redis, prefix, id, rec, mode).await {
                 // A retry refused: maybe because the first attempt landed
                 // late. Read on and let what is there decide.
                 Ok(false) if attempt > 0 => {}
@@ -96,7 +100,7 @@ impl KeyAdmin<'_> {
             // never write again before knowing.
             let mut now = None;
             for _ in 0..5 {
-                if let Ok(mut r) = self.redis.api_key_records(prefix, &[id.to_string()]).await {
+                if let Ok(mut r) = store::records(self.redis, prefix, &[id.to_string()]).await {
                     now = Some(r.pop().flatten());
                     break;
                 }
@@ -151,7 +155,7 @@ impl KeyAdmin<'_> {
         let secret = new_secret()?;
         fields.insert("key".into(), secret.clone().into());
         let k = self.checked(fields)?;
-        if let Some(other) = self.config.keys.by_id(&k.id) {
+        if let Some(other) = self.config_keys.by_id(&k.id) {
             return Err(refuse(
                 409,
                 format!(
@@ -175,9 +179,7 @@ impl KeyAdmin<'_> {
 
     /// The key's stored record, checked.
     async fn current(&self, id: &str) -> Result<Checked, Refusal> {
-        let raw = self
-            .redis
-            .api_key_records(self.config.key_prefix(), &[id.to_string()])
+        let raw = store::records(self.redis, self.config.key_prefix(), &[id.to_string()])
             .await
             .map_err(unavailable)?
             .pop()
@@ -240,11 +242,14 @@ impl KeyAdmin<'_> {
     /// One page of keys from `cursor` (0: the first); `next` is null on
     /// the last page. Redis's HSCAN: a page holds about `limit` keys.
     pub async fn list(&self, cursor: u64, limit: usize) -> Result<Value, Refusal> {
-        let (next, page) = self
-            .redis
-            .api_key_page(self.config.key_prefix(), cursor, limit.clamp(1, 10_000))
-            .await
-            .map_err(unavailable)?;
+        let (next, page) = store::page(
+            self.redis,
+            self.config.key_prefix(),
+            cursor,
+            limit.clamp(1, 10_000),
+        )
+        .await
+        .map_err(unavailable)?;
         let keys: Vec<Value> = page
             .iter()
             .filter_map(|(_, raw)| parse_record(raw, None).ok())

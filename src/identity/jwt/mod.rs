@@ -27,9 +27,9 @@ use jsonwebtoken::Validation;
 use serde_json::{Map, Value};
 use sha2::{Digest as _, Sha256};
 
-use crate::attributes::{AttributeError, MAX_VALUE_BYTES};
 use crate::clock::Clock as _;
 use crate::config::{JwtIssuer, JwtKeys, JwtSettings};
+use crate::identity::value::{AttributeError, MAX_VALUE_BYTES};
 use cache::Cache;
 use keys::{KeySet, Missing};
 use source::{Source, Unusable};
@@ -191,7 +191,8 @@ fn validation(settings: &JwtIssuer, alg: jsonwebtoken::Algorithm) -> Validation 
 }
 
 impl Issuer {
-    fn new(settings: &JwtIssuer) -> Issuer {
+    /// `files`: the keys read from its `key_files` (`Credentials`).
+    fn new(settings: &JwtIssuer, files: Option<Arc<KeySet>>) -> Issuer {
         let digest = Sha256::digest(settings.issuer.as_bytes());
         Issuer {
             tag: hex::encode(&digest[..4]),
@@ -201,7 +202,7 @@ impl Issuer {
                 .map(|a| (*a, validation(settings, *a)))
                 .collect(),
             keys: match &settings.keys {
-                JwtKeys::Files { keys, .. } => Keys::Files(keys.clone()),
+                JwtKeys::Files { .. } => Keys::Files(files.unwrap_or_default()),
                 JwtKeys::Url(url) => Keys::Fetched(source::source_for(url, &settings.issuer)),
             },
             settings: settings.clone(),
@@ -228,12 +229,20 @@ pub struct Verifier {
 }
 
 impl Verifier {
+    /// `files`: each issuer's keys read from its `key_files`, by index
+    /// (`Credentials::jwt_files`).
     pub fn new<'a>(
         settings: &JwtSettings,
+        files: &[Option<Arc<KeySet>>],
         route_claims: Vec<String>,
         plans: impl IntoIterator<Item = &'a String>,
     ) -> Verifier {
-        let issuers: Vec<Issuer> = settings.issuers.iter().map(Issuer::new).collect();
+        let issuers: Vec<Issuer> = settings
+            .issuers
+            .iter()
+            .enumerate()
+            .map(|(i, x)| Issuer::new(x, files.get(i).cloned().flatten()))
+            .collect();
         Verifier {
             by_iss: issuers
                 .iter()
@@ -495,10 +504,7 @@ mod tests {
         let (keys, _) = KeySet::from_jwks(jwks.as_bytes()).unwrap();
         let issuer = JwtIssuer {
             issuer: "iss-a".into(),
-            keys: JwtKeys::Files {
-                paths: vec![],
-                keys: Arc::new(keys),
-            },
+            keys: JwtKeys::Files { paths: vec![] },
             audiences: vec!["api".into()],
             algorithms,
             leeway_secs: 5,
@@ -513,6 +519,7 @@ mod tests {
                 issuers: vec![issuer],
                 cache_max_entries: 100,
             },
+            &[Some(Arc::new(keys))],
             route_claims.iter().map(|s| s.to_string()).collect(),
             plans.iter(),
         )

@@ -18,48 +18,7 @@ use tokio_rustls::TlsConnector;
 /// The largest JWKS document read: a set of a few keys is a few KB.
 pub const MAX_BYTES: usize = 1 << 20;
 
-/// Where a JWKS is fetched from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Target {
-    pub https: bool,
-    pub host: String,
-    pub port: u16,
-    /// `host[:port]`, as the `Host` header.
-    authority: String,
-    path: String,
-}
-
-impl Target {
-    pub fn parse(url: &str) -> Result<Target, String> {
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e| format!("\"{url}\" is not a URL: {e}"))?;
-        let https = match uri.scheme_str() {
-            Some("https") => true,
-            Some("http") => false,
-            _ => return Err(format!("\"{url}\": expected an http:// or https:// URL")),
-        };
-        let authority = uri
-            .authority()
-            .ok_or_else(|| format!("\"{url}\" has no host"))?;
-        if authority.as_str().contains('@') {
-            return Err(format!("\"{url}\": credentials in a URL are not supported"));
-        }
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        Ok(Target {
-            https,
-            host: host.to_string(),
-            port: authority.port_u16().unwrap_or(if https { 443 } else { 80 }),
-            authority: authority.to_string(),
-            path: uri
-                .path_and_query()
-                .map_or("/".to_string(), |p| p.as_str().to_string()),
-        })
-    }
-}
+pub use crate::config::HttpUrl as Target;
 
 /// What verifies an `https` endpoint: the system's roots and `ca_file`'s.
 pub fn tls_connector(ca_file: Option<&Path>) -> Result<TlsConnector, String> {

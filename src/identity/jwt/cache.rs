@@ -16,8 +16,8 @@ use parking_lot::Mutex;
 
 use super::Verified;
 // A digest is its own hash (its first 8 bytes), as the API keys' table has it.
-pub(crate) use crate::apikeys::Digest;
-use crate::apikeys::DigestHasher;
+pub(crate) use crate::identity::apikeys::Digest;
+use crate::identity::apikeys::DigestHasher;
 
 const SHARDS: usize = 16;
 

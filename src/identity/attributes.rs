@@ -7,42 +7,19 @@
 //! copy), query values are compared decoded (`%61cme` and `acme` are one
 //! tenant), and the length is capped so a client cannot grow bucket names.
 
-use std::fmt;
-
 use http::HeaderMap;
 
 use crate::config::Attribute;
+use crate::identity::jwt::Verified;
 
-/// The longest attribute value that names a bucket, in bytes.
-pub const MAX_VALUE_BYTES: usize = 256;
-
-/// Why a request's attribute cannot name a bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttributeError {
-    Missing,
-    Repeated,
-    /// Not visible ASCII (headers) or not UTF-8 once decoded (query).
-    Unreadable,
-    TooLong,
-}
-
-impl fmt::Display for AttributeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            AttributeError::Missing => "is missing or empty",
-            AttributeError::Repeated => "is sent more than once",
-            AttributeError::Unreadable => "is not readable text",
-            AttributeError::TooLong => "is longer than 256 bytes",
-        })
-    }
-}
+pub use crate::identity::value::{AttributeError, MAX_VALUE_BYTES};
 
 /// The attribute's value in this request.
 pub fn value(
     attribute: &Attribute,
     headers: &HeaderMap,
     query: Option<&str>,
-    token: Option<&crate::jwt::Verified>,
+    token: Option<&Verified>,
 ) -> Result<String, AttributeError> {
     let v = match attribute {
         Attribute::Header(name) => header(headers, name)?,

@@ -17,6 +17,7 @@ use std::time::Duration;
 use parking_lot::RwLock;
 
 use super::file::{parse_record, Checked};
+use super::store;
 use super::KeyRef;
 use crate::limiter::RedisBackend;
 
@@ -162,8 +163,7 @@ pub async fn fetch(
     prefix: &str,
     id: &str,
 ) -> Result<Option<Checked>, String> {
-    let records = redis
-        .api_key_records(prefix, &[id.to_string()])
+    let records = store::records(redis, prefix, &[id.to_string()])
         .await
         .map_err(|e| e.to_string())?;
     Ok(records
@@ -177,15 +177,13 @@ pub async fn fetch(
 async fn read_all(redis: &RedisBackend, prefix: &str) -> Result<(String, Vec<Checked>), String> {
     // The position first: a change made during the scan is read again
     // from the stream (applying one twice is harmless).
-    let after = redis
-        .api_key_newest_change(prefix)
+    let after = store::newest_change(redis, prefix)
         .await
         .map_err(|e| e.to_string())?;
     let mut keys = Vec::new();
     let mut cursor = 0;
     loop {
-        let (next, page) = redis
-            .api_key_page(prefix, cursor, PAGE)
+        let (next, page) = store::page(redis, prefix, cursor, PAGE)
             .await
             .map_err(|e| e.to_string())?;
         keys.extend(page.iter().filter_map(|(id, raw)| parsed(id, raw)));
@@ -217,8 +215,7 @@ pub async fn sync(
                     Ok::<_, String>(Some(pos))
                 }
                 Some(pos) => {
-                    let (ids, last, gap) = redis
-                        .api_key_changes(&prefix, pos, PAGE)
+                    let (ids, last, gap) = store::changes(redis, &prefix, pos, PAGE)
                         .await
                         .map_err(|e| e.to_string())?;
                     if gap {
@@ -230,8 +227,7 @@ pub async fn sync(
                     let mut ids = ids;
                     ids.sort();
                     ids.dedup();
-                    let records = redis
-                        .api_key_records(&prefix, &ids)
+                    let records = store::records(redis, &prefix, &ids)
                         .await
                         .map_err(|e| e.to_string())?;
                     for (id, raw) in ids.iter().zip(records) {
