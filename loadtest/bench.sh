@@ -151,7 +151,7 @@
 #                    what it is, in the summary
 #   --perf           also record a perf profile of each proxy during one extra
 #                    max-throughput window (perf-<target>.txt, .data)
-#   --publish        copy the table and chart into BENCHMARKS.md
+#   --publish        copy the table and chart into docs/benchmarks.md
 #   --cluster-nodes  the masters of gateway_redis_cluster (3); 1 is a control:
 #                    cluster mode's own cost, on one process like standalone
 #   --threads        the gateway's server.threads = nginx's worker_processes

@@ -16,7 +16,7 @@ many-clients run can follow a one-client run) and prints, for 10k, 100k and
 gateway cores, Redis Cluster nodes and how much Redis memory carry the load,
 and what saturates first. The same table as markdown goes to --md (default:
 capacity.md beside the last SUMMARY.json); --publish also puts it, with the
-command that made it, into BENCHMARKS.md between <!-- capacity:begin/end -->.
+command that made it, into docs/benchmarks.md between <!-- capacity:begin/end -->.
 
 Measured, from the run(s), each printed with where it came from:
   gateway CPU µs per request by path (gateway_off, gateway_local,
@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
-from report import replace_block  # noqa: E402  (BENCHMARKS.md's marked blocks, as bench.py writes them)
+from report import replace_block  # noqa: E402  (docs/benchmarks.md's marked blocks, as bench.py writes them)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -277,7 +277,7 @@ def main() -> int:
     ap.add_argument("summaries", nargs="+", type=Path,
                     help="summary.json of loadtest/bench.sh runs (and of a loadtest/bench/script_cost.py run)")
     ap.add_argument("--md", type=Path, help="where the markdown goes (default: capacity.md beside the last summary)")
-    ap.add_argument("--publish", action="store_true", help="also into BENCHMARKS.md, between its capacity markers")
+    ap.add_argument("--publish", action="store_true", help="also into docs/benchmarks.md, between its capacity markers")
     a = ap.parse_args()
     for p in a.summaries:
         if not p.exists():
@@ -295,7 +295,7 @@ def main() -> int:
         rel = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)
                for p in a.summaries]
         body = f"```sh\nloadtest/capacity.py {' '.join(rel)}\n```\n\n" + md
-        bm = ROOT / "BENCHMARKS.md"
+        bm = ROOT / "docs" / "benchmarks.md"
         bm.write_text(replace_block(bm.read_text(), "capacity", body, by="loadtest/capacity.py --publish"))
         print(f"published into {bm}", file=sys.stderr)
     return 0

@@ -58,8 +58,8 @@ fallback no fault explains), so each disturbance gets its step.
 
 The figures: T (first to last request sent), admitted (requests the upstream
 received), the exact bound 50 + 20 T, the worst window overshoot (over every
-window of the upstream's stamps), slack (per run, the README's partition
-slack: for every stay of a replica on its fallback while Redis decided for
+window of the upstream's stamps), slack (per run, the partition slack of
+docs/design/fallback-bound.md: for every stay of a replica on its fallback while Redis decided for
 another, 50/3 + 20/3 x the seconds of that overlap; its share on top of what
 Redis admits until its debt is charged back at failback), and
 per fault the seconds from its heal until the replicas it hit (all three for
@@ -986,8 +986,8 @@ class Faults(threading.Thread):
         r.jitter = 1 - r.jitter
         r.generation += 1
         self.stack.write_config(r)
-        # The gateway polls its file's content every 500 ms (README,
-        # "Hot reload"): the reload is seen in its counter, not signalled.
+        # The gateway polls its file's content every 500 ms (docs/operator/
+        # reload.md): the reload is seen in its counter, not signalled.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             now = metric(self.stack.metrics_text(r), 'gateway_config_reloads_total{result="ok"}') or 0.0
@@ -1049,7 +1049,7 @@ def back_on_redis(samples, heal, run_end):
 
 
 def partition_slack(watchers, run_end):
-    """The README's partition slack: each time a replica decides on its
+    """The partition slack (docs/design/fallback-bound.md): each time a replica decides on its
     fallback while Redis decides for another, its share (CAPACITY/n + REFILL/n
     x that time) can come on top of what Redis admits, until its debt is
     charged at failback. Summed over every such stay, whatever caused it."""

@@ -3,7 +3,7 @@
 
     bench.py run [options]          the benchmark: see loadtest/bench.sh --help
     bench.py report RUN_DIR         (re)write summary.md and chart.png from summary.json
-    bench.py publish RUN_DIR        copy a run's table and chart into BENCHMARKS.md
+    bench.py publish RUN_DIR        copy a run's table and chart into docs/benchmarks.md
     bench.py publish-cluster RUN_DIR...  runs with gateway_redis_cluster into its section
 
 Every server it needs is started here, on 127.0.0.1 and free ports, and
@@ -11,7 +11,7 @@ stopped by PID on exit: a Redis, the mock upstream, nginx (Debian's, in the
 foreground), the bare Pingora proxy and one gateway per gateway target. Load
 goes to 127.0.0.1 only, for bounded times.
 
-Targets, side by side (see BENCHMARKS.md):
+Targets, side by side (see docs/benchmarks.md):
     direct                the load generator against the upstream itself
     nginx_limit_req       nginx proxy_pass + limit_req keyed by client address
     pingora_bare          Pingora alone: examples/bare_proxy.rs, default settings
@@ -66,7 +66,7 @@ from pathlib import Path
 
 # The parts, each by what it does: common (names, paths, logging), targets
 # (the servers), measure (a window's numbers), checks (medians and the issue's
-# targets), report (summary.md, charts, BENCHMARKS.md).
+# targets), report (summary.md, charts, docs/benchmarks.md).
 import common
 from checks import summarize
 from common import (ANCHOR, ANCHOR_PIPELINES, BARE, CLIENTS_ONLY_TARGETS, GATEWAY_TARGETS, LIMITED_TARGETS,

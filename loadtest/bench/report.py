@@ -1,6 +1,6 @@
 """The report: summary.md (the table, the issue's targets, memory, TLS),
 chart.png and memory.png from summary.json, and publishing a run into
-BENCHMARKS.md between its markers."""
+docs/benchmarks.md between its markers."""
 
 from __future__ import annotations
 
@@ -586,7 +586,7 @@ def replace_block(text: str, name: str, body: str, by: str = "loadtest/bench.sh 
 
 
 def cluster_run_md(s: dict, chart_name: str) -> list[str]:
-    """One run's part of BENCHMARKS.md's Redis Cluster section."""
+    """One run's part of docs/benchmarks.md's Redis Cluster section."""
     run, m, T = s["run"], s["machine"], s["targets"]
     c = run.get("clients")
     who = (f"{c['n']:,} clients, Zipf {c['zipf']:g}, {c['over_pct']:g} % over their limit (max-throughput windows)"
@@ -616,12 +616,12 @@ def cluster_run_md(s: dict, chart_name: str) -> list[str]:
         L.append(f"- the limiter failed over to the local backend in {len(failovers)} windows (Redis slower than "
                  f"`timeout_ms` = 15 on the loaded machine): those windows' Redis figures count some decisions "
                  f"made locally")
-    L += ["", f"![{run['dir']}](loadtest/bench/{chart_name})", ""]
+    L += ["", f"![{run['dir']}](../loadtest/bench/{chart_name})", ""]
     return L
 
 
 def publish_cluster(outs: list[Path]) -> None:
-    """Puts runs with gateway_redis_cluster into BENCHMARKS.md between
+    """Puts runs with gateway_redis_cluster into docs/benchmarks.md between
     <!-- bench-cluster:begin/end -->; their charts go to loadtest/bench/."""
     body: list[str] = []
     for i, out in enumerate(outs):
@@ -631,32 +631,32 @@ def publish_cluster(outs: list[Path]) -> None:
         name = f"cluster-chart-{i + 1}.png"
         shutil.copyfile(out / "chart.png", HERE / name)
         body += cluster_run_md(s, name)
-    bm = ROOT / "BENCHMARKS.md"
+    bm = ROOT / "docs" / "benchmarks.md"
     bm.write_text(replace_block(bm.read_text(), "bench-cluster", "\n".join(body).rstrip("\n") + "\n",
                                 "loadtest/bench/bench.py publish-cluster"))
     log(f"published {', '.join(o.name for o in outs)} into {bm} (Redis Cluster)")
 
 
 def publish(out: Path) -> None:
-    """Puts a run's tables and charts into BENCHMARKS.md, between its markers.
+    """Puts a run's tables and charts into docs/benchmarks.md, between its markers.
 
     The targets table goes between <!-- bench:begin --> and <!-- bench:end -->,
     the memory step's result between <!-- bench-memory:begin/end -->; the rest
     of the file is left as it is. The charts are copied to loadtest/bench/."""
     s = write_report(out)
-    bm = ROOT / "BENCHMARKS.md"
+    bm = ROOT / "docs" / "benchmarks.md"
     text = bm.read_text() if bm.exists() else "# Benchmarks\n"
     if s["targets"]:
         shutil.copyfile(out / "chart.png", HERE / "latest-chart.png")
         shutil.copyfile(out / "summary.json", HERE / "latest-summary.json")
-        body = markdown(dict(s, memory=None)) + "\n![the targets side by side](loadtest/bench/latest-chart.png)\n"
+        body = markdown(dict(s, memory=None)) + "\n![the targets side by side](../loadtest/bench/latest-chart.png)\n"
         text = replace_block(text, "bench", body)
     if s.get("memory"):
         shutil.copyfile(out / "memory.png", HERE / "latest-memory.png")
         m = s["machine"]
         body = (f"Run `{s['run']['dir']}` ({s['run']['started_at']}; {m['gateway']}, commit {m['git_commit']}"
                 f"{', dirty tree' if m['git_dirty'] else ''}).\n" + "\n".join(memory_md(dict(s, warnings=[])))
-                + "\n\n![RSS while new clients arrive](loadtest/bench/latest-memory.png)\n")
+                + "\n\n![RSS while new clients arrive](../loadtest/bench/latest-memory.png)\n")
         text = replace_block(text, "bench-memory", body)
     bm.write_text(text)
     log(f"published {out.name} into {bm}")

@@ -9,11 +9,13 @@ use super::reader::Reader;
 /// A token shorter than this is refused: it guards bucket resets.
 const MIN_TOKEN_BYTES: usize = 16;
 
+pub const ADMIN_KEYS: &[&str] = &["token"];
+
 pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<AdminSettings> {
     let p = "admin";
     let empty = DeTable::new();
     let t = t.unwrap_or(&empty);
-    r.only_keys(p, t, &["token"]);
+    r.only_keys(p, t, ADMIN_KEYS);
     // A secret: the errors say its length, never its text.
     let token = opt(r, t, p, "token", None, |r, path, v| {
         let token = r.string(path, v)?;

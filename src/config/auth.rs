@@ -10,7 +10,9 @@ use toml::de::DeTable;
 use super::model::{JwksUrl, JwtIssuer, JwtKeys, JwtSettings};
 use super::reader::{opt, req, Reader, Value};
 
-const ISSUER_KEYS: &[&str] = &[
+pub const AUTH_KEYS: &[&str] = &["jwt"];
+pub const JWT_KEYS: &[&str] = &["issuers", "cache_max_entries"];
+pub const ISSUER_KEYS: &[&str] = &[
     "issuer",
     "jwks_url",
     "key_files",
@@ -38,13 +40,13 @@ pub(super) fn read(
     plan_names: &[String],
 ) -> Option<Option<JwtSettings>> {
     let Some(t) = t else { return Some(None) };
-    r.only_keys("auth", t, &["jwt"]);
+    r.only_keys("auth", t, AUTH_KEYS);
     let Some(v) = t.get("jwt") else {
         return Some(None);
     };
     let jwt = r.table("auth.jwt", v)?;
     let p = "auth.jwt";
-    r.only_keys(p, jwt, &["issuers", "cache_max_entries"]);
+    r.only_keys(p, jwt, JWT_KEYS);
     let cache = opt(r, jwt, p, "cache_max_entries", 100_000, |r, path, v| {
         r.int(path, v, 1, 10_000_000).map(|n| n as usize)
     });

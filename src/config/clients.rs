@@ -8,22 +8,20 @@ use super::model::Clients;
 use super::reader::Reader;
 use super::reader::{cidrs, opt};
 
+pub const CLIENTS_KEYS: &[&str] = &[
+    "trusted_proxies",
+    "ipv6_prefix_len",
+    "allow",
+    "deny",
+    "api_key_header",
+    "api_keys_file",
+];
+
 pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Clients> {
     let p = "clients";
     let empty = DeTable::new();
     let t = t.unwrap_or(&empty);
-    r.only_keys(
-        p,
-        t,
-        &[
-            "trusted_proxies",
-            "ipv6_prefix_len",
-            "allow",
-            "deny",
-            "api_key_header",
-            "api_keys_file",
-        ],
-    );
+    r.only_keys(p, t, CLIENTS_KEYS);
     let trusted = opt(r, t, p, "trusted_proxies", vec![], cidrs);
     let v6 = opt(r, t, p, "ipv6_prefix_len", 64, |r, path, v| {
         r.int(path, v, 1, 128).map(|n| n as u8)

@@ -9,6 +9,16 @@ use super::model::{AllowHeaders, Cors, OriginPattern};
 use super::reader::{opt, req};
 use super::reader::{Reader, Value};
 
+pub const CORS_KEYS: &[&str] = &[
+    "allow_origins",
+    "allow_methods",
+    "allow_headers",
+    "expose_headers",
+    "allow_credentials",
+    "max_age_secs",
+    "charge_preflight",
+];
+
 /// Reads a policy at `p`; `route_methods` are its route's (a route's own
 /// policy may not allow a method the route refuses).
 pub(super) fn read(
@@ -18,19 +28,7 @@ pub(super) fn read(
     span: &Range<usize>,
     route_methods: Option<&[String]>,
 ) -> Option<Cors> {
-    r.only_keys(
-        p,
-        t,
-        &[
-            "allow_origins",
-            "allow_methods",
-            "allow_headers",
-            "expose_headers",
-            "allow_credentials",
-            "max_age_secs",
-            "charge_preflight",
-        ],
-    );
+    r.only_keys(p, t, CORS_KEYS);
     let origins = req(r, t, p, Some(span), "allow_origins", origins);
     let methods = opt(r, t, p, "allow_methods", None, |r, path, v| {
         let items = r.strings(path, v)?;

@@ -20,6 +20,23 @@ use super::model::*;
 use super::reader::Reader;
 use super::ConfigError;
 
+pub const ROOT_KEYS: &[&str] = &[
+    "server",
+    "admin",
+    "limiter",
+    "redis",
+    "clients",
+    "tiers",
+    "plans",
+    "api_keys",
+    "upstreams",
+    "routes",
+    "cors",
+    "log",
+    "auth",
+];
+pub const TIERS_KEYS: &[&str] = &["ip"];
+
 /// Parses and validates a whole file; on failure returns every problem found.
 pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, Vec<ConfigError>> {
     let root = match DeTable::parse(src) {
@@ -33,25 +50,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
     };
     let mut r = Reader::new(src);
     let root = root.get_ref();
-    r.only_keys(
-        "",
-        root,
-        &[
-            "server",
-            "admin",
-            "limiter",
-            "redis",
-            "clients",
-            "tiers",
-            "plans",
-            "api_keys",
-            "upstreams",
-            "routes",
-            "cors",
-            "log",
-            "auth",
-        ],
-    );
+    r.only_keys("", root, ROOT_KEYS);
 
     let server = section(&mut r, root, "server", true).map(|t| super::server::read(&mut r, t));
     let admin_t = section(&mut r, root, "admin", false);
@@ -64,7 +63,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
     let clients_t = section(&mut r, root, "clients", false);
     let clients = super::clients::read(&mut r, clients_t);
     let ip_tier = section(&mut r, root, "tiers", false).and_then(|t| {
-        r.only_keys("tiers", t, &["ip"]);
+        r.only_keys("tiers", t, TIERS_KEYS);
         let v = t.get("ip")?;
         let ip = r.table("tiers.ip", v)?;
         limit(&mut r, "tiers.ip", ip, &v.span(), false)

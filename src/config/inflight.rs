@@ -79,11 +79,13 @@ pub(super) fn read(
     }))
 }
 
+pub const ADAPTIVE_KEYS: &[&str] = &["enabled", "min", "max"];
+
 /// `adaptive = { enabled = true, min = 8, max = 256 }`: `Some(None)` when
 /// not enabled.
 fn adaptive(r: &mut Reader<'_>, p: &str, v: &Value<'_>) -> Option<Option<(u32, u32)>> {
     let t = r.table(p, v)?;
-    r.only_keys(p, t, &["enabled", "min", "max"]);
+    r.only_keys(p, t, ADAPTIVE_KEYS);
     let enabled = opt(r, t, p, "enabled", true, |r, path, v| r.boolean(path, v));
     let min = opt(r, t, p, "min", 1, |r, path, v| r.int(path, v, 1, 1 << 20));
     let max = opt(r, t, p, "max", 1000, |r, path, v| {

@@ -9,6 +9,21 @@ use super::model::{
 use super::reader::opt;
 use super::reader::Reader;
 
+pub const LIMITER_KEYS: &[&str] = &[
+    "backend",
+    "on_redis_failure",
+    "instances",
+    "headers",
+    "retry_after_jitter_ms",
+    "local_max_entries",
+    "leases",
+    "shares",
+    "quota_time_zone",
+    "quota_retention_days",
+];
+pub const LEASES_KEYS: &[&str] = &["enabled", "period_ms"];
+pub const SHARES_KEYS: &[&str] = &["enabled", "fraction"];
+
 pub(super) fn read(
     r: &mut Reader<'_>,
     t: Option<&DeTable<'_>>,
@@ -17,22 +32,7 @@ pub(super) fn read(
     let p = "limiter";
     let empty = DeTable::new();
     let t = t.unwrap_or(&empty);
-    r.only_keys(
-        p,
-        t,
-        &[
-            "backend",
-            "on_redis_failure",
-            "instances",
-            "headers",
-            "retry_after_jitter_ms",
-            "local_max_entries",
-            "leases",
-            "shares",
-            "quota_time_zone",
-            "quota_retention_days",
-        ],
-    );
+    r.only_keys(p, t, LIMITER_KEYS);
     // With a [redis] section the operator means Redis; without one, local.
     let default_backend = if has_redis {
         Backend::Redis
@@ -105,7 +105,7 @@ pub(super) fn read(
 
 fn leases(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<LeaseSettings> {
     let p = "limiter.leases";
-    r.only_keys(p, t, &["enabled", "period_ms"]);
+    r.only_keys(p, t, LEASES_KEYS);
     let d = LeaseSettings::default();
     let enabled = opt(r, t, p, "enabled", d.enabled, |r, path, v| {
         r.boolean(path, v)
@@ -123,7 +123,7 @@ fn leases(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<LeaseSettings> {
 
 fn shares(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<SharesSettings> {
     let p = "limiter.shares";
-    r.only_keys(p, t, &["enabled", "fraction"]);
+    r.only_keys(p, t, SHARES_KEYS);
     let d = SharesSettings::default();
     let enabled = opt(r, t, p, "enabled", d.enabled, |r, path, v| {
         r.boolean(path, v)

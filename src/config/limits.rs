@@ -11,6 +11,26 @@ use super::reader::{join, Reader, Value};
 use super::reader::{name, opt, req};
 use super::rules;
 
+/// Every limit table's keys (`tiers.ip`, a route's `limit` and `limit_by_plan`).
+pub const LIMIT_KEYS: &[&str] = &["algorithm", "shadow"];
+/// A route limit's keys beside those (a tier has no scope or key of its own).
+pub const ROUTE_LIMIT_KEYS: &[&str] = &["scope", "key", "missing", "cost", "shards"];
+pub const TOKEN_BUCKET_KEYS: &[&str] = &["capacity", "refill_per_sec"];
+pub const LEAKY_BUCKET_KEYS: &[&str] = &["rate_per_sec", "max_delay_ms"];
+/// `fixed_window`, `sliding_window` and `sliding_log`.
+pub const WINDOW_KEYS: &[&str] = &["limit", "window_secs"];
+pub const PLAN_KEYS: &[&str] = &["capacity", "refill_per_sec", "quotas", "priority"];
+pub const QUOTA_KEYS: &[&str] = &["limit", "period"];
+pub const API_KEY_KEYS: &[&str] = &[
+    "id",
+    "key",
+    "sha256",
+    "plan",
+    "quotas",
+    "capacity",
+    "refill_per_sec",
+];
+
 /// An algorithm table: `algorithm` plus its own parameters (others are unknown keys).
 pub(super) fn limit(
     r: &mut Reader<'_>,
@@ -40,14 +60,14 @@ pub(super) fn limit(
             ],
         )
     })?;
-    let mut keys = vec!["algorithm", "shadow"];
+    let mut keys = LIMIT_KEYS.to_vec();
     if with_scope {
-        keys.extend_from_slice(&["scope", "key", "missing", "cost", "shards"]);
+        keys.extend_from_slice(ROUTE_LIMIT_KEYS);
     }
     keys.extend_from_slice(match kind {
-        Kind::Token => &["capacity", "refill_per_sec"][..],
-        Kind::Leaky => &["rate_per_sec", "max_delay_ms"],
-        Kind::Fixed | Kind::Sliding | Kind::Log => &["limit", "window_secs"],
+        Kind::Token => TOKEN_BUCKET_KEYS,
+        Kind::Leaky => LEAKY_BUCKET_KEYS,
+        Kind::Fixed | Kind::Sliding | Kind::Log => WINDOW_KEYS,
     });
     r.only_keys(p, t, &keys);
     let count = |r: &mut Reader<'_>, path: &str, v: &Value<'_>| r.int(path, v, 1, 1 << 40);
@@ -289,11 +309,7 @@ pub(super) fn plans(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<BTree
             ok = false;
             continue;
         };
-        r.only_keys(
-            &p,
-            pt,
-            &["capacity", "refill_per_sec", "quotas", "priority"],
-        );
+        r.only_keys(&p, pt, PLAN_KEYS);
         let priority = opt(r, pt, &p, "priority", 0, |r, path, v| {
             r.int(path, v, 0, 1_000_000).map(|n| n as i64)
         });
@@ -335,7 +351,7 @@ fn quotas(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<Quota>> {
             ok = false;
             continue;
         };
-        r.only_keys(&at, qt, &["limit", "period"]);
+        r.only_keys(&at, qt, QUOTA_KEYS);
         let span = item.span();
         let limit = req(r, qt, &at, Some(&span), "limit", |r, path, v| {
             r.int(path, v, 1, rules::MAX_COUNT)
@@ -364,19 +380,7 @@ pub(super) fn api_key(
     span: &Range<usize>,
     plans: &[String],
 ) -> Option<ApiKey> {
-    r.only_keys(
-        p,
-        t,
-        &[
-            "id",
-            "key",
-            "sha256",
-            "plan",
-            "quotas",
-            "capacity",
-            "refill_per_sec",
-        ],
-    );
+    r.only_keys(p, t, API_KEY_KEYS);
     // Read before the rest, reported with it: None inside means invalid.
     let own_quotas = t.get("quotas").map(|v| quotas(r, &join(p, "quotas"), v));
     let own_burst = burst(r, p, t, span);

@@ -9,6 +9,7 @@ mod clients;
 mod cors;
 mod file;
 mod inflight;
+pub mod keys;
 mod limiter;
 mod limits;
 mod log;

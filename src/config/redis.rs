@@ -7,23 +7,21 @@ use super::model::{RedisMode, RedisSettings, Secret, Spelled};
 use super::reader::Reader;
 use super::reader::{name, opt, req};
 
+pub const REDIS_KEYS: &[&str] = &[
+    "mode",
+    "urls",
+    "sentinel_master",
+    "timeout_ms",
+    "probe_interval_ms",
+    "key_prefix",
+    "ca_file",
+    "password",
+    "password_file",
+];
+
 pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<RedisSettings> {
     let p = "redis";
-    r.only_keys(
-        p,
-        t,
-        &[
-            "mode",
-            "urls",
-            "sentinel_master",
-            "timeout_ms",
-            "probe_interval_ms",
-            "key_prefix",
-            "ca_file",
-            "password",
-            "password_file",
-        ],
-    );
+    r.only_keys(p, t, REDIS_KEYS);
     let mode = opt(r, t, p, "mode", RedisMode::Standalone, |r, path, v| {
         r.choice(path, v, RedisMode::SPELLINGS)
     });

@@ -16,6 +16,27 @@ pub(super) const METHODS: &[&str] = &[
     "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
 ];
 
+pub const ROUTE_KEYS: &[&str] = &[
+    "name",
+    "path_prefix",
+    "methods",
+    "upstream",
+    "require_api_key",
+    "limit",
+    "limit_by_plan",
+    "host",
+    "strip_prefix",
+    "timeout_ms",
+    "retries",
+    "max_request_body_bytes",
+    "cors",
+    "max_in_flight",
+    "queue",
+    "queue_timeout_ms",
+    "pool_max_in_flight",
+    "max_in_flight_per_client",
+];
+
 pub(super) fn route(
     r: &mut Reader<'_>,
     p: &str,
@@ -24,30 +45,7 @@ pub(super) fn route(
     upstreams: &[String],
     plans: &[String],
 ) -> Option<Route> {
-    r.only_keys(
-        p,
-        t,
-        &[
-            "name",
-            "path_prefix",
-            "methods",
-            "upstream",
-            "require_api_key",
-            "limit",
-            "limit_by_plan",
-            "host",
-            "strip_prefix",
-            "timeout_ms",
-            "retries",
-            "max_request_body_bytes",
-            "cors",
-            "max_in_flight",
-            "queue",
-            "queue_timeout_ms",
-            "pool_max_in_flight",
-            "max_in_flight_per_client",
-        ],
-    );
+    r.only_keys(p, t, ROUTE_KEYS);
     let in_flight = super::inflight::read(r, p, t, false);
     let per_client = opt(r, t, p, "max_in_flight_per_client", None, |r, path, v| {
         r.int(path, v, 1, 1 << 20).map(|n| Some(n as u32))

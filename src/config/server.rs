@@ -7,24 +7,22 @@ use super::model::Server;
 use super::reader::Reader;
 use super::reader::{non_empty, opt, req, socket_addr};
 
+pub const SERVER_KEYS: &[&str] = &[
+    "listen",
+    "admin_listen",
+    "threads",
+    "grace_period_secs",
+    "max_request_header_bytes",
+    "max_request_headers",
+    "header_read_timeout_ms",
+    "startup_redis_wait_ms",
+    "h2c",
+    "tls",
+];
+
 pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<Server> {
     let p = "server";
-    r.only_keys(
-        p,
-        t,
-        &[
-            "listen",
-            "admin_listen",
-            "threads",
-            "grace_period_secs",
-            "max_request_header_bytes",
-            "max_request_headers",
-            "header_read_timeout_ms",
-            "startup_redis_wait_ms",
-            "h2c",
-            "tls",
-        ],
-    );
+    r.only_keys(p, t, SERVER_KEYS);
     let listen = req(r, t, p, None, "listen", |r, path, v| {
         non_empty(r, path, v, "listen address", socket_addr)
     });

@@ -13,10 +13,13 @@ use super::model::{CertificateFiles, TlsListeners};
 use super::reader::Reader;
 use super::reader::{non_empty, req, socket_addr};
 
+pub const TLS_KEYS: &[&str] = &["listen", "certificates"];
+pub const CERTIFICATE_KEYS: &[&str] = &["cert_file", "key_file"];
+
 /// The section, or `None` once a problem has been reported.
 pub fn read(r: &mut Reader<'_>, t: &DeTable<'_>, span: &Range<usize>) -> Option<TlsListeners> {
     let p = "server.tls";
-    r.only_keys(p, t, &["listen", "certificates"]);
+    r.only_keys(p, t, TLS_KEYS);
     let listen = req(r, t, p, Some(span), "listen", |r, path, v| {
         non_empty(r, path, v, "listen address", socket_addr)
     });
@@ -36,7 +39,7 @@ pub fn read(r: &mut Reader<'_>, t: &DeTable<'_>, span: &Range<usize>) -> Option<
             .map(|(i, item)| {
                 let at = format!("{path}[{i}]");
                 let ct = r.table(&at, item)?;
-                r.only_keys(&at, ct, &["cert_file", "key_file"]);
+                r.only_keys(&at, ct, CERTIFICATE_KEYS);
                 let file = |r: &mut Reader<'_>, key: &str| {
                     req(r, ct, &at, Some(&item.span()), key, |r, path, v| {
                         r.file_path(path, v)

@@ -9,33 +9,31 @@ use super::model::{Spelled, Upstream, UpstreamProtocol};
 use super::reader::{host_port, name, non_empty, opt, req};
 use super::reader::{join, Reader};
 
+pub const UPSTREAM_KEYS: &[&str] = &[
+    "name",
+    "servers",
+    "health_check_path",
+    "connect_timeout_ms",
+    "read_timeout_ms",
+    "protocol",
+    "tls",
+    "sni",
+    "ca_file",
+    "verify",
+    "max_in_flight",
+    "queue",
+    "queue_timeout_ms",
+    "pool_max_in_flight",
+    "adaptive",
+];
+
 pub(super) fn read(
     r: &mut Reader<'_>,
     p: &str,
     t: &DeTable<'_>,
     span: &Range<usize>,
 ) -> Option<Upstream> {
-    r.only_keys(
-        p,
-        t,
-        &[
-            "name",
-            "servers",
-            "health_check_path",
-            "connect_timeout_ms",
-            "read_timeout_ms",
-            "protocol",
-            "tls",
-            "sni",
-            "ca_file",
-            "verify",
-            "max_in_flight",
-            "queue",
-            "queue_timeout_ms",
-            "pool_max_in_flight",
-            "adaptive",
-        ],
-    );
+    r.only_keys(p, t, UPSTREAM_KEYS);
     let in_flight = super::inflight::read(r, p, t, true);
     let uname = req(r, t, p, Some(span), "name", name);
     let servers = req(r, t, p, Some(span), "servers", |r, path, v| {

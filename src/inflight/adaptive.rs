@@ -1132,7 +1132,7 @@ mod tests {
         }
     }
 
-    /// The known limit (README): service times with a long tail of their
+    /// The known limit (docs/design/adaptive-concurrency.md): service times with a long tail of their
     /// own (exponential, mean 50 ms: a fifth of answers take half again
     /// the mean with no queue) read partly as a queue. What share of the
     /// workers it keeps busy, as a floor that must not get worse.

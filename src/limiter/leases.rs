@@ -66,7 +66,7 @@ pub const MIN_GRANT: u64 = 4;
 /// tenth, renewals are a sixth fewer, but on a loaded machine a tenth of a
 /// period was not always enough: 1.4 % of a hot client's requests found
 /// their lease empty and went to Redis, against 0.3 % at a quarter, and
-/// they cost Redis more than the renewals saved: BENCHMARKS.md.)
+/// they cost Redis more than the renewals saved: docs/benchmarks.md.)
 fn running_low(tokens: u64, demand: u64) -> bool {
     tokens <= demand / 4
 }

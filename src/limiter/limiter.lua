@@ -76,7 +76,7 @@ the grant (its floor): until then no request can have found that bucket
 full, so the tokens come back exactly, and the return is refused after it.
 A bucket reset while the lease was out is told from its state only when its
 count or TAT is lower than the lease left it: a reset bucket spent past that
-point may take back a lease from before the reset (README).
+point may take back a lease from before the reset (docs/design/leases.md).
 
 A quota's leases are also booked in a ledger beside its count: the hash
 `{<bucket>}:leases` (the bucket's own slot in a cluster), one field per holder,
@@ -93,7 +93,7 @@ the next call that reads the ledger: one that leases the bucket, or one
 that might be refused by it (the count plus the batch's cost there is over
 the limit). Tokens it spent after its last report are given back with them:
 the over-admission a killed replica can cause is what it spent in its last
-report interval (the README). A holder only cut off reports them when it is
+report interval (docs/design/quota-ledger.md). A holder only cut off reports them when it is
 back, and spending beyond what it holds is charged to the count again.
 algorithms/lease.rs is the model.
 ]]

@@ -444,7 +444,7 @@ mod tests {
     /// interval the pool and the shares together admit at most capacity +
     /// rate × its length. (With more live replicas than `instances`, a
     /// replica cut off from Redis has no slot kept: the bound is held with
-    /// cut-offs only up to `instances` replicas, as the README says.)
+    /// cut-offs only up to `instances` replicas, as docs/design/standing-shares.md says.)
     #[test]
     fn pool_and_shares_never_pass_the_bound_as_replicas_come_and_go() {
         const MS: Micros = 1000;
