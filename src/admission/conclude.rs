@@ -149,7 +149,7 @@ pub(super) fn headers(
     if style.x_ratelimit() {
         let reset_at = (now_us.max(0) as u64 + reset_us).div_ceil(1_000_000);
         // A sub-bucket of a split global limit speaks for the whole: its
-        // share times the shards (remaining: an estimate, see README).
+        // share times the shards (remaining: an estimate, see docs/operator/limits.md).
         out.push(("x-ratelimit-limit", HeaderValue::from(d.limit * c.shards)));
         out.push((
             "x-ratelimit-remaining",
