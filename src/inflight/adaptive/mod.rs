@@ -82,7 +82,7 @@ use std::collections::VecDeque;
 use crate::clock::Micros;
 
 pub use probe::Probe;
-use probe::Requests;
+use probe::{Probing, Requests};
 
 /// The queueing delay tolerated, as a share of the unloaded round trip,
 /// and the most a limit grows by in an interval.
@@ -121,17 +121,15 @@ pub struct Gradient {
     limit: f64,
     min: u32,
     max: u32,
-    /// This interval's round trips (µs) and the most requests in flight
-    /// while they ran.
-    samples: Vec<(u64, u32)>,
+    /// This interval's round trips, and the most requests in flight while
+    /// they ran.
+    samples: Vec<Sample>,
     busiest: u32,
     /// Requests of this interval that failed (5xx, timeouts).
     failures: usize,
     started: Micros,
-    /// Interval means remembered: (when, mean µs, the most in flight, the
-    /// standard error of that mean and the standard deviation of its round
-    /// trips, in µs).
-    means: VecDeque<(Micros, u64, u32, f64, f64)>,
+    /// Interval means remembered, oldest first.
+    means: VecDeque<Mean>,
     /// The standard deviation of the round trips that set the unloaded one.
     min_sd: f64,
     /// Doubling each interval until the first queue shows; whether this
@@ -141,32 +139,28 @@ pub struct Gradient {
     /// The last limit that showed no queue: a slow start from `min` stops
     /// there (TCP's ssthresh), the server's workers being what it was.
     good: f64,
-    /// The previous interval: the mean concurrency its requests were sent
-    /// at, its mean round trip, and whether it ran at a higher limit than
-    /// the one before it.
-    prev: Option<(f64, u64, bool)>,
+    /// The previous interval.
+    prev: Option<PastInterval>,
     /// The limit the last interval ran at.
     ran_at: f64,
     /// Intervals in a row that showed no queue.
     calm: u32,
-    /// The interval before a run of queued ones began: its concurrency and
-    /// round trip.
-    slide: Option<(f64, u64, bool)>,
+    /// The interval before a run of queued ones began.
+    slide: Option<PastInterval>,
     /// Calm intervals needed before the next probe past what it knew;
-    /// the limit the current interval probes from, when it is a probe,
-    /// and how far.
+    /// the probe the current interval is, if it is one.
     probe_every: u32,
-    probing: Option<(f64, f64)>,
+    probing: Option<Probing>,
     /// A probe of requests, under way (a small limit's: the limit stays
     /// and requests go past it), and the count that names each.
     requests: Option<Requests>,
     probes_started: u32,
     /// The level probes last found room at, and how many times in a row.
-    wins: (f64, u32),
+    wins: Streak,
     /// The concurrency the last queue showed at, and when; the most
     /// requests in flight that last showed no queue at full use, and when.
-    queued_at: Option<(f64, Micros)>,
-    best: (f64, Micros),
+    queued_at: Option<Mark>,
+    best: Mark,
     /// Queues shown at `best` (not probing) since it was last set: two
     /// refute it (it was a pair of calm intervals by luck, or a probe's),
     /// and it is one less, once: the level set is known good or one past.
@@ -174,7 +168,7 @@ pub struct Gradient {
     best_set: f64,
     /// The limit of the last intervals that showed no queue at full use,
     /// and how many in a row.
-    calm_run: (f64, u32),
+    calm_run: Streak,
     /// The next step of a climb above where the last queue showed.
     climb: f64,
     last: Estimate,
@@ -187,6 +181,66 @@ pub struct Estimate {
     /// The unloaded round trip and the last interval's, in µs.
     pub min_rtt_us: u64,
     pub sample_rtt_us: u64,
+}
+
+/// One request's round trip (µs), and the requests in flight when it was
+/// sent (itself included).
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    rtt_us: u64,
+    in_flight: u32,
+}
+
+/// An interval's mean round trip, remembered toward the unloaded one.
+#[derive(Debug, Clone, Copy)]
+struct Mean {
+    /// When the interval ended.
+    at: Micros,
+    rtt_us: u64,
+    /// The most requests in flight while its round trips ran.
+    busiest: u32,
+    /// The standard error of the mean, and the standard deviation of the
+    /// round trips, in µs.
+    se: f64,
+    sd: f64,
+}
+
+/// An interval gone by, which a slower server is told from a queue by.
+#[derive(Debug, Clone, Copy)]
+struct PastInterval {
+    /// The mean concurrency its requests were sent at.
+    sent_at: f64,
+    /// Its mean round trip (µs).
+    rtt_us: u64,
+    /// Whether it ran at a higher limit than the one before it.
+    grew: bool,
+}
+
+/// A level of concurrency, and when it was seen.
+#[derive(Debug, Clone, Copy)]
+struct Mark {
+    level: f64,
+    when: Micros,
+}
+
+/// A level, and how many times in a row it was found so.
+#[derive(Debug, Clone, Copy, Default)]
+struct Streak {
+    level: f64,
+    count: u32,
+}
+
+impl Streak {
+    /// Once more at `level` (the first time, if the last was another
+    /// level); how many times in a row now.
+    fn add(&mut self, level: f64) -> u32 {
+        if self.level == level {
+            self.count += 1;
+        } else {
+            *self = Streak { level, count: 1 };
+        }
+        self.count
+    }
 }
 
 impl Gradient {
@@ -216,12 +270,15 @@ impl Gradient {
             probing: None,
             requests: None,
             probes_started: 0,
-            wins: (0.0, 0),
+            wins: Streak::default(),
             queued_at: None,
-            best: (0.0, now),
+            best: Mark {
+                level: 0.0,
+                when: now,
+            },
             queued_at_best: 0,
             best_set: 0.0,
-            calm_run: (0.0, 0),
+            calm_run: Streak::default(),
             climb: 1.0,
             last: Estimate {
                 limit,
@@ -242,7 +299,10 @@ impl Gradient {
     /// sent (itself included). Returns the new estimate when this sample
     /// closed an interval.
     pub fn sample(&mut self, now: Micros, rtt_us: u64, in_flight: u32) -> Option<Estimate> {
-        self.samples.push((rtt_us.max(1), in_flight));
+        self.samples.push(Sample {
+            rtt_us: rtt_us.max(1),
+            in_flight,
+        });
         self.busiest = self.busiest.max(in_flight);
         self.close_if_due(now)
     }
@@ -316,24 +376,21 @@ impl Gradient {
         // is enough, else the mix hid a slower server at 4 workers of
         // 200 ms for an interval, and the limit fell to 1.)
         // (A probe's requests went past the limit, as far as it probed.)
-        let limit = self
-            .probing
-            .map_or(self.last.limit, |(_, to)| to as u32)
-            .max(1);
-        let fresh = self.samples.iter().filter(|s| s.1 <= limit).count();
+        let limit = self.probing.map_or(self.last.limit, |p| p.to as u32).max(1);
+        let fresh = self.samples.iter().filter(|s| s.in_flight <= limit).count();
         if fresh >= (limit as usize).clamp(2, MIN_SAMPLES / 2) && fresh < self.samples.len() {
-            self.samples.retain(|s| s.1 <= limit);
-            self.busiest = self.samples.iter().map(|s| s.1).max().unwrap_or(0);
+            self.samples.retain(|s| s.in_flight <= limit);
+            self.busiest = self.samples.iter().map(|s| s.in_flight).max().unwrap_or(0);
         }
         // Still mixed with the old limit's: no verdict on a slower server.
-        let mixed = self.samples.iter().any(|s| s.1 > limit);
+        let mixed = self.samples.iter().any(|s| s.in_flight > limit);
         let n = self.samples.len() as f64;
-        let sample = self.samples.iter().map(|s| s.0).sum::<u64>() / self.samples.len() as u64;
-        let sent_at = self.samples.iter().map(|s| s.1 as f64).sum::<f64>() / n;
+        let sample = self.samples.iter().map(|s| s.rtt_us).sum::<u64>() / self.samples.len() as u64;
+        let sent_at = self.samples.iter().map(|s| s.in_flight as f64).sum::<f64>() / n;
         let var = self
             .samples
             .iter()
-            .map(|&(x, _)| (x as f64 - sample as f64).powi(2))
+            .map(|s| (s.rtt_us as f64 - sample as f64).powi(2))
             .sum::<f64>()
             / (n - 1.0).max(1.0);
         let se = (var / n).sqrt();
@@ -343,12 +400,17 @@ impl Gradient {
         if self.busiest <= self.min {
             self.means.clear();
         }
-        self.means
-            .push_back((now, sample, self.busiest, se, var.sqrt()));
+        self.means.push_back(Mean {
+            at: now,
+            rtt_us: sample,
+            busiest: self.busiest,
+            se,
+            sd: var.sqrt(),
+        });
         // Old means go once one measured no busier came after them.
-        while let Some(&(t, _, busy, ..)) = self.means.front() {
-            let stale =
-                now - t > MIN_RTT_WINDOW_US && self.means.iter().skip(1).any(|m| m.2 <= busy);
+        while let Some(&Mean { at, busiest, .. }) = self.means.front() {
+            let stale = now - at > MIN_RTT_WINDOW_US
+                && self.means.iter().skip(1).any(|m| m.busiest <= busiest);
             if !stale && self.means.len() <= MAX_MEANS {
                 break;
             }
@@ -364,7 +426,7 @@ impl Gradient {
         // or two intervals instead of falling to `min` and starting over.
         // Or: at half the workers it knew, where no queue can form while
         // it keeps them, the round trip is half again the unloaded one.
-        let stale_min = self.means.iter().map(|m| m.1).min().unwrap_or(sample);
+        let stale_min = self.means.iter().map(|m| m.rtt_us).min().unwrap_or(sample);
         // The same over a slide of several intervals (each shrinking a
         // little: a host whose own CPU is saturated slows every round trip
         // a bit more), from the last interval before it began.
@@ -373,10 +435,10 @@ impl Gradient {
         // trip lags its concurrency (a slow start's 8 -> 16 showed 103 ms
         // over a 100 ms server, the 10 after it 139 ms: read as a slower
         // server, that queue became the unloaded round trip).
-        let refuted = |(c, rtt, grew): (f64, u64, bool)| {
-            !grew
-                && sent_at <= 0.75 * c
-                && sample as f64 >= 0.8 * rtt as f64
+        let refuted = |p: PastInterval| {
+            !p.grew
+                && sent_at <= 0.75 * p.sent_at
+                && sample as f64 >= 0.8 * p.rtt_us as f64
                 && self.limit < self.good
         };
         let slower = !mixed && (self.prev.is_some_and(refuted) || self.slide.is_some_and(refuted))
@@ -385,20 +447,29 @@ impl Gradient {
                 && sample as f64 >= 1.5 * stale_min as f64);
         if slower {
             self.means.clear();
-            self.means
-                .push_back((now, sample, self.busiest, se, var.sqrt()));
+            self.means.push_back(Mean {
+                at: now,
+                rtt_us: sample,
+                busiest: self.busiest,
+                se,
+                sd: var.sqrt(),
+            });
             self.slow_start = true;
             self.slow_held = false;
             self.slide = None;
         }
         let grew = self.limit > self.ran_at;
         self.ran_at = self.limit;
-        let prev = self.prev.replace((sent_at, sample, grew));
+        let prev = self.prev.replace(PastInterval {
+            sent_at,
+            rtt_us: sample,
+            grew,
+        });
         let (min_rtt, min_se, min_sd) = self
             .means
             .iter()
-            .min_by_key(|m| m.1)
-            .map_or((sample, se, var.sqrt()), |m| (m.1, m.3, m.4));
+            .min_by_key(|m| m.rtt_us)
+            .map_or((sample, se, var.sqrt()), |m| (m.rtt_us, m.se, m.sd));
         self.min_sd = min_sd;
         // What the interval's mean may exceed the unloaded round trip by
         // with no queue: BUFFER, and the noise of such a mean (two standard
@@ -438,10 +509,13 @@ impl Gradient {
         let (probe, requests) = self.end_probe();
         // A probe of requests tested as far past as it had out at once.
         let probe = match (probe, requests) {
-            (Some((from, _)), Some(r)) => Some((from, from.floor() + r.most_out as f64)),
+            (Some(Probing { from, .. }), Some(r)) => Some(Probing {
+                from,
+                to: from.floor() + r.most_out as f64,
+            }),
             (p, _) => p,
         };
-        let probed = probe.map(|(from, _)| from);
+        let probed = probe.map(|p| p.from);
         // One request past N workers is a standing queue of one: by Little's
         // law every round trip then waits 1/N of one on average. Half that
         // is tolerated (at 4 workers a probe's 1.25x mean once passed for
@@ -453,13 +527,13 @@ impl Gradient {
         // upstream failed it, no moment came to send it) tells nothing.
         let verdict = probed.and_then(|from| {
             if let Some(r) = requests {
-                return (r.votes.1 > 0).then_some(r.votes.0 * 3 > r.votes.1);
+                return (r.votes.judged > 0).then_some(r.votes.queued * 3 > r.votes.judged);
             }
             let (sum, n) = self
                 .samples
                 .iter()
-                .filter(|s| s.1 as f64 > from.floor())
-                .fold((0u64, 0u64), |(sum, n), s| (sum + s.0, n + 1));
+                .filter(|s| s.in_flight as f64 > from.floor())
+                .fold((0u64, 0u64), |(sum, n), s| (sum + s.rtt_us, n + 1));
             let queue_of_half = QUEUE_TOLERATED / from.floor().max(1.0);
             (n > 0).then(|| sum as f64 / n as f64 > min_rtt as f64 * (1.0 + queue_of_half) + noise)
         });
@@ -474,7 +548,7 @@ impl Gradient {
         // queue at 0. The interval after it starts the slide instead.
         if !queued {
             self.slide = None;
-        } else if self.slide.is_none() && prev.is_some_and(|p| !p.2) {
+        } else if self.slide.is_none() && prev.is_some_and(|p| !p.grew) {
             self.slide = prev;
         }
         if queued {
@@ -491,14 +565,14 @@ impl Gradient {
                 (sample as f64) <= min_rtt as f64 * (1.0 + 1.5 / sent_at.max(1.0)) + noise;
             if about_one
                 && probed.is_none()
-                && self.best.0 > self.min as f64
-                && self.best.0 <= SMALL_LEVEL
-                && self.best.0 >= self.best_set
-                && sent_at >= self.best.0 - 0.5
+                && self.best.level > self.min as f64
+                && self.best.level <= SMALL_LEVEL
+                && self.best.level >= self.best_set
+                && sent_at >= self.best.level - 0.5
             {
                 self.queued_at_best += 1;
                 if self.queued_at_best >= 2 {
-                    self.best.0 -= 1.0;
+                    self.best.level -= 1.0;
                     self.queued_at_best = 0;
                 }
             }
@@ -507,52 +581,51 @@ impl Gradient {
             // (A probe that found it: where it went, not the limit.)
             let at = probe
                 .filter(|_| probe_failed && requests.is_some())
-                .map_or(sent_at, |(_, to)| to);
-            self.queued_at = Some((at, now));
-            self.calm_run = (0.0, 0);
-            self.wins = (0.0, 0);
+                .map_or(sent_at, |p| p.to);
+            self.queued_at = Some(Mark {
+                level: at,
+                when: now,
+            });
+            self.calm_run = Streak::default();
+            self.wins = Streak::default();
             if probed.is_some() {
                 self.probe_every = (self.probe_every * 2).clamp(PROBE_EVERY, PROBE_EVERY_MAX);
             }
         } else if full {
             let at = self.limit.floor();
-            if let Some((from, to)) = probe.filter(|_| verdict == Some(false)) {
+            if let Some(Probing { from, to }) = probe.filter(|_| verdict == Some(false)) {
                 let at = to.floor();
                 // Room past what it knew. The next probe comes in half the
                 // wait, to this level again until it found room here twice
                 // (once may be luck: a server's workers that free up out of
                 // step take one more without a queue for a while), then
                 // twice as far.
-                self.wins = if self.wins.0 == at {
-                    (at, self.wins.1 + 1)
-                } else {
-                    (at, 1)
-                };
-                if self.wins.1 >= 2 {
+                if self.wins.add(at) >= 2 {
                     (self.queued_at_best, self.best_set) = (0, at);
-                    self.best = (at, now);
+                    self.best = Mark {
+                        level: at,
+                        when: now,
+                    };
                     // (At least twice as far as it went: a probe of
                     // requests goes only as far as arrivals let it.)
                     self.climb = (2.0 * self.climb).max(2.0 * (at - from.floor()));
-                    self.wins = (0.0, 0);
+                    self.wins = Streak::default();
                 }
                 self.probe_every = (self.probe_every / 2).max(2);
             } else {
                 // The most it knew calm: two intervals in a row at that
                 // limit, forgotten after a window with none as high (a
                 // server that lost workers).
-                self.calm_run = if self.calm_run.0 == at {
-                    (at, self.calm_run.1 + 1)
-                } else {
-                    (at, 1)
-                };
-                if self.calm_run.1 >= 2
-                    && (at >= self.best.0 || now - self.best.1 > MIN_RTT_WINDOW_US)
+                if self.calm_run.add(at) >= 2
+                    && (at >= self.best.level || now - self.best.when > MIN_RTT_WINDOW_US)
                 {
-                    if at != self.best.0 {
+                    if at != self.best.level {
                         (self.queued_at_best, self.best_set) = (0, at);
                     }
-                    self.best = (at, now);
+                    self.best = Mark {
+                        level: at,
+                        when: now,
+                    };
                 }
             }
         }
@@ -577,13 +650,13 @@ impl Gradient {
         } else if let Some(from) = probed {
             // A probe is an excursion, for two round trips: back to where it
             // started (or to the level it just confirmed).
-            from.max(self.best.0)
-        } else if self.limit.floor() < self.best.0 {
+            from.max(self.best.level)
+        } else if self.limit.floor() < self.best.level {
             // Below what it knew calm: back up to it, a request at least a
             // step (a twentieth of a small limit is less than one).
             (self.limit * gradient)
                 .max(self.limit.floor() + 1.0)
-                .min(self.best.0)
+                .min(self.best.level)
         } else {
             // Past it only by probes, once every `probe_every` calm
             // intervals: one past the workers is a queue of one, and
@@ -599,13 +672,20 @@ impl Gradient {
             if self.calm >= self.probe_every && full && at < self.max as f64 {
                 self.calm = 0;
                 let mut to = at + self.climb;
-                if let Some((queued, when)) = self.queued_at {
+                if let Some(Mark {
+                    level: queued,
+                    when,
+                }) = self.queued_at
+                {
                     if now - when <= MIN_RTT_WINDOW_US {
                         to = to.min(queued.round() - 1.0);
                     }
                 }
                 let to = to.max(at + 1.0).min(self.max as f64);
-                self.probing = Some((self.limit, to));
+                self.probing = Some(Probing {
+                    from: self.limit,
+                    to,
+                });
                 // Where one request past the workers is a tenth or more of
                 // everyone's round trip: requests, not a limit, if the
                 // round trips are steady enough to time them by (under a

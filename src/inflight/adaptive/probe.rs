@@ -19,8 +19,22 @@ pub(super) struct Requests {
     /// The most that were out at once: the level it tested is that far
     /// past the limit.
     pub(super) most_out: u32,
-    /// Of those back: (found a queue, judged).
-    pub(super) votes: (u32, u32),
+    pub(super) votes: Votes,
+}
+
+/// Of a probe's requests that are back: how many found a queue, of how
+/// many judged.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Votes {
+    pub(super) queued: u32,
+    pub(super) judged: u32,
+}
+
+/// A probe under way: the limit it started from, and the level it tests.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Probing {
+    pub(super) from: f64,
+    pub(super) to: f64,
 }
 
 /// A request sent past the limit as a probe's: which probe, and the wait
@@ -37,7 +51,10 @@ impl Gradient {
     #[cfg(test)]
     pub(crate) fn start_probe(&mut self, past: u32, min_rtt_us: u64) {
         self.last.min_rtt_us = min_rtt_us;
-        self.probing = Some((self.limit, self.limit.floor() + past as f64));
+        self.probing = Some(Probing {
+            from: self.limit,
+            to: self.limit.floor() + past as f64,
+        });
         self.start_requests(past);
     }
 
@@ -50,7 +67,7 @@ impl Gradient {
             unsent: past + PROBE_ROUNDS - 1,
             out: 0,
             most_out: 0,
-            votes: (0, 0),
+            votes: Votes::default(),
         });
     }
 
@@ -97,9 +114,9 @@ impl Gradient {
             return;
         };
         r.out = r.out.saturating_sub(1);
-        r.votes.1 += 1;
+        r.votes.judged += 1;
         if rtt_us as f64 - min_rtt > probe.expected_us as f64 / 2.0 {
-            r.votes.0 += 1;
+            r.votes.queued += 1;
         }
     }
 
@@ -112,7 +129,7 @@ impl Gradient {
 
     /// The probe under way ends (judged or not): the limit it started
     /// from and how far it went, and its requests if it was of requests.
-    pub(super) fn end_probe(&mut self) -> (Option<(f64, f64)>, Option<Requests>) {
+    pub(super) fn end_probe(&mut self) -> (Option<Probing>, Option<Requests>) {
         (self.probing.take(), self.requests.take())
     }
 }

@@ -166,7 +166,7 @@ pub(super) fn run_served(
             // probes are out.
             let mut sent: Vec<Micros> = events
                 .iter()
-                .map(|e| e.0 .1)
+                .map(|Reverse((_, sent, ..))| *sent)
                 .filter(|s| *s != ARRIVAL)
                 .collect();
             sent.sort_unstable();

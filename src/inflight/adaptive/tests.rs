@@ -336,13 +336,17 @@ fn a_late_answer_to_an_earlier_probe_counts_for_nothing() {
     g.probe_answered(first, 300_000);
     let r = g.requests.expect("under way");
     assert_eq!(
-        (r.out, r.votes),
-        (1, (0, 0)),
+        (r.out, r.votes.queued, r.votes.judged),
+        (1, 0, 0),
         "the late answer changed nothing"
     );
     g.probe_answered(second, 100_000);
     let r = g.requests.expect("under way");
-    assert_eq!((r.out, r.votes), (0, (0, 1)), "its own answer: room");
+    assert_eq!(
+        (r.out, r.votes.queued, r.votes.judged),
+        (0, 0, 1),
+        "its own answer: room"
+    );
     g.probe_lost(first);
     assert_eq!(g.requests.map(|r| r.out), Some(0));
 }
