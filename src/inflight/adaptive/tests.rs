@@ -26,6 +26,10 @@ fn finds_a_servers_workers_in_a_few_intervals() {
         let limits = run(&mut g, &mut t, 30, 20, 200_000);
         let settled = after(&limits, 5_000_000);
         assert!(
+            !settled.is_empty(),
+            "from {start}: no interval ended after 5 s: {limits:?}"
+        );
+        assert!(
             settled.iter().all(|l| (20..=22).contains(l)),
             "from {start}: {limits:?}"
         );
@@ -42,6 +46,10 @@ fn a_server_slowed_for_good_keeps_its_workers_once_the_window_passes() {
     let slowed = t;
     let limits = run(&mut g, &mut t, 30, 20, 200_000);
     let settled = after(&limits, slowed + MIN_RTT_WINDOW_US + 10_000_000);
+    assert!(
+        !settled.is_empty(),
+        "no interval ended once the window passed: {limits:?}"
+    );
     assert!(settled.iter().all(|l| (20..=22).contains(l)), "{limits:?}");
 }
 
@@ -54,6 +62,10 @@ fn a_server_that_slows_down_has_its_workers_again_within_three_seconds() {
         let slowed = t;
         let limits = run(&mut g, &mut t, 10, workers, 2 * service);
         let settled = after(&limits, slowed + 3_000_000);
+        assert!(
+            !settled.is_empty(),
+            "{workers} x {service} us: no interval ended 3 s after it slowed: {limits:?}"
+        );
         assert!(
             settled
                 .iter()
@@ -83,9 +95,16 @@ fn a_server_that_slows_down_under_lagging_round_trips_is_told_at_once() {
             .filter(|(t, _)| *t >= slowed)
             .map(|(_, l)| *l)
             .collect();
-        let settled = limits
+        let late: Vec<_> = limits
             .iter()
             .filter(|(t, _)| *t >= slowed + 3_000_000)
+            .collect();
+        assert!(
+            !late.is_empty(),
+            "{workers} x {service} us: no interval ended 3 s after it slowed: {limits:?}"
+        );
+        let settled = late
+            .iter()
             .all(|(_, l)| (workers * 3 / 4..=workers + workers / 4).contains(l));
         // Halved by the doubled round trip, at most: never down to 1,
         // where a slow start begins again.
@@ -104,6 +123,10 @@ fn a_standing_queue_does_not_become_the_unloaded_round_trip() {
     // Ten minutes at the settled limit: it never creeps up.
     let limits = run(&mut g, &mut t, 600, 20, 200_000);
     let settled = after(&limits, 10_000_000);
+    assert!(
+        !settled.is_empty(),
+        "no interval ended after 10 s: {limits:?}"
+    );
     assert!(settled.iter().all(|l| (20..=22).contains(l)), "{limits:?}");
     assert_eq!(g.estimate().min_rtt_us, 200_000);
 }
@@ -117,6 +140,10 @@ fn a_noisy_server_keeps_its_workers() {
         let mut g = Gradient::new(1, 256, t);
         let limits = run_noisy(&mut g, &mut t, 60, workers, 20_000, jitter);
         let settled = after(&limits, 10_000_000);
+        assert!(
+            !settled.is_empty(),
+            "{workers} workers: no interval ended after 10 s"
+        );
         let low = settled.iter().filter(|l| **l < workers * 3 / 4).count();
         let high = settled.iter().filter(|l| **l > workers * 3 / 2).count();
         assert!(
@@ -181,6 +208,10 @@ fn a_small_servers_probes_double_no_round_trip_and_find_workers_that_join() {
         let worst = settled.map(|(_, r)| *r).max().unwrap_or(0) as f64 / service as f64;
         let limits = after(&limits, 15_000_000);
         assert!(
+            !limits.is_empty(),
+            "{workers} x {service} us: no interval ended after 15 s"
+        );
+        assert!(
             worst <= 1.6 && limits.iter().all(|l| *l == workers),
             "{workers} x {service} us: worst {worst:.2}x; limits {limits:?}"
         );
@@ -188,12 +219,17 @@ fn a_small_servers_probes_double_no_round_trip_and_find_workers_that_join() {
     let (service, joined) = (50_000, 20_000_000);
     let mut g = Gradient::new(1, 256, 0);
     let (_, limits) = run_served(&mut g, 60, 4, &[joined, joined], service, |_| service);
-    let mut before = limits
+    let before: Vec<_> = limits
         .iter()
-        .filter(|(t, _)| (10_000_000..joined).contains(t));
+        .filter(|(t, _)| (10_000_000..joined).contains(t))
+        .collect();
     let found = after(&limits, 40_000_000);
     assert!(
-        before.all(|(_, l)| *l == 4) && found.iter().all(|l| *l == 6),
+        !before.is_empty() && !found.is_empty(),
+        "no interval ended between 10 s and the join, or after 40 s: {limits:?}"
+    );
+    assert!(
+        before.iter().all(|(_, l)| *l == 4) && found.iter().all(|l| *l == 6),
         "limits {limits:?}"
     );
 }
@@ -270,6 +306,10 @@ fn a_slow_start_ended_by_noise_climbs_on_to_the_workers() {
     // against the slow start's last interval, whose round trip lags):
     // at the workers within 7 s, then no more than one past them.
     let settled = after(&limits, t - 3_000_000);
+    assert!(
+        !settled.is_empty(),
+        "no interval ended in the last 3 s: {limits:?}"
+    );
     assert!(settled.iter().all(|l| (32..=33).contains(l)), "{limits:?}");
 }
 
@@ -373,6 +413,7 @@ fn stays_within_min_and_max() {
     let mut g = Gradient::new(10, 12, t);
     assert_eq!(g.limit(), 10);
     let limits = run(&mut g, &mut t, 10, 2, 100_000);
+    assert!(!limits.is_empty(), "no interval ended in 10 s");
     assert!(
         limits.iter().all(|(_, l)| (10..=12).contains(l)),
         "{limits:?}"
