@@ -1,10 +1,18 @@
 //! A cap on requests in flight, with a bounded queue served by priority.
 //!
 //! A request takes a slot if one is free and nobody waits; otherwise it
-//! waits in the queue, highest priority first, then oldest. When the queue
-//! is full, a newcomer of higher priority than the lowest waiting takes that
-//! one's place (the lowest, then newest, is refused); otherwise the
-//! newcomer is refused. A waiter is refused after the queue timeout.
+//! waits in the queue. A slot that comes free goes to the highest priority
+//! waiting; within it, under a static cap to the oldest, under an adaptive
+//! limit to the newest (adaptive LIFO: with demand above capacity the queue
+//! never empties, and serving the newest keeps an admitted request's wait
+//! near none). When the queue is full, a newcomer of higher priority than
+//! the lowest waiting takes that one's place (of the lowest priority, the
+//! newest is refused); otherwise the newcomer is refused. A waiter is
+//! refused after the queue timeout, which under an adaptive limit is at
+//! most half the upstream's unloaded round trip (a millisecond at least)
+//! once that is known. Under an adaptive limit a request that arrives with
+//! every slot taken may instead go past the limit at once, as a probe's
+//! (`adaptive`), unless one waiting is of higher priority.
 //!
 //! A slot is the upstream's, not the client's: a `Permit`, given back when
 //! it is dropped, unless the upstream is still working on its request.
