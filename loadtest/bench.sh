@@ -25,12 +25,13 @@
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
 #   gateway_jwt           gateway_local, the client named by a verified RS256 JWT
 #                         (Authorization: Bearer, [auth.jwt] with a key file made
-#                         per run) instead of an API key: #37's CPU per request
-#                         against gateway_local's, with a hot client
+#                         per run) instead of an API key: the JWT target, its
+#                         CPU per request against gateway_local's, with a hot
+#                         client
 #   gateway_key_padded    gateway_local with a header as long as that token beside
 #                         its key: the token's bytes without the JWT work (context)
 #   gateway_redis         all three tiers on Redis, admitting everything, with
-#                         [limiter.shares] enabled = true (#39: standing shares,
+#                         [limiter.shares] enabled = true (standing shares:
 #                         each replica deciding its part of every big token
 #                         bucket with no Redis call)
 #   gateway_redis_unshared  gateway_redis with shares off (no [limiter.shares]):
@@ -45,13 +46,14 @@
 #   gateway_tls           gateway_off on its [server.tls] listener: HTTP/1.1 with
 #                         keep-alive over TLS (wrk and fixedrate to https://)
 #   nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
-#   redis_anchor          #39's anchor, envoyproxy/ratelimit's way: no gateway; a
-#                         fresh redis-server of its own driven by loadtest/bench/
-#                         redis_anchor.c (compiled into the tools folder like
-#                         fixedrate.c): per request three descriptors (the
-#                         client's address, the API key, route + client), each
-#                         INCRBY key 1 + EXPIRE key 60, from the same N Zipf
-#                         clients as wrk-clients.lua, --anchor-connections (8)
+#   redis_anchor          the standing shares' anchor, envoyproxy/ratelimit's
+#                         way: no gateway; a fresh redis-server of its own
+#                         driven by loadtest/bench/redis_anchor.c (compiled
+#                         into the tools folder like fixedrate.c): per request
+#                         three descriptors (the client's address, the API
+#                         key, route + client), each INCRBY key 1 + EXPIRE
+#                         key 60, from the same N Zipf clients as
+#                         wrk-clients.lua, --anchor-connections (8)
 #                         connections each with one pipeline in flight; per
 #                         round one max-throughput-length window with 16
 #                         requests (96 commands) per pipeline and one with 1.
@@ -86,23 +88,26 @@
 # (and the anchor's), Redis's idle CPU over --redis-idle seconds (2) with the
 # gateway connected and no load; the per-request figures above idle subtract
 # it. The
-# cluster's targets of #17, passed or failed: its Redis CPU per decision
-# <= 1.5x standalone's, its gateway CPU per request <= 1.2x standalone's.
+# cluster's targets (outgrowing one Redis), passed or failed: its Redis CPU
+# per decision <= 1.5x standalone's, its gateway CPU per request <= 1.2x
+# standalone's.
 # With gateway_local and gateway_redis both measured, --paired-rounds windows
 # (default twice --rounds) then drive the two at once, half the fixed rate
-# each, and pool each one's latencies: #24's p99 added over gateway_local is
-# taken from them, since the machine's noise lands on both alike.
+# each, and pool each one's latencies: the leases' p99 added over
+# gateway_local is taken from them, since the machine's noise lands on both
+# alike.
 # Each number reported is the median of the rounds. For context (reported, never
 # pass/fail): gateway_off's and nginx_limit_req's CPU per request relative to
 # pingora_bare's.
-# #39's targets, with --clients only, passed or failed and each shown beside
-# gateway_redis_unshared's figure (the before): gateway_redis max rps >= 0.95x
-# gateway_local's; its Redis CPU per request <= 2 µs and <= 1/4 of the anchor's
-# (16 per pipeline); script calls per request <= 0.01; gateway_redis_cluster's
-# Redis CPU per request above idle <= 1.3x gateway_redis's.
+# The standing shares' targets, with --clients only, passed or failed and each
+# shown beside gateway_redis_unshared's figure (the before): gateway_redis max
+# rps >= 0.95x gateway_local's; its Redis CPU per request <= 2 µs and <= 1/4 of
+# the anchor's (16 per pipeline); script calls per request <= 0.01;
+# gateway_redis_cluster's Redis CPU per request above idle <= 1.3x
+# gateway_redis's.
 #
 # Writes loadtest/results/bench-<timestamp>/: summary.json, summary.md (the
-# table, with the issue's targets passed or failed), chart.png, the configs, the
+# table, with the targets passed or failed), chart.png, the configs, the
 # logs and every raw wrk/fixedrate/redis_anchor result.
 #
 #   (default)        3 rounds, 15 s max-throughput + 15 s fixed-rate windows,
@@ -116,18 +121,19 @@
 #                    on the local backend with local_max_entries = 1,000,000 and
 #                    an ip tier is sent 1.2 million distinct clients (wrk naming
 #                    each in X-Forwarded-For from trusted 127.0.0.1); its VmRSS
-#                    before, at the cap and after. Then its Redis variant (#39):
-#                    the same on the Redis backend (a fresh redis-server of its
-#                    own) with [limiter.shares] enabled = true and an ip tier of
-#                    1,000,000 tokens refilling 1,000,000/s (cut into a pool and
-#                    standing shares; gateway.memory-redis.toml), sent once its
-#                    /metrics shows gateway_shares_usable 1 and 1.5 s more (up to
-#                    15 s, else FAILED, exit status 1): VmRSS before, at the cap
-#                    and after, gateway_shares_entries along the way and at the
-#                    end (a target: <= local_max_entries), bytes per client
-#                    ((RSS at the cap - before) / share entries then), Redis's
-#                    keys (DBSIZE) and used_memory at the end. Both side by side
-#                    in summary.md/.json (memory, memory_redis) and memory.png.
+#                    before, at the cap and after. Then its Redis variant
+#                    (standing shares): the same on the Redis backend (a fresh
+#                    redis-server of its own) with [limiter.shares] enabled =
+#                    true and an ip tier of 1,000,000 tokens refilling
+#                    1,000,000/s (cut into a pool and standing shares;
+#                    gateway.memory-redis.toml), sent once its /metrics shows
+#                    gateway_shares_usable 1 and 1.5 s more (up to 15 s, else
+#                    FAILED, exit status 1): VmRSS before, at the cap and after,
+#                    gateway_shares_entries along the way and at the end (a
+#                    target: <= local_max_entries), bytes per client ((RSS at
+#                    the cap - before) / share entries then), Redis's keys
+#                    (DBSIZE) and used_memory at the end. Both side by side in
+#                    summary.md/.json (memory, memory_redis) and memory.png.
 #                    About two minutes each; --no-memory-redis: the local one only
 #   --memory-only    only the memory step
 #   --clients N      many-clients mode: in the max-throughput windows of
@@ -144,7 +150,8 @@
 #                    second, a crowd far below its limits (a standing share of
 #                    a bucket refilling slower would never fill). Adds
 #                    gateway_redis_unshared and redis_anchor to the default
-#                    targets and #39's checks. Latency windows keep one client.
+#                    targets and the standing shares' checks. Latency windows
+#                    keep one client.
 #   --anchor-connections  redis_anchor's connections to its Redis (8)
 #   --gateway-bin    measure this gateway binary, not target/release/gateway
 #                    (an A/B, or a commit built elsewhere); --gateway-note says
@@ -161,7 +168,7 @@
 # Everything it starts (redis-server, mock-upstream, nginx, bare_proxy,
 # gateways) listens on 127.0.0.1 at free ports and is stopped by PID on exit.
 # The gateways run with GATEWAY_LOG=warn (no access log). Exit status: 0 when
-# every target of the issue holds, 1 when one fails (the results are still
+# every target holds, 1 when one fails (the results are still
 # written) or the build fails, 2 on bad usage or a failed run.
 #
 # Builds what it measures first: cargo build --release --bin gateway --bin

@@ -22,14 +22,14 @@ Targets, side by side (see docs/benchmarks.md):
     gateway_key_padded    gateway_local with a header the token's length beside its key:
                           the token's bytes without the JWT work (context for gateway_jwt)
     gateway_redis         all three tiers on Redis, admitting everything, with
-                          [limiter.shares] enabled = true (#39's standing shares)
+                          [limiter.shares] enabled = true (standing shares)
     gateway_redis_unshared gateway_redis with shares off: the before (with --clients,
                           or named in --targets)
     gateway_redis_cluster the same as gateway_redis on a Redis Cluster of three masters
     gateway_redis_denied  one client over its route limit, flooding: all 429
     gateway_tls           gateway_off on its [server.tls] listener (HTTP/1.1, keep-alive)
     nginx_tls             nginx_limit_req with `listen ssl`, the same certificate
-    redis_anchor          #39's anchor: its own redis-server driven the way
+    redis_anchor          the standing shares' anchor: its own redis-server driven the way
                           envoyproxy/ratelimit does (redis_anchor.c: INCRBY + EXPIRE
                           per descriptor, three per request, 16 or 1 requests per
                           pipeline) from the same Zipf clients; needs --clients
@@ -46,8 +46,8 @@ coordinated-omission corrected). For the Redis targets, Redis's CPU per
 request (INFO cpu) and script calls per request (INFO commandstats), summed
 over the nodes for the cluster. With --clients N, the limited targets' max-
 throughput windows come from N Zipf-distributed clients (wrk-clients.lua), every
-per-client bucket 1,000,000 tokens refilling 1,000,000/s, and #39's targets are
-checked beside gateway_redis_unshared's figures. A target with [limiter.shares]
+per-client bucket 1,000,000 tokens refilling 1,000,000/s, and the standing shares'
+targets are checked beside gateway_redis_unshared's figures. A target with [limiter.shares]
 is measured once its /metrics shows gateway_shares_usable 1 (and 1.5 s more). Rounds
 alternate the order of the targets (forward, then reversed), so drift in the
 machine hits all of them alike; each number reported is the median of rounds.
@@ -65,7 +65,7 @@ import sys
 from pathlib import Path
 
 # The parts, each by what it does: common (names, paths, logging), targets
-# (the servers), measure (a window's numbers), checks (medians and the issue's
+# (the servers), measure (a window's numbers), checks (medians and the
 # targets), report (summary.md, charts, docs/benchmarks.md).
 import common
 from checks import summarize
@@ -85,7 +85,7 @@ def is_wrk_tls_connection_line(line: str) -> bool:
 
 def run(args) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    # gateway_redis_unshared and redis_anchor (#39) belong to many-clients
+    # gateway_redis_unshared and redis_anchor (standing shares) belong to many-clients
     # mode: measured by default only with --clients, or when --targets names them.
     targets = ([t for t in TARGETS if t in args.targets] if args.targets
                else [t for t in TARGETS if t not in CLIENTS_ONLY_TARGETS or args.clients])
@@ -131,7 +131,7 @@ def run(args) -> int:
                  "; ".join(f"PID {o['pid']} {o['cpu_pct']}% {o['cmd']}" for o in others), tg.warnings)
         log(f"run folder: {out}")
         tg.start_servers(targets)
-        # #39: a target with [limiter.shares] is measured once its shares are
+        # A target with [limiter.shares] is measured once its shares are
         # in use (gateway_shares_usable 1) and full; one whose gauge never
         # shows 1 is failed, stopped and left out of the windows.
         failed_targets = tg.wait_shares(targets)
@@ -200,7 +200,7 @@ def run(args) -> int:
                         f"p99.9 {r['p999_ms']:.3f} ms  ({r['cpu_us_per_req']:.1f} µs/req CPU)  other load "
                         f"{r['other_cpu_pct']:.0f}%")
             extra["orders"] = orders
-            # #24's p99 added over gateway_local: both driven at once, so the
+            # The leases' p99 added over gateway_local: both driven at once, so the
             # noise this machine makes lands on both (measure.paired_latency).
             pair = [t for t in ("gateway_local", "gateway_redis") if t in targets]
             if len(pair) == 2 and args.paired_rounds > 0:
@@ -217,7 +217,7 @@ def run(args) -> int:
             if args.perf:
                 extra["perf"] = meter.perf([t for t in targets if t not in ("direct", ANCHOR)])
         if args.memory or args.memory_only:
-            # The local backend, then (#39) the Redis backend with standing shares.
+            # The local backend, then the Redis backend with standing shares.
             extra["memory"] = meter.memory("local")
             if args.memory_redis:
                 extra["memory_redis"] = meter.memory("redis")
@@ -342,7 +342,7 @@ def main() -> int:
     r.add_argument("--anchor-connections", type=int, default=8,
                    help="redis_anchor's connections to its Redis, each with one pipeline in flight (8)")
     r.add_argument("--paired-rounds", type=int, default=None,
-                   help="windows driving gateway_local and gateway_redis at once for #24's p99 added "
+                   help="windows driving gateway_local and gateway_redis at once for the leases' p99 added "
                         "(default: twice --rounds; 0: none)")
     r.add_argument("--targets")
     r.add_argument("--memory", action="store_true", default=None)
@@ -352,7 +352,8 @@ def main() -> int:
     r.add_argument("--memory-max-entries", type=int, default=1_000_000)
     r.add_argument("--memory-timeout", type=int, default=600)
     r.add_argument("--no-memory-redis", dest="memory_redis", action="store_false",
-                   help="the memory step without its Redis variant (#39: the Redis backend with [limiter.shares])")
+                   help="the memory step without its Redis variant (standing shares: the Redis backend with "
+                        "[limiter.shares])")
     r.add_argument("--clients", type=int, default=0)
     r.add_argument("--cluster-nodes", type=int, default=common.CLUSTER_NODES)
     r.add_argument("--zipf", type=float, default=1.0)

@@ -1,12 +1,12 @@
 """From the rounds to the summary: each target's medians, the Redis figures,
-the issue's targets passed or failed, and the ratios given for context."""
+the targets passed or failed, and the ratios given for context."""
 
 from __future__ import annotations
 
 import common
 from common import ANCHOR, ANCHOR_PIPELINES, REDIS_TARGETS, TLS_TARGETS, median
 
-# The issue's targets: (key, label, op, limit).
+# The targets: (key, label, op, limit).
 CHECKS = [
     ("redis_vs_off_rps", "gateway_redis rps / gateway_off rps", ">=", 0.85),
     ("p99_added_ms", "p99 added by gateway_redis over gateway_off (ms, fixed rate)", "<=", 0.5),
@@ -14,56 +14,59 @@ CHECKS = [
     ("denied_script_calls_per_req", "script calls per denied request", "<=", 0.1),
     ("redis_cpu_us_per_decision", "Redis CPU µs per three-tier decision", "<=", 10.0),
     ("off_vs_nginx_cpu", "gateway_off CPU / nginx_limit_req CPU per request", "<=", 1.5),
-    # #17, "Outgrow one Redis": the Redis Cluster (three masters) against the
+    # Outgrowing one Redis: the Redis Cluster (three masters) against the
     # one standalone Redis, measured side by side in the same rounds.
     ("cluster_vs_standalone_redis_cpu",
-     "Redis CPU per three-tier decision, cluster (summed over its nodes) / standalone (#17)", "<=", 1.5),
-    ("cluster_vs_standalone_gateway_cpu", "gateway CPU per request, gateway_redis_cluster / gateway_redis (#17)",
-     "<=", 1.2),
-    # #24, leases: the shared limit at local speed (hot client).
-    ("redis_vs_local_rps", "gateway_redis rps / gateway_local rps (#24)", ">=", 0.97),
+     "Redis CPU per three-tier decision, cluster (summed over its nodes) / standalone (Redis Cluster)", "<=", 1.5),
+    ("cluster_vs_standalone_gateway_cpu",
+     "gateway CPU per request, gateway_redis_cluster / gateway_redis (Redis Cluster)", "<=", 1.2),
+    # Leases: the shared limit at local speed (hot client).
+    ("redis_vs_local_rps", "gateway_redis rps / gateway_local rps (leases)", ">=", 0.97),
     ("p99_added_over_local_ms",
-     "p99 added by gateway_redis over gateway_local (ms; paired windows, pooled, when run; #24)",
+     "p99 added by gateway_redis over gateway_local (ms; paired windows, pooled, when run; leases)",
      "<=", 0.1),
-    ("script_calls_per_req", "script calls per request, gateway_redis (#24)", "<=", 0.01),
-    ("redis_cpu_us_per_req", "Redis CPU µs per request, gateway_redis (#24)", "<=", 0.5),
+    ("script_calls_per_req", "script calls per request, gateway_redis (leases)", "<=", 0.01),
+    ("redis_cpu_us_per_req", "Redis CPU µs per request, gateway_redis (leases)", "<=", 0.5),
     ("redis_cpu_us_per_req_above_idle",
-     "Redis CPU µs per request above Redis's idle CPU, gateway_redis (#24)", "<=", 0.5),
+     "Redis CPU µs per request above Redis's idle CPU, gateway_redis (leases)", "<=", 0.5),
     ("cluster_vs_standalone_redis_cpu_above_idle",
-     "Redis CPU per request above idle, cluster (summed over its nodes) / standalone (#17, #24)", "<=", 1.5),
-    # #37, verified JWTs: a hot client's token is checked once, then cached.
-    ("jwt_vs_key_cpu", "gateway CPU per request, gateway_jwt (RS256 JWT) / gateway_local (API key), hot client (#37)",
+     "Redis CPU per request above idle, cluster (summed over its nodes) / standalone (Redis Cluster, leases)",
+     "<=", 1.5),
+    # Verified JWTs: a hot client's token is checked once, then cached.
+    ("jwt_vs_key_cpu",
+     "gateway CPU per request, gateway_jwt (RS256 JWT) / gateway_local (API key), hot client (verified JWTs)",
      "<=", 1.1),
 ]
 
-# #39, "the long tail at local speed": with --clients N (many-clients mode)
-# only, gateway_redis running [limiter.shares]; each is shown beside the same
-# figure of gateway_redis_unshared (shares off), the "before" in the same run.
+# Standing shares, "the long tail at local speed": with --clients N
+# (many-clients mode) only, gateway_redis running [limiter.shares]; each is
+# shown beside the same figure of gateway_redis_unshared (shares off), the
+# "before" in the same run.
 # (key, label, op, limit, the before's key or None)
 CLIENTS_CHECKS = [
-    ("clients_redis_vs_local_rps", "gateway_redis rps / gateway_local rps, many clients (#39)", ">=", 0.95,
-     "clients_unshared_vs_local_rps"),
-    ("clients_redis_cpu_us_per_req", "Redis CPU µs per request, gateway_redis, many clients (#39)", "<=", 2.0,
-     "clients_unshared_cpu_us_per_req"),
+    ("clients_redis_vs_local_rps", "gateway_redis rps / gateway_local rps, many clients (standing shares)",
+     ">=", 0.95, "clients_unshared_vs_local_rps"),
+    ("clients_redis_cpu_us_per_req", "Redis CPU µs per request, gateway_redis, many clients (standing shares)",
+     "<=", 2.0, "clients_unshared_cpu_us_per_req"),
     ("clients_redis_cpu_vs_anchor",
      "Redis CPU per request, gateway_redis / the anchor's (INCRBY + EXPIRE, 16 requests per pipeline), "
-     "many clients (#39)", "<=", 0.25, "clients_unshared_cpu_vs_anchor"),
-    ("clients_script_calls_per_req", "script calls per request, gateway_redis, many clients (#39)", "<=", 0.01,
-     "clients_unshared_script_calls_per_req"),
+     "many clients (standing shares)", "<=", 0.25, "clients_unshared_cpu_vs_anchor"),
+    ("clients_script_calls_per_req", "script calls per request, gateway_redis, many clients (standing shares)",
+     "<=", 0.01, "clients_unshared_script_calls_per_req"),
     ("clients_cluster_vs_standalone_redis_cpu_above_idle",
      "Redis CPU per request above idle, gateway_redis_cluster (summed over its nodes) / gateway_redis, "
-     "many clients (#39)", "<=", 1.3, None),
+     "many clients (standing shares)", "<=", 1.3, None),
 ]
 
-# Context, not targets of the issue (never pass/fail, no effect on the exit
-# status): how much of the gateway's CPU per request is Pingora's own.
+# Context, not targets (never pass/fail, no effect on the exit status): how
+# much of the gateway's CPU per request is Pingora's own.
 CONTEXT = [
     ("off_vs_bare_cpu", "gateway_off CPU / pingora_bare CPU per request", "gateway_off", "pingora_bare"),
     ("jwt_vs_padded_key_cpu",
-     "gateway_jwt CPU / gateway_key_padded CPU per request: JWT work beyond the token's bytes (#37)",
+     "gateway_jwt CPU / gateway_key_padded CPU per request: JWT work beyond the token's bytes (verified JWTs)",
      "gateway_jwt", "gateway_key_padded"),
     ("padded_vs_key_cpu",
-     "gateway_key_padded CPU / gateway_local CPU per request: what a token-sized header costs (#37)",
+     "gateway_key_padded CPU / gateway_local CPU per request: what a token-sized header costs (verified JWTs)",
      "gateway_key_padded", "gateway_local"),
     ("bare_vs_nginx_cpu", "pingora_bare CPU / nginx_limit_req CPU per request", "pingora_bare", "nginx_limit_req"),
 ]
@@ -163,10 +166,10 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
 
 
 def summarize_anchor(rounds: list[dict], T: dict) -> dict:
-    """#39's anchor (redis_anchor.c, envoyproxy/ratelimit's way) over the
-    rounds: per requests-per-pipeline setting the medians of its requests/s
-    and Redis CPU per request, and beside them the Redis targets' Redis CPU
-    per request from the same run's max-throughput windows."""
+    """The standing shares' anchor (redis_anchor.c, envoyproxy/ratelimit's
+    way) over the rounds: per requests-per-pipeline setting the medians of its
+    requests/s and Redis CPU per request, and beside them the Redis targets'
+    Redis CPU per request from the same run's max-throughput windows."""
     out: dict = {"redis_idle_cpu_ms_per_s": median(r.get("redis_idle_cpu_ms_per_s") for r in rounds),
                  "pipelines": {}}
     for p in ANCHOR_PIPELINES:
@@ -303,13 +306,13 @@ def compute_checks(s: dict) -> list[dict]:
                        f"{mem['clients']:,} clients (%): bounded", "<=", 10.0))
     mr = s.get("memory_redis")
     if mr and not mr.get("failed"):
-        # #39: on the Redis backend the local state is the standing shares;
+        # On the Redis backend the local state is the standing shares;
         # for a million clients and more it stays within local_max_entries.
         seen = [x for x in (mr.get("shares_entries"), mr.get("shares_entries_max")) if x is not None]
         vals["memory_redis_shares_entries"] = max(seen) if seen else None
         checks.append(("memory_redis_shares_entries",
                        f"Redis backend with [limiter.shares]: gateway_shares_entries, the most seen (every second) "
-                       f"and at the end, {mr['clients']:,} clients (#39): within local_max_entries", "<=",
+                       f"and at the end, {mr['clients']:,} clients (standing shares): within local_max_entries", "<=",
                        float(mr["local_max_entries"])))
     out = []
     for key, label, op, limit in checks:
@@ -317,12 +320,12 @@ def compute_checks(s: dict) -> list[dict]:
         ok = None if v is None else (v >= limit if op == ">=" else v <= limit)
         out.append({"key": key, "label": label, "value": v, "op": op, "limit": limit, "pass": ok})
     if s.get("many_clients"):
-        # #39's targets hold in many-clients mode only; the before beside each.
+        # The standing shares' targets hold in many-clients mode only; the before beside each.
         for key, label, op, limit, before in CLIENTS_CHECKS:
             v = vals[key]
             ok = None if v is None else (v >= limit if op == ">=" else v <= limit)
             c = {"key": key, "label": label, "value": v, "op": op, "limit": limit, "pass": ok,
-                 "issue": 39, "before": vals[before] if before else None}
+                 "many_clients": True, "before": vals[before] if before else None}
             if key == "clients_cluster_vs_standalone_redis_cpu_above_idle" and v is None:
                 # The check is cluster <= 1.3 x standalone. With shares, Redis's
                 # CPU under load can be within its idle rate on both (above idle

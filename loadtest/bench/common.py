@@ -47,7 +47,7 @@ LIMITED_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_unshared", "
 # With --clients N, these are sent traffic from N clients (wrk-clients.lua);
 # the others keep one client (the denied target's point is one client over).
 MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster"]
-# #39: these run with [limiter.shares] enabled = true (standing shares: part of
+# These run with [limiter.shares] enabled = true (standing shares: part of
 # every big token bucket decided by the replica itself, no Redis call);
 # gateway_redis_unshared is gateway_redis without it, the "before" in the same run.
 SHARES_TARGETS = ["gateway_redis", "gateway_redis_cluster"]
@@ -65,13 +65,13 @@ SHARES_SETTLE_S = 1.5
 # never fill). The over route keeps capacity 1, refill 0.000001/s.
 MANY_CLIENTS_CAPACITY = 1000000
 MANY_CLIENTS_REFILL = 1000000
-# The memory step's Redis variant (#39, gateway.memory-redis.toml): the ip
+# The memory step's Redis variant (standing shares, gateway.memory-redis.toml): the ip
 # tier every new client gets a bucket of, big enough to be cut into a pool and
 # standing shares (floor(fraction x capacity) >= 16), full again within a
 # second (a share a client used once is full, so droppable, by the next sweep).
 MEMORY_REDIS_CAPACITY = 1000000
 MEMORY_REDIS_REFILL = 1000000
-# #39's anchor: a redis-server of its own driven the way envoyproxy/ratelimit
+# The standing shares' anchor: a redis-server of its own driven the way envoyproxy/ratelimit
 # drives one (INCRBY + EXPIRE per descriptor, three descriptors per request,
 # pipelined) by redis_anchor.c, from --clients N Zipf clients; each round
 # measures these requests-per-pipeline settings, one window each.

@@ -68,7 +68,7 @@ def gateway_metrics(admin: str) -> dict:
     for line in body.decode(errors="replace").splitlines():
         m = METRIC_RE.match(line.strip())
         if not m:
-            # #39's gauges (gateway_shares_usable, gateway_shares_entries) carry no labels.
+            # The standing shares' gauges (gateway_shares_usable, gateway_shares_entries) carry no labels.
             pm = PLAIN_METRIC_RE.match(line.strip())
             if pm and pm.group(1).startswith("gateway_shares_"):
                 out["shares"][pm.group(1)] = float(pm.group(2))
@@ -190,7 +190,7 @@ class Meter:
             paths = delta_counts(mb.get("decided_by", {}), me.get("decided_by", {}))
             if sum(paths.values()) > 0:
                 r["lease_share"] = paths.get("lease", 0) / sum(paths.values())
-                # #39: requests whose every tier a standing share decided (no Redis call).
+                # Requests whose every tier a standing share decided (no Redis call).
                 r["share_decided"] = paths.get("share", 0) / sum(paths.values())
             gauges = me.get("shares", {})
             if "gateway_shares_entries" in gauges:
@@ -303,7 +303,7 @@ class Meter:
         return r
 
     def anchor(self, tag: str) -> dict:
-        """#39's anchor for one round: redis_anchor.c drives the anchor's own
+        """The standing shares' anchor for one round: redis_anchor.c drives the anchor's own
         redis-server the way envoyproxy/ratelimit does (per request, three
         descriptors, each INCRBY + EXPIRE 60), from --clients N Zipf clients
         (as wrk-clients.lua draws them), one window of --duration seconds per
@@ -541,7 +541,7 @@ class Meter:
         """The memory step: a gateway sent --memory-clients distinct clients
         (wrk-xff.lua), its VmRSS before, at the cap (local_max_entries) and
         after. `variant` "local": the local backend (gateway.memory.toml, one
-        ip-tier bucket per client). "redis" (#39): the Redis backend with
+        ip-tier bucket per client). "redis" (standing shares): the Redis backend with
         [limiter.shares] (gateway.memory-redis.toml) on a fresh redis-server of
         its own, the ip tier big enough to be cut, measured once
         gateway_shares_usable is 1 (and SHARES_SETTLE_S more); adds the share

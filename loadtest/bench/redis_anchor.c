@@ -1,7 +1,7 @@
 /*
  * redis_anchor: drives a redis-server the way envoyproxy/ratelimit's fixed
- * windows do, for loadtest/bench.sh's redis_anchor target (issue #39's
- * anchor): per request, three descriptors, each `INCRBY key 1` then
+ * windows do, for loadtest/bench.sh's redis_anchor target (the standing
+ * shares' anchor): per request, three descriptors, each `INCRBY key 1` then
  * `EXPIRE key 60`, sent as RESP over plain sockets, --pipeline requests
  * (6 x that many commands) written at once on a connection, the next
  * pipeline written once every reply of the last one is read. --connections

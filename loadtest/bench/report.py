@@ -1,4 +1,4 @@
-"""The report: summary.md (the table, the issue's targets, memory, TLS),
+"""The report: summary.md (the table, the targets, memory, TLS),
 chart.png and memory.png from summary.json, and publishing a run into
 docs/benchmarks.md between its markers."""
 
@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from checks import compute_context
+from checks import CLIENTS_CHECKS, compute_context
 from common import ANCHOR_PIPELINES, HERE, REDIS_TARGETS, ROOT, log
 from lt.plots import pyplot, save_png  # after common, which puts loadtest/ on sys.path
 
@@ -44,7 +44,7 @@ def markdown(s: dict) -> str:
         L.append("")
         L += anchor_md(s)
         L += failed_md(s)
-        L += ["| target (issue) | value | limit | result |", "|---|--:|--:|---|"]
+        L += ["| target | value | limit | result |", "|---|--:|--:|---|"]
         for c in s["checks"]:
             if c["value"] is not None:
                 L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {fmt_limit(c['limit'])} | "
@@ -99,7 +99,7 @@ def markdown(s: dict) -> str:
     standing = [(t, d) for t, d in T.items() if t in REDIS_TARGETS and d.get("share_decided") is not None
                 and t in ((s.get("run") or {}).get("shares") or {}).get("targets", [])]
     if standing:
-        L.append("Decided on a standing share (`[limiter.shares]`, #39: every tier decided by the replica's own "
+        L.append("Decided on a standing share (`[limiter.shares]`: every tier decided by the replica's own "
                  "share, no Redis call), share of the max-throughput window's requests: " + ", ".join(
                      f"`{t}` {100 * d['share_decided']:.1f}%"
                      + (f" ({d['shares_entries']:,.0f} share entries at the end)"
@@ -115,7 +115,7 @@ def markdown(s: dict) -> str:
     L.append("")
     ctx = s.get("context") or compute_context(s)
     if any(c["value"] is not None for c in ctx):
-        L.append("Context (informational, not targets of the issue; `pingora_bare` is Pingora alone, "
+        L.append("Context (informational, not targets; `pingora_bare` is Pingora alone, "
                  "`examples/bare_proxy.rs` with default settings):")
         L.append("")
         for c in ctx:
@@ -124,10 +124,10 @@ def markdown(s: dict) -> str:
     L += tls_md(s)
     L += anchor_md(s)
     L += failed_md(s)
-    L.append("| target (issue) | value | limit | result |")
+    L.append("| target | value | limit | result |")
     L.append("|---|--:|--:|---|")
     for c in s["checks"]:
-        if c.get("issue") == 39:
+        if many_clients(c):
             continue  # in their own table, beside the before
         res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
         L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {fmt_limit(c['limit'])} | {res} |")
@@ -136,8 +136,18 @@ def markdown(s: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+# The standing shares' checks, made in many-clients mode only.
+MANY_CLIENTS_KEYS = {k for k, *_ in CLIENTS_CHECKS}
+
+
+def many_clients(c: dict) -> bool:
+    """Whether check `c` is one of the standing shares' (known by its key, so
+    a summary.json from before they carried `many_clients` reads alike)."""
+    return c.get("key") in MANY_CLIENTS_KEYS
+
+
 def paired_md(s: dict) -> list[str]:
-    """The paired latency windows (#24's p99 added): both targets at once."""
+    """The paired latency windows (the leases' p99 added): both targets at once."""
     pl = s.get("paired_latency")
     if not pl or not pl.get("windows"):
         return []
@@ -163,7 +173,7 @@ def paired_md(s: dict) -> list[str]:
 
 
 def cluster_md(s: dict) -> list[str]:
-    """gateway_redis_cluster beside gateway_redis (#17): the side-by-side table."""
+    """gateway_redis_cluster beside gateway_redis: the side-by-side table."""
     T, rc = s["targets"], s.get("redis_cluster")
     if not rc or "gateway_redis" not in T:
         return []
@@ -209,7 +219,7 @@ def cluster_md(s: dict) -> list[str]:
         rows.append(("share answered 429 (clients over their limit)", fmt(100 * (a.get("share_429") or 0), 1) + " %",
                      fmt(100 * (b.get("share_429") or 0), 1) + " %", ""))
     cmds = ", ".join(f"{k} {v:g}" for k, v in (rc.get("commands_per_req") or {}).items())
-    L = [f"Redis Cluster ({n} master{'s' if n != 1 else ''}, no replicas) beside the standalone Redis, same rounds (#17):", "",
+    L = [f"Redis Cluster ({n} master{'s' if n != 1 else ''}, no replicas) beside the standalone Redis, same rounds:", "",
          "| | `gateway_redis` | `gateway_redis_cluster` | cluster / standalone |", "|---|--:|--:|--:|"]
     L += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} |" for r in rows]
     L += ["", f"Commands per request on the cluster, summed over its nodes (those a script runs included): {cmds}.", ""]
@@ -234,8 +244,8 @@ def clients_md(s: dict) -> list[str]:
 
 
 def anchor_md(s: dict) -> list[str]:
-    """#39's anchor (envoyproxy/ratelimit's way, on its own Redis) beside the
-    gateways' Redis CPU per request from the same run."""
+    """The standing shares' anchor (envoyproxy/ratelimit's way, on its own
+    Redis) beside the gateways' Redis CPU per request from the same run."""
     an = s.get("anchor")
     if not an or not an.get("pipelines"):
         return []
@@ -247,7 +257,7 @@ def anchor_md(s: dict) -> list[str]:
     def vs(x):
         return fmt(x / base, 3) + "×" if x is not None and base else "n/a"
 
-    L = [f"The anchor (#39): envoyproxy/ratelimit's way, on a redis-server of its own "
+    L = [f"The anchor: envoyproxy/ratelimit's way, on a redis-server of its own "
          f"(`loadtest/bench/redis_anchor.c`): per request three descriptors (the client's address, the API key, the "
          f"route with the client), each `INCRBY key 1` + `EXPIRE key 60`; {ar.get('connections', '?')} connections, "
          f"each with one pipeline in flight; the clients drawn as in the gateways' windows"
@@ -278,13 +288,14 @@ def anchor_md(s: dict) -> list[str]:
 
 
 def clients_checks_md(s: dict) -> list[str]:
-    """#39's targets (many-clients mode), each beside gateway_redis_unshared's figure: the before."""
-    cs = [c for c in s.get("checks", []) if c.get("issue") == 39]
+    """The standing shares' targets (many-clients mode), each beside
+    gateway_redis_unshared's figure: the before."""
+    cs = [c for c in s.get("checks", []) if many_clients(c)]
     if not cs:
         return []
-    L = ["", "#39 (many clients; after: `gateway_redis` with `[limiter.shares]`, before: `gateway_redis_unshared`, "
-             "shares off, same run):", "",
-         "| target (issue) | after | before | limit | result |", "|---|--:|--:|--:|---|"]
+    L = ["", "Standing shares (many clients; after: `gateway_redis` with `[limiter.shares]`, before: "
+             "`gateway_redis_unshared`, shares off, same run):", "",
+         "| target | after | before | limit | result |", "|---|--:|--:|--:|---|"]
     for c in cs:
         res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
         L.append(f"| {c['label']} | {c.get('shown') or fmt(c['value'], 3)} | {fmt(c.get('before'), 3)} | "
@@ -302,7 +313,7 @@ def failed_md(s: dict) -> list[str]:
 
 
 def tls_md(s: dict) -> list[str]:
-    """The TLS pair's paragraph of summary.md (reported, not a target of the issue)."""
+    """The TLS pair's paragraph of summary.md (reported, not a target)."""
     tls = s.get("tls")
     if not tls:
         return []
@@ -335,7 +346,8 @@ def memory_md(s: dict) -> list[str]:
                  f"MiB after (peak {mem['hwm_mib']} MiB); ≈{mem['bytes_per_entry']} bytes per bucket; "
                  f"growth past the cap {mem['growth_after_cap_pct']} %.")
     if mr and mr.get("failed"):
-        L += ["", f"Memory, Redis backend with `[limiter.shares]` (#39): **FAILED**, not measured: {mr['failed']}."]
+        L += ["", "Memory, Redis backend with standing shares (`[limiter.shares]`): **FAILED**, not measured: "
+              f"{mr['failed']}."]
     elif mr:
         L += memory_redis_md(mem, mr)
     if s.get("warnings"):
@@ -351,7 +363,7 @@ def fmt_int(v) -> str:
 
 
 def memory_redis_md(mem: dict | None, mr: dict) -> list[str]:
-    """#39: the memory step's Redis variant (standing shares) beside the local one."""
+    """The memory step's Redis variant (standing shares) beside the local one."""
     rd = mr.get("redis") or {}
     tier = mr.get("ip_tier") or {}
     loc = mem or {}
@@ -384,7 +396,7 @@ def memory_redis_md(mem: dict | None, mr: dict) -> list[str]:
     decided = mr.get("decided_by") or {}
     tot = sum(decided.values())
     dec = ", ".join(f"{k} {100 * v / tot:.1f} %" for k, v in sorted(decided.items(), key=lambda x: -x[1])) if tot else ""
-    L = ["", f"Memory, local backend beside the Redis backend with `[limiter.shares] enabled = true` (#39; a fresh "
+    L = ["", f"Memory, local backend beside the Redis backend with `[limiter.shares] enabled = true` (a fresh "
              f"redis-server of its own; the ip tier {fmt_int(tier.get('capacity'))} tokens refilling "
              f"{fmt_int(tier.get('refill_per_sec'))}/s, cut into a pool and standing shares; sent once "
              f"`gateway_shares_usable` was 1, after {mr.get('shares_usable_after_s')} s, and {mr.get('settle_s', 0):g} s "
@@ -427,15 +439,15 @@ def chart(s: dict, path: Path) -> None:
     col = [colors.get(n, "#1f77b4") for n in names]
     pl = s.get("paired_latency") or {}
     paired = bool(pl.get("p99_added_ms_windows"))
-    # #39: Redis CPU per request, the gateways' beside the anchor's.
-    redis39 = [(n, T[n].get("redis_cpu_us_per_req"), colors.get(n, "#1f77b4")) for n in names
-               if n in REDIS_TARGETS and n != "gateway_redis_denied" and T[n].get("redis_cpu_us_per_req") is not None]
+    # Standing shares: Redis CPU per request, the gateways' beside the anchor's.
+    redis_bars = [(n, T[n].get("redis_cpu_us_per_req"), colors.get(n, "#1f77b4")) for n in names
+                  if n in REDIS_TARGETS and n != "gateway_redis_denied" and T[n].get("redis_cpu_us_per_req") is not None]
     for p in ANCHOR_PIPELINES:
         d = ((s.get("anchor") or {}).get("pipelines") or {}).get(str(p))
         if d:
-            redis39.append((f"anchor, {p}/pipeline", d["redis_cpu_us_per_req"], "#7f7f7f"))
-    panel39 = bool(s.get("anchor") or "gateway_redis_unshared" in T) and bool(redis39)
-    npanels = 3 + paired + panel39
+            redis_bars.append((f"anchor, {p}/pipeline", d["redis_cpu_us_per_req"], "#7f7f7f"))
+    anchor_panel = bool(s.get("anchor") or "gateway_redis_unshared" in T) and bool(redis_bars)
+    npanels = 3 + paired + anchor_panel
     fig, axes = plt.subplots(1, npanels, figsize=(5.3 * npanels, 5.2))
 
     ax = axes[0]
@@ -477,7 +489,7 @@ def chart(s: dict, path: Path) -> None:
     ax.legend(fontsize=8)
 
     if paired:
-        # #24's p99 added: each paired window's own difference, and the pooled one.
+        # The leases' p99 added: each paired window's own difference, and the pooled one.
         ax = axes[3]
         d = pl["p99_added_ms_windows"]
         ax.scatter(range(1, len(d) + 1), d, color="#08519c", s=12, label="one window")
@@ -490,22 +502,24 @@ def chart(s: dict, path: Path) -> None:
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    if panel39:
+    if anchor_panel:
         ax = axes[-1]
-        xs = range(len(redis39))
-        vals = [v for _, v, _ in redis39]
-        ax.bar(xs, vals, color=[c for _, _, c in redis39])
+        xs = range(len(redis_bars))
+        vals = [v for _, v, _ in redis_bars]
+        ax.bar(xs, vals, color=[c for _, _, c in redis_bars])
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-        ax.axhline(2.0, color="#d62728", ls="--", lw=1, label="#39 target: 2 µs (gateway_redis)")
+        ax.axhline(2.0, color="#d62728", ls="--", lw=1, label="standing shares' target: 2 µs (gateway_redis)")
         if min(vals) > 0 and max(vals) / min(vals) > 20:
             ax.set_yscale("log")
             ax.set_ylim(min(vals) / 2, max(vals + [2.0]) * 3)  # room for the labels and the legend
         else:
             ax.set_ylim(0, max(vals + [2.0]) * 1.12)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([n.replace("gateway_", "gw_") for n, _, _ in redis39], rotation=30, ha="right", fontsize=9)
-        ax.set_title("Redis CPU per request (#39; anchor: INCRBY+EXPIRE,\n16 or 1 requests per pipeline)", fontsize=10)
+        ax.set_xticklabels([n.replace("gateway_", "gw_") for n, _, _ in redis_bars], rotation=30, ha="right",
+                           fontsize=9)
+        ax.set_title("Redis CPU per request (standing shares; anchor: INCRBY+EXPIRE,\n16 or 1 requests per pipeline)",
+                     fontsize=10)
         ax.set_ylabel("µs / request" + (" (log scale)" if ax.get_yscale() == "log" else ""))
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
@@ -556,7 +570,7 @@ def memory_chart(s: dict, path: Path) -> None:
                    label=f"local_max_entries = {mr['local_max_entries']:,}")
         ax.set_xlabel("distinct clients sent (millions)")
         ax.set_ylabel("millions")
-        ax.set_title("Redis backend with standing shares (#39): entries held")
+        ax.set_title("Redis backend with standing shares: entries held")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one batch of decisions costs Redis, with nothing else on the machine
 competing: limiter.lua driven by redis-benchmark, no gateway, no load
-generator beside it (#17).
+generator beside it: a standalone Redis beside a Redis Cluster.
 
   .venv/bin/python loadtest/bench/script_cost.py [--calls N] [--batches 4,16,64]
                                                  [--hot-calls N] [--out DIR]

@@ -333,7 +333,7 @@ class Targets:
         self.redis: Redis | None = None
         self.redis_proc = None
         self.cluster: list[Redis] = []  # the Redis Cluster's masters, for CLUSTER_TARGETS
-        self.anchor: Redis | None = None  # redis_anchor's own redis-server (#39)
+        self.anchor: Redis | None = None  # redis_anchor's own redis-server (the standing shares' anchor)
         self.shares: set[str] = set()  # the gateway targets whose config enables [limiter.shares]
         self.used_memory_start: dict[int, int] = {}  # port -> used_memory before any gateway ran
         self.mock_proc = None
@@ -379,7 +379,7 @@ class Targets:
         for r in ([self.redis] if self.redis else []) + self.cluster:
             self.used_memory_start[r.port] = int(r.info().get("used_memory", 0))
         if ANCHOR in targets:
-            # #39's anchor: a fresh redis-server of its own, driven by redis_anchor.c.
+            # The standing shares' anchor: a fresh redis-server of its own, driven by redis_anchor.c.
             port = next(ports)
             self.anchor = start_redis_server(self.procs, "redis-anchor", port, logs / "redis-anchor.log")
             self.our_pids.append(self.anchor.proc.pid)
@@ -466,7 +466,7 @@ class Targets:
                     REDIS_SECTION=section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
                     LEASES_SECTION=f"[limiter.leases]\nperiod_ms = {a.lease_period_ms}   # --lease-period-ms"
                     if a.lease_period_ms and backend == "redis" else "# [limiter.leases]: the defaults",
-                    SHARES_SECTION="[limiter.shares]\nenabled = true   # #39: standing shares, no Redis call"
+                    SHARES_SECTION="[limiter.shares]\nenabled = true   # standing shares: no Redis call"
                     if shares else "# [limiter.shares]: off (the default)",
                     ROUTE_CAPACITY=1 if denied else per_client_capacity,
                     ROUTE_REFILL="0.000001" if denied else per_client_refill,
@@ -505,7 +505,7 @@ class Targets:
             wait_until(f"{t} (/readyz backend {want})", ready, 30, info["proc"], info["log"])
 
     def wait_shares(self, targets: list[str]) -> dict[str, str]:
-        """#39: waits (at most SHARES_WAIT_S) until every target of `targets`
+        """Standing shares: waits (at most SHARES_WAIT_S) until every target of `targets`
         whose config enables [limiter.shares] shows gateway_shares_usable 1 on
         its /metrics, then SHARES_SETTLE_S more (the shares fill from empty),
         so the windows measure the steady state. Returns {target: why} for
