@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The report of loadtest/capacity_halves.sh (issue #26): summary.json,
+"""The report of loadtest/capacity_halves.sh: summary.json,
 report.md and the plots.
 
     capacity_halves.py report RUN_DIR   analyse RUN_DIR, write the outputs
@@ -346,7 +346,7 @@ def table_rows(runs, meta):
 
 def write_report(run_dir, meta, runs, verdicts):
     L = []
-    L.append("# Capacity halves: rate limits alone vs adaptive concurrency (#26)")
+    L.append("# Capacity halves: rate limits alone vs adaptive concurrency")
     L.append("")
     L.append(
         f"{meta['users']} users, each looping `GET /api/rides/request` with {meta['think_min']:g}-{meta['think_max']:g} s "

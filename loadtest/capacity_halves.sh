@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Capacity halves (issue #26): an upstream whose capacity nobody knows, on loopback.
+# Capacity halves: an upstream whose capacity nobody knows, on loopback, with
+# rate limits alone and with adaptive concurrency.
 #
 #   loadtest/capacity_halves.sh [--quick | --smoke] [--users N] [--spawn-rate R]
 #                               [--run-time T] [--rate RPS] [--burst N]

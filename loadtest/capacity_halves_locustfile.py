@@ -1,4 +1,4 @@
-"""Locust load for loadtest/capacity_halves.sh (issue #26).
+"""Locust load for loadtest/capacity_halves.sh.
 
 Every user loops over `GET /api/rides/request` with a short think time
 (CH_THINK_MIN..CH_THINK_MAX seconds, seeded), against one gateway. A request

@@ -5,7 +5,7 @@ to it, and the replicas themselves. Checks that the key's plan (capacity 50,
 refill 20/s) still holds across the whole run, that nothing answers 5xx, how
 long each replica stays on its fallback after a fault heals, and that the
 plan's monthly quota (1,000,000: it never binds) ends with `used` equal to
-what the upstream received, but for what SIGKILLs explain (issue #36).
+what the upstream received, but for what SIGKILLs explain (the quota check).
 
     chaos.py [--seeds 1,2,3 | --runs N --seed-base S] [--duration SECS]
              [--clients N] [--out DIR] [--bin-dir DIR]
@@ -106,7 +106,7 @@ REPLICAS = 3
 API_KEY = "chaos-soak-key-0001"
 KEY_ID = "chaos"
 # A monthly quota that never binds in a run: its `used` must end equal to
-# what the upstream received (issue #36), less what SIGKILLs explain.
+# what the upstream received, less what SIGKILLs explain.
 QUOTA_LIMIT = 1_000_000
 QUOTA_PERIOD = "month"
 LEASE_PERIOD_MS = 100  # limiter.leases.period_ms in the generated configs
@@ -1893,7 +1893,7 @@ def parse_args(argv):
                         + ", ".join(FAULT_KINDS) + ")")
     p.add_argument("--quota", type=int, default=QUOTA_LIMIT,
                    help=f"the plan's monthly quota (default {QUOTA_LIMIT:,}: it never binds in a run); "
-                        "0: none, as the soak was before issue #36 (no quota check)")
+                        "0: none (no quota check, as the soak was before it had one)")
     p.add_argument("--redis-dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None,
                    help="where Redis's AOF folder is made (default /dev/shm, a tmpfs: a SIGKILLed Redis "
                         "loses nothing either way, and a busy disk's fsync stalls are not faults the "

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The holdout matrix (issue #35): the gateway's in-flight caps on upstreams
+"""The holdout matrix: the gateway's in-flight caps on upstreams
 of many shapes, each one's capacity halving under a steady overload.
 
     matrix.py run [--quick | --smoke] [--shapes 4x20,8x50] [--variants a,b]
@@ -50,7 +50,7 @@ than 503; the share of 503s (and of 429s); the settle time: seconds from the
 halving until the limit stays within +-25% of its median over phase 2's
 measured window (never: it is still outside at the end).
 
-Targets (#35), held for the adaptive variants; rate_limit's rows are for
+Targets, held for the adaptive variants; rate_limit's rows are for
 comparison: goodput >= 90% of capacity before and after; upstream waiting
 p90 <= W/4 in both phases; admitted p99 <= 2x unloaded in both phases; no
 5xx other than 503; settle <= 3 s.
@@ -120,7 +120,7 @@ PRESETS = {
 SAMPLE_SECS = 0.1
 FIXEDRATE_TIMEOUT = 3.0  # s fixedrate waits for outstanding requests after its schedule
 
-# Targets (#35).
+# Targets, held for the adaptive variants.
 T_GOODPUT_PCT = 90.0
 T_QUEUE_FRACTION = 0.25  # of the workers
 T_P99_RATIO = 2.0
@@ -795,7 +795,7 @@ def target_lines(rows) -> list[tuple[str, str]]:
 def write_md(out: Path, summary: dict) -> None:
     rows = summary["rows"]
     p = summary["params"]
-    L = ["# Holdout matrix: in-flight caps on upstreams of many shapes (#35)", ""]
+    L = ["# Holdout matrix: in-flight caps on upstreams of many shapes", ""]
     L.append(
         f"Mode `{p['mode']}`. Per shape (W workers at S ms, capacity C = W·1000/S rps) and variant, a fresh "
         f"`mock-upstream --workers W --service-ms S --threads 2 --finish-abandoned` behind a fresh gateway; fixedrate "
@@ -940,7 +940,7 @@ def plots(out: Path, rows: list) -> None:
                     labels.append(lbl)
     handles.append(plt.Line2D([], [], color="grey", ls="--"))
     labels.append("workers")
-    fig.suptitle("Holdout matrix (#35): requests held over time; capacity halves at the dashed line",
+    fig.suptitle("Holdout matrix: requests held over time; capacity halves at the dashed line",
                  y=1 - 0.12 / height, va="top", fontsize=10)
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.4 / height), ncol=len(labels),
                fontsize=8, frameon=False)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The holdout matrix (issue #35): the gateway's in-flight caps (adaptive
+# The holdout matrix: the gateway's in-flight caps (adaptive
 # concurrency) on upstreams of many shapes, each one's capacity halving under
 # a steady 2x overload, on loopback.
 #
@@ -26,7 +26,7 @@
 # Writes loadtest/results/matrix-<timestamp>/ (--out): summary.md,
 # summary.json, matrix.png, goodput.png, runs/<WxS>-<variant>/.
 # Exit status: 0 when every run completed and the outputs are well formed
-# (the #35 targets are reported PASS/FAIL, never change it), 1 otherwise,
+# (the matrix's targets are reported PASS/FAIL, never change it), 1 otherwise,
 # 2 on bad usage. Everything started is stopped by PID, Ctrl-C included.
 set -euo pipefail
 

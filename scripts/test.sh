@@ -47,7 +47,7 @@ if [ -f ../shared/spec/gateway.contract.toml ]; then
   REDIS_PASSWORD=contract-check GATEWAY_ADMIN_TOKEN=contract-check-token-0123 \
     target/release/gateway check -c ../shared/spec/gateway.contract.toml >/dev/null
   echo "../shared/spec/gateway.contract.toml: ok"
-  # As it stands: "#>" lines are keys an open issue is building; they stay
+  # As it stands: "#>" lines are keys still being built; they stay
   # comments until shared/ drops the marker once the work has landed.
 fi
 

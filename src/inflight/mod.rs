@@ -1,4 +1,4 @@
-//! Protecting an upstream by concurrency rather than by rate (#26): a cap on
+//! Protecting an upstream by concurrency rather than by rate: a cap on
 //! requests in flight per upstream and per route, with a queue served by
 //! plan priority (`gate`), a limit found from the upstream's latency
 //! (`adaptive`), and a cap per client on a route (`PerClient`).

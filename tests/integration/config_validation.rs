@@ -108,7 +108,7 @@ fn leases_are_checked() {
     assert!(err.contains("from 10 to 60000, found 5"), "{err}");
 }
 
-/// #38: one address, one service. `admin_listen` on a `listen` address
+/// One address, one service. `admin_listen` on a `listen` address
 /// (or a wildcard covering its port, or a TLS listener on it) is refused
 /// with exit 2, naming both keys; distinct ports pass.
 #[test]
@@ -576,8 +576,8 @@ fn check_output_uses_the_files_spellings_and_survives_a_closed_pipe() {
     assert!(out.status.success(), "{err}");
 }
 
-/// The contract as it stands loads: its `#>` lines (keys an open issue is
-/// building) stay comments until the work lands and `shared/` drops the
+/// The contract as it stands loads: its `#>` lines (keys still being
+/// built) stay comments until the work lands and `shared/` drops the
 /// marker; each key built is tested in this project's own configs.
 #[test]
 fn the_contract_as_it_stands_passes() {
@@ -654,8 +654,10 @@ allow_origins = []
     );
 }
 
-/// The help says what an operator needs without the README (#27): signals,
-/// what is watched, the log's environment, and what `limits` must be told.
+/// The help says what an operator needs without the docs: signals and
+/// what is watched (docs/operator/reload.md), the log's environment
+/// (docs/operator/metrics-and-logs.md), and what `limits` must be told
+/// (docs/operator/admin.md).
 #[test]
 fn help_names_signals_watching_and_what_limits_needs() {
     let help = |args: &[&str]| {
@@ -684,7 +686,7 @@ fn help_names_signals_watching_and_what_limits_needs() {
     );
 }
 
-/// Quotas (#25): a zone that is not one, a period that is not one, a
+/// Quotas: a zone that is not one, a period that is not one, a
 /// period given twice, each named with its key and line; a valid file
 /// prints the zone and each plan's and key's quotas.
 #[test]
@@ -781,7 +783,7 @@ fn quotas_and_their_time_zone_are_checked() {
     );
 }
 
-/// In-flight caps (#26): each wrong key named with its line; a valid file
+/// In-flight caps: each wrong key named with its line; a valid file
 /// prints every cap, the plans' priorities and the per-client cap.
 #[test]
 fn in_flight_caps_are_checked() {

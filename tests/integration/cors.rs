@@ -258,7 +258,7 @@ fn preflights_are_answered_free_and_refusals_are_readable_by_the_page() {
     );
 }
 
-/// A route with a CORS policy answers every preflight for its prefix (#27):
+/// A route with a CORS policy answers every preflight for its prefix:
 /// one from an origin it does not name, or announcing a method it does not
 /// take, is refused there and counted under it (with its client), never
 /// passed to the catch-all behind it and its upstream.

@@ -1,4 +1,4 @@
-//! In-flight caps (#26) through the real gateway, against mock upstreams
+//! In-flight caps through the real gateway, against mock upstreams
 //! that count their own concurrency: a cap with its queue and timeout, no
 //! slot leaked whichever way requests end, plan priority when the queue is
 //! full, a cap per client, and an adaptive limit that follows an upstream
@@ -285,7 +285,7 @@ fn leaving(addr: SocketAddr, path: &str, leave_after: Duration) -> std::thread::
     })
 }
 
-/// #35 acceptance 1: a cap of 4 with a queue of 4 before a 400 ms upstream
+/// Clients who leave: a cap of 4 with a queue of 4 before a 400 ms upstream
 /// that goes on working on a request whose client left (as a threaded
 /// server does). Four clients leave 0.2 s after they were sent upstream,
 /// four more leave 0.1 s into their wait in the queue, and four patient
@@ -687,7 +687,7 @@ upstream = "up"
     assert!(up.stats()["max_in_flight"].as_u64().unwrap() <= 2);
 }
 
-/// #35: the rate-limit tokens of a request the in-flight caps refuse, or
+/// The rate-limit tokens of a request the in-flight caps refuse, or
 /// drop because its client left while queued, are given back, as a
 /// rejection by another tier is: a key's quota `used` is what reached the
 /// upstream. On the local backend and on Redis with leases (where most

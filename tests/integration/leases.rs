@@ -282,7 +282,7 @@ fn exhaustion_admits_exactly_the_bucket_on_a_cluster() {
     exhaustion_on(&cluster.redis_section(), FIFTY, 50, " on a cluster");
 }
 
-/// A key's quota is leased like its burst bucket (#25): a monthly quota of
+/// A key's quota is leased like its burst bucket: a monthly quota of
 /// 200 under a burst that never binds admits exactly 200, part of them with
 /// no call (both limits on leases).
 #[test]
@@ -347,7 +347,7 @@ fn a_hot_key_keeps_its_rate_over_every_interval() {
     );
 }
 
-/// Acceptance 3: the partition. A plan of 30, no refill; each
+/// Acceptance 3: a partition. A plan of 30, no refill; each
 /// replica decides once; then one replica's link to Redis goes silent
 /// (SIGSTOP on its forwarder) and a client sprays all three. With
 /// `on_redis_failure = "deny"` at most 30 are admitted: the cut replica

@@ -929,7 +929,7 @@ fn malformed_leases_change_nothing() {
     }
 }
 
-/// Calendar quotas (#25) across the boundaries that matter, as the planner
+/// Calendar quotas across the boundaries that matter, as the planner
 /// makes them (the period `calendar::span` names, a bucket per period): both
 /// backends agree on every decision, and each period admits exactly its
 /// limit however the requests straddle its end. The last microsecond of a

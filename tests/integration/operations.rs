@@ -332,7 +332,7 @@ fn a_canary_secret_never_leaks() {
     assert!(!gw.log().contains(secret), "logs: {}", gw.log());
 }
 
-/// #38: a flood of refusals does not flood the log. With the defaults
+/// A flood of refusals does not flood the log. With the defaults
 /// (`[log] refusals_per_sec = 20`), a 3 s spray that is mostly 429s writes
 /// at most 20 refusal lines a second, each written line says how many were
 /// left out before it, and lines written plus lines left out (the metric)

@@ -1,4 +1,4 @@
-//! A quota is money (#36): with leases on and more than one replica, every
+//! A quota is money: with leases on and more than one replica, every
 //! token Redis debits for a lease ends up spent or given back, so a key gets
 //! exactly its quota and `used` bills exactly what was admitted. Real
 //! gateway replicas on one real Redis with an AOF; every figure is a count
@@ -273,7 +273,7 @@ fn a_killed_replicas_lease_comes_back_when_it_expires() {
     assert_eq!(b.quota_used("m1", "quota-month"), 50);
 }
 
-/// Found by the chaos soak (#36 acceptance 7): a Redis stall bills nothing
+/// Found by the chaos soak's quota check: a Redis stall bills nothing
 /// twice. The calls queued while Redis was stopped run when it resumes,
 /// after the replica decided their requests on its fallback (whose
 /// admissions it charges at failback), and so does a charge it gave up on

@@ -1,4 +1,4 @@
-//! Plans with calendar quotas (#25), through the real gateway on both
+//! Plans with calendar quotas, through the real gateway on both
 //! backends: a plan's burst bucket and its daily quota decided together, all
 //! or nothing; a key's own quota in place of its plan's; the 429 naming the
 //! quota, with Retry-After to the end of the period in the configured zone;

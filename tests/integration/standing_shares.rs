@@ -1,4 +1,4 @@
-//! Standing shares (`[limiter.shares]`, #39) through real gateway replicas
+//! Standing shares (`[limiter.shares]`) through real gateway replicas
 //! sharing one real Redis: a big bucket's tier is decided on each replica's
 //! share with no call, the rest on the bucket's pool in Redis, and the sum
 //! stays within capacity + rate × time. Every figure is a count against the

@@ -313,7 +313,7 @@ fn unusable_certificates_are_refused_with_their_key() {
         err.contains("has 1 problem(s)") && err.contains("server.tls.certificates[0] (line 7):"),
         "{err}"
     );
-    // With other problems: one run lists them all, in one format (#27).
+    // With other problems: one run lists them all, in one format.
     let many = format!(
         "{}
 [clients]
@@ -567,7 +567,7 @@ fn pooled_tls_connections_keep_to_their_trust() {
     println!("{checked} requests in every order: each upstream kept to its own trust");
 }
 
-/// A client's failed handshake is the client's business (#27): counted by
+/// A client's failed handshake is the client's business: counted by
 /// reason in a metric, logged at debug, never an ERROR line (two testssl.sh
 /// scans made 191 of them).
 #[test]

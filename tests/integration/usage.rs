@@ -1,4 +1,4 @@
-//! Usage for billing (#36): `gateway usage` and `GET /usage` list each
+//! Usage for billing: `gateway usage` and `GET /usage` list each
 //! key's `used` of a quota period, exact against what the upstream
 //! received, for 10,000 keys sprayed at random over three replicas (with
 //! leases on, and hot keys that take them); an ended period is read as
