@@ -33,12 +33,20 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 
 # One release profile for everything, so clippy, the tests and the demo share
-# one build of Pingora and its C dependencies.
-step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --release --all-targets -- -D warnings
+# one build of Pingora and its C dependencies. The workspace is the gateway and
+# its test tools (tools/: mock-upstream, tcp-forwarder).
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+# cargo test builds only the binaries of the package whose tests use them: the
+# integration tests find the test tools next to the gateway, so the workspace's
+# binaries are built first. The same targets as the test run, so the same
+# features: the test run then compiles nothing again.
+step "cargo build --workspace --all-targets (the gateway, the test tools, the tests)"
+cargo build --release --workspace --all-targets
 
 step "cargo test (unit, property, conformance and integration tests)"
-cargo test --release --all-targets
+cargo test --release --workspace --all-targets
 
 step "gateway check: gateway.toml and the contract"
 target/release/gateway check -c gateway.toml
