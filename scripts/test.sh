@@ -40,10 +40,11 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 
 # cargo test builds only the binaries of the package whose tests use them: the
 # integration tests find the test tools next to the gateway, so the workspace's
-# binaries are built first. The same targets as the test run, so the same
-# features: the test run then compiles nothing again.
-step "cargo build --workspace --all-targets (the gateway, the test tools, the tests)"
-cargo build --release --workspace --all-targets
+# binaries are built first. With the tests, so with the features the
+# dev-dependencies unify in, as the test run's: it then builds only the benches
+# and the example as tests, not the gateway a second time.
+step "cargo build --workspace --bins --tests (the gateway, the test tools, the tests)"
+cargo build --release --workspace --bins --tests
 
 step "cargo test (unit, property, conformance and integration tests)"
 cargo test --release --workspace --all-targets
