@@ -53,14 +53,20 @@ WORKDIR /src
 
 # Dependency layer: build every dependency against stub sources, so that a
 # change under src/ rebuilds only this crate. Every target Cargo.toml declares
-# must exist here, benches included, or cargo refuses to read the manifest.
+# must exist here, benches included, or cargo refuses to read the manifest;
+# so must the workspace's other member, the test tools (tools/), whose
+# manifest is all the build reads of them: stubs stand for their binaries.
+# `-p ratelimit-gateway`: the gateway's dependencies with its features alone,
+# not the test tools' (a hyper server) unified in.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src/bin benches \
+COPY tools/Cargo.toml ./tools/
+RUN mkdir -p src benches tools/src/bin \
     && echo 'fn main() {}' > src/main.rs \
-    && echo 'fn main() {}' > src/bin/mock_upstream.rs \
     && echo 'fn main() {}' > benches/algorithms.rs \
+    && echo 'fn main() {}' > tools/src/bin/mock_upstream.rs \
+    && echo 'fn main() {}' > tools/src/bin/tcp_forwarder.rs \
     && touch src/lib.rs \
-    && cargo build --release --locked --bin gateway \
+    && cargo build --release --locked -p ratelimit-gateway --bin gateway \
     && cargo clean --release --package ratelimit-gateway \
     && rm -rf src benches
 
@@ -70,7 +76,7 @@ RUN mkdir -p src/bin benches \
 COPY src ./src
 COPY benches ./benches
 # The stub binary prints nothing: a version string proves the real one was built.
-RUN cargo build --release --locked --bin gateway \
+RUN cargo build --release --locked -p ratelimit-gateway --bin gateway \
     && test -n "$(./target/release/gateway --version)"
 
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime

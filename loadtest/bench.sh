@@ -171,8 +171,8 @@
 # every target holds, 1 when one fails (the results are still
 # written) or the build fails, 2 on bad usage or a failed run.
 #
-# Builds what it measures first: cargo build --release --bin gateway --bin
-# mock-upstream --example bare_proxy (a no-op when fresh; --no-build skips it
+# Builds what it measures first: cargo build --release --workspace --bin gateway
+# --bin mock-upstream --example bare_proxy (a no-op when fresh; --no-build skips it
 # and measures the binaries already in target/release). Installs what it lacks:
 # wrk, nginx, redis-server, redis-tools, openssl, a C compiler and OpenSSL's
 # headers with apt-get; matplotlib into the repo's .venv with pip.
@@ -201,8 +201,8 @@ if ((no_build)); then
     fi
   done
 else
-  echo "bench.sh: cargo build --release --bin gateway --bin mock-upstream --example bare_proxy" >&2
-  if ! (cd "$root" && cargo build --release --bin gateway --bin mock-upstream --example bare_proxy); then
+  echo "bench.sh: cargo build --release --workspace --bin gateway --bin mock-upstream --example bare_proxy" >&2
+  if ! (cd "$root" && cargo build --release --workspace --bin gateway --bin mock-upstream --example bare_proxy); then
     echo "bench.sh: the build failed (nothing measured); --no-build measures the binaries already built" >&2
     exit 1
   fi

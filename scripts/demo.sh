@@ -22,10 +22,10 @@ done
 scripts/setup.sh
 if ((build)); then
   echo "demo: building (release)..."
-  cargo build --release --quiet --bins
+  cargo build --release --quiet --workspace --bins
 else
   for bin in target/release/gateway target/release/mock-upstream; do
-    [ -x "$bin" ] || { echo "demo: --no-build, but $bin is missing (cargo build --release)" >&2; exit 1; }
+    [ -x "$bin" ] || { echo "demo: --no-build, but $bin is missing (cargo build --release --workspace)" >&2; exit 1; }
   done
 fi
 

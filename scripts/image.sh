@@ -35,7 +35,7 @@
 # and nothing touches the system's container storage; delete that directory to
 # start cold. Needs root (debootstrap, mount, chroot); installs buildah,
 # debootstrap, redis-server and curl with apt-get when they are missing. The
-# upstream is target/release/mock-upstream (cargo build --release).
+# upstream is target/release/mock-upstream (cargo build --release --workspace).
 #
 # Exits non-zero, saying what failed, on any failure.
 set -Eeuo pipefail
@@ -573,7 +573,7 @@ rootfs=$mnt
 mkdir -p "$rootfs/etc/gateway" # the mount point, as the pod's volume mount makes it
 
 [[ -x target/release/mock-upstream ]] ||
-  die "target/release/mock-upstream is missing: cargo build --release --bin mock-upstream"
+  die "target/release/mock-upstream is missing: cargo build --release -p gateway-test-tools"
 
 # jail CONFDIR [VAR=VALUE...] -- ARGS...: execs the image's gateway with ARGS in
 # a private mount namespace: the root read-only, a tmpfs /tmp, /proc, a minimal

@@ -33,12 +33,21 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 
 # One release profile for everything, so clippy, the tests and the demo share
-# one build of Pingora and its C dependencies.
-step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --release --all-targets -- -D warnings
+# one build of Pingora and its C dependencies. The workspace is the gateway and
+# its test tools (tools/: mock-upstream, tcp-forwarder).
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+# cargo test builds only the binaries of the package whose tests use them: the
+# integration tests find the test tools next to the gateway, so the workspace's
+# binaries are built first. With the tests, so with the features the
+# dev-dependencies unify in, as the test run's: it then builds only the benches
+# and the example as tests, not the gateway a second time.
+step "cargo build --workspace --bins --tests (the gateway, the test tools, the tests)"
+cargo build --release --workspace --bins --tests
 
 step "cargo test (unit, property, conformance and integration tests)"
-cargo test --release --all-targets
+cargo test --release --workspace --all-targets
 
 step "gateway check: gateway.toml and the contract"
 target/release/gateway check -c gateway.toml

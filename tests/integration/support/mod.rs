@@ -367,6 +367,21 @@ impl Drop for RedisGuard {
     }
 }
 
+/// A binary of the test tools' package (tools/), found next to the gateway
+/// binary: cargo names only this package's own binaries to its tests, and
+/// builds the other package's only when asked to.
+fn tool_binary(name: &str) -> PathBuf {
+    let path = std::path::Path::new(env!("CARGO_BIN_EXE_gateway")).with_file_name(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: the test tools are a package of their own, built \
+         with `cargo build -p gateway-test-tools` (add `--release` for a \
+         release test run; scripts/test.sh builds the whole workspace first)",
+        path.display()
+    );
+    path
+}
+
 /// A `tcp-forwarder` of our own between a client and `to`: `stop` it
 /// (SIGSTOP) to cut that client off in silence, `resume` (SIGCONT) to heal.
 pub struct ForwarderGuard {
@@ -377,7 +392,7 @@ pub struct ForwarderGuard {
 #[allow(dead_code)]
 impl ForwarderGuard {
     pub fn start(to: &str) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tcp-forwarder"))
+        let mut child = Command::new(tool_binary("tcp-forwarder"))
             .args(["--listen", "127.0.0.1:0", "--to", to])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -443,7 +458,7 @@ impl UpstreamGuard {
         let dir = tempfile::tempdir().expect("temp dir");
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
         let log = dir.path().join("upstream.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_mock-upstream"))
+        let child = Command::new(tool_binary("mock-upstream"))
             .args(["--listen", &addr.to_string()])
             .args(extra)
             .stdout(Stdio::null())
