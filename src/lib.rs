@@ -21,4 +21,5 @@ pub mod operator;
 pub mod path;
 pub mod proxy;
 pub mod routing;
+pub mod shard_map;
 pub mod usage;
