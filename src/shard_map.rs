@@ -162,7 +162,7 @@ impl<K: Hash + Eq, V, S: BuildHasher, M> ShardMap<K, V, S, M> {
 }
 
 /// One shard, locked.
-pub struct Locked<'a, K, V, S, M> {
+pub struct Locked<'a, K, V, S = RandomState, M = ()> {
     shard: MutexGuard<'a, Shard<K, V, S, M>>,
     per_shard: usize,
     len: &'a AtomicUsize,
@@ -301,7 +301,7 @@ impl<K: Hash + Eq, V, S: BuildHasher, M> Locked<'_, K, V, S, M> {
 }
 
 /// The shards of several keys, locked together (`ShardMap::lock_many`).
-pub struct Many<'a, K, V, S, M> {
+pub struct Many<'a, K, V, S = RandomState, M = ()> {
     guards: Vec<Locked<'a, K, V, S, M>>,
     /// Per key, in the order given: which guard holds its shard.
     slots: Vec<usize>,

@@ -41,7 +41,6 @@
 //!   Redis, as without leases).
 
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -52,6 +51,7 @@ use super::algorithms::quota;
 use super::{Check, Decision, Micros, Verdict};
 use crate::config::Algorithm;
 use crate::metrics::{self, LeaseEvent};
+use crate::shard_map::{Locked, Room, ShardMap, StillFull};
 
 const SHARDS: usize = 16;
 
@@ -422,8 +422,7 @@ impl Drop for Settle<'_> {
 
 pub struct Leases {
     period: Duration,
-    per_shard: usize,
-    shards: Box<[Mutex<HashMap<String, Entry>>]>,
+    entries: ShardMap<String, Entry>,
     /// Buckets whose lease ran low on a request decided here: asked for in
     /// the next call.
     renewals: Mutex<Vec<Check>>,
@@ -438,7 +437,6 @@ pub struct Leases {
     /// Tokens granted and not yet spent, returned or lost.
     held: AtomicI64,
     replicas: AtomicU32,
-    hasher: std::collections::hash_map::RandomState,
     /// This process's id in quota ledgers: random, so a replica restarted
     /// after a SIGKILL never takes over what the killed one held.
     holder: std::sync::Arc<str>,
@@ -451,15 +449,13 @@ impl Leases {
     pub fn new(period: Duration, max_entries: usize) -> Self {
         Leases {
             period,
-            per_shard: max_entries.div_ceil(SHARDS).max(1),
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            entries: ShardMap::new(SHARDS, max_entries),
             renewals: Mutex::new(Vec::new()),
             leased: Mutex::new(HashMap::new()),
             owing: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             held: AtomicI64::new(0),
             replicas: AtomicU32::new(1),
-            hasher: Default::default(),
             holder: format!("{:016x}", fastrand::u64(..)).into(),
             reports: AtomicU64::new(1),
         }
@@ -483,8 +479,8 @@ impl Leases {
         self.replicas.store(n.max(1), Ordering::Relaxed);
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Entry>> {
-        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    fn shard(&self, key: &str) -> Locked<'_, String, Entry> {
+        self.entries.lock(key)
     }
 
     /// Books one event: the counter, and what this replica holds.
@@ -525,7 +521,7 @@ impl Leases {
             if c.shadow || !leasable(&c.algorithm) {
                 continue;
             }
-            let mut shard = self.shard(&c.key).lock();
+            let mut shard = self.shard(&c.key);
             let Some(e) = self.entry(&mut shard, c, now) else {
                 continue;
             };
@@ -563,7 +559,7 @@ impl Leases {
                 // Queued for a call once, when the bucket first has
                 // spending to report (every call that takes it reports
                 // all of it): not on every request of a hot key.
-                let first = match self.shard(&c.key).lock().get_mut(&c.key) {
+                let first = match self.shard(&c.key).get_mut(&c.key) {
                     Some(e) => {
                         e.unreported += c.cost;
                         e.unreported == c.cost
@@ -587,7 +583,7 @@ impl Leases {
                 continue;
             }
             let (generation, until) = taken.generations[i];
-            let mut shard = self.shard(&c.key).lock();
+            let mut shard = self.shard(&c.key);
             let Some(e) = shard.get_mut(&c.key) else {
                 drop(shard);
                 self.book(LeaseEvent::Lost, c.cost);
@@ -610,23 +606,23 @@ impl Leases {
     /// that hold nothing).
     fn entry<'a>(
         &self,
-        shard: &'a mut HashMap<String, Entry>,
+        shard: &'a mut Locked<'_, String, Entry>,
         c: &Check,
         now: Instant,
     ) -> Option<&'a mut Entry> {
-        if !shard.contains_key(&c.key) {
-            if shard.len() >= self.per_shard {
-                let idle = 2 * self.period;
-                shard.retain(|_, e| {
-                    now.saturating_duration_since(e.last_seen) < idle || e.holds_any()
-                });
-                if shard.len() >= self.per_shard {
-                    return None;
-                }
-            }
-            shard.insert(c.key.clone(), Entry::new(c.algorithm, now));
-        }
-        shard.get_mut(&c.key)
+        let idle = 2 * self.period;
+        let dropped =
+            |e: &Entry| now.saturating_duration_since(e.last_seen) >= idle && !e.holds_any();
+        let room = Room::Sweep {
+            stale: &dropped,
+            every: Duration::ZERO,
+            then: StillFull::Refuse,
+        };
+        shard.get_or_insert_with(
+            c.key.as_str(),
+            || (c.key.clone(), Entry::new(c.algorithm, now)),
+            &room,
+        )
     }
 
     /// The leases a call deciding `requests` asks for: its buckets whose
@@ -661,7 +657,7 @@ impl Leases {
     pub fn returns(&self, now: Instant) -> Asks {
         let mut asks = Vec::new();
         for c in self.take_owing() {
-            let mut shard = self.shard(&c.key).lock();
+            let mut shard = self.shard(&c.key);
             let Some(e) = shard.get_mut(&c.key) else {
                 continue;
             };
@@ -718,7 +714,7 @@ impl Leases {
     /// One bucket's asks: a top-up when its lease runs low, and one
     /// return per owed `until`.
     fn ask_for(&self, c: &Check, now: Instant, out: &mut Vec<Ask>) {
-        let mut shard = self.shard(&c.key).lock();
+        let mut shard = self.shard(&c.key);
         let Some(e) = shard.get_mut(&c.key) else {
             return;
         };
@@ -778,7 +774,7 @@ impl Leases {
     /// The call carrying a quota's reports was answered or failed: the
     /// bucket's next reports may go, and go with the next call.
     fn reported(&self, c: &Check) {
-        let pending = match self.shard(&c.key).lock().get_mut(&c.key) {
+        let pending = match self.shard(&c.key).get_mut(&c.key) {
             Some(e) => {
                 e.reporting = None;
                 e.pending()
@@ -813,13 +809,13 @@ impl Leases {
             }
             self.book(LeaseEvent::Granted, g.tokens);
             let c = &a.check;
-            let mut shard = self.shard(&c.key).lock();
+            let mut shard = self.shard(&c.key);
             let Some(e) = shard.get_mut(&c.key) else {
                 // Evicted meanwhile (it held nothing): kept again, so the
                 // grant is spent or given back.
                 let mut e = Entry::new(c.algorithm, Instant::now());
                 e.owe(g.tokens, g.until);
-                shard.insert(c.key.clone(), e);
+                shard.force_insert(c.key.clone(), e);
                 drop(shard);
                 self.owing.lock().insert(c.key.clone(), c.clone());
                 continue;
@@ -881,7 +877,7 @@ impl Leases {
     pub fn failed(&self, asks: &Asks, ran: bool) {
         for a in &asks.asks {
             if a.report > 0 {
-                let mut shard = self.shard(&a.check.key).lock();
+                let mut shard = self.shard(&a.check.key);
                 let kept = match shard.get_mut(&a.check.key) {
                     Some(e) => {
                         e.asking = None;
@@ -905,7 +901,7 @@ impl Leases {
                 continue;
             }
             let again = !ran;
-            let mut shard = self.shard(&a.check.key).lock();
+            let mut shard = self.shard(&a.check.key);
             let (owes, lost) = match shard.get_mut(&a.check.key) {
                 Some(e) => {
                     e.asking = None;
@@ -941,7 +937,7 @@ impl Leases {
             if c.shadow || !leasable(&c.algorithm) {
                 continue;
             }
-            if let Some(e) = self.shard(&c.key).lock().get_mut(&c.key) {
+            if let Some(e) = self.shard(&c.key).get_mut(&c.key) {
                 e.redis_remaining = d.remaining;
                 e.reset_at = now + Duration::from_micros(d.reset_after_us);
                 if e.tokens > 0 && now < e.expires {
@@ -959,15 +955,12 @@ impl Leases {
     /// (then the next call gives them back, and a request in it can be
     /// admitted from them).
     pub fn holds(&self, key: &str) -> bool {
-        self.shard(key)
-            .lock()
-            .get(key)
-            .is_some_and(Entry::holds_any)
+        self.shard(key).get(key).is_some_and(Entry::holds_any)
     }
 
     /// This replica's unspent lease on a bucket and its time left.
     pub fn outstanding(&self, key: &str, now: Instant) -> Option<(u64, Duration)> {
-        let shard = self.shard(key).lock();
+        let shard = self.shard(key);
         let e = shard.get(key)?;
         (e.tokens > 0 && now < e.expires)
             .then(|| (e.tokens, e.expires.saturating_duration_since(now)))
@@ -978,7 +971,7 @@ impl Leases {
     /// back to the new bucket.
     pub fn cancel(&self, keys: &[&str], granted_before: Option<Micros>) {
         for &k in keys {
-            let mut shard = self.shard(k).lock();
+            let mut shard = self.shard(k);
             let Some(e) = shard.get_mut(k) else { continue };
             if granted_before.is_some_and(|t| e.granted_us >= t) {
                 continue; // granted by the bucket as it is since
@@ -1018,7 +1011,7 @@ impl Leases {
     fn end_leases(&self, now: Option<Instant>) -> bool {
         let leased: Vec<Check> = self.leased.lock().values().cloned().collect();
         for c in leased {
-            let mut shard = self.shard(&c.key).lock();
+            let mut shard = self.shard(&c.key);
             let (owes, live) = match shard.get_mut(&c.key) {
                 Some(e) => {
                     match now {
@@ -1049,7 +1042,7 @@ impl Leases {
     /// Buckets with an entry (bounded by `local_max_entries`).
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.entries.len()
     }
 }
 
