@@ -28,6 +28,13 @@ pub struct LocalBackend {
     clock: Arc<dyn Clock>,
 }
 
+/// A bucket's state while its entry lives (past its TTL it is full again).
+fn live(entry: Option<&Entry>, now: i64) -> Option<&State> {
+    entry
+        .filter(|e| e.expires_at > now)
+        .and_then(|e| e.state.as_ref())
+}
+
 /// A full shard evicts the soonest-expiring entry of its sample (an expired
 /// one at once).
 fn soonest_expiring(now: i64) -> impl Fn(&Entry) -> i64 {
@@ -79,11 +86,7 @@ impl LocalBackend {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let state = shards
-                    .of(i)
-                    .get(c.key.as_str())
-                    .filter(|e| e.expires_at > now)
-                    .and_then(|e| e.state.as_ref());
+                let state = live(shards.of(i).get(c.key.as_str()), now);
                 algorithms::check(&c.algorithm, state, now, c.cost)
             })
             .collect();
@@ -144,11 +147,7 @@ impl LocalBackend {
             .map(|c| {
                 let key = c.key.as_str();
                 let shard = self.buckets.lock(key);
-                let state = shard
-                    .get(key)
-                    .filter(|e| e.expires_at > now)
-                    .and_then(|e| e.state.as_ref());
-                algorithms::inspect(&c.algorithm, state, now)
+                algorithms::inspect(&c.algorithm, live(shard.get(key), now), now)
             })
             .collect()
     }
@@ -180,15 +179,11 @@ impl LocalBackend {
         for (c, debt) in debts {
             let key = c.key.as_str();
             let shard = self.buckets.lock(key);
-            let current = shard
-                .get(key)
-                .filter(|e| e.expires_at > now)
-                .and_then(|e| e.state.clone());
-            let Some((state, ttl)) = outage::charge(&c.algorithm, current.as_ref(), debt, now)
-            else {
+            let charged = outage::charge(&c.algorithm, live(shard.get(key), now), debt, now);
+            drop(shard);
+            let Some((state, ttl)) = charged else {
                 continue;
             };
-            drop(shard);
             self.seed(key, state, ttl, now);
             written += 1;
         }
