@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::entry::Entry;
+use super::Entry;
 use super::{Ask, Asks, Leases};
 use crate::config::Algorithm;
 use crate::limiter::algorithms::lease::Grant;

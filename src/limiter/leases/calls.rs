@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::entry::Owed;
+use super::Owed;
 use super::{running_low, Leases, MIN_GRANT};
 use crate::config::Algorithm;
 use crate::limiter::algorithms::lease::{leasable, Grant};

@@ -1,68 +1,15 @@
-//! One bucket's entry in the table: its live lease, the tokens of ended
-//! leases it owes back, a quota's spending not yet reported (and reports
-//! to tell again), the demand a lease is sized by, and what Redis last
-//! said of the bucket (for the headers of requests decided here).
+//! What one bucket's entry (`Entry`, in mod.rs) does with what it holds:
+//! its lease ended and its tokens owed (merged per window), a quota's
+//! reports numbered and waited for, the demand a lease is sized by, and
+//! the decision a request admitted here reports.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Ask, MIN_GRANT, REPORT_WAIT};
+use super::{Ask, Entry, Owed, MIN_GRANT, REPORT_WAIT};
 use crate::config::Algorithm;
 use crate::limiter::algorithms::quota;
-use crate::limiter::{Decision, Micros};
-
-pub(super) struct Entry {
-    pub(super) algorithm: Algorithm,
-    /// Leased and unspent.
-    pub(super) tokens: u64,
-    /// The lease's end on this replica's clock.
-    pub(super) expires: Instant,
-    /// What the lease's grant answered (`Grant::until`): a return names it.
-    pub(super) until: i64,
-    /// Bumped when a lease ends (it expired, was released or replaced, or
-    /// a reset cancelled it): a request that took tokens and then had to
-    /// give them back gives them to the lease it took them from, or one
-    /// merged into it; else they are owed.
-    pub(super) generation: u64,
-    /// Leases before this one were cancelled by a reset: their tokens were
-    /// taken from a bucket made whole since, and are not given back.
-    pub(super) reset_generation: u64,
-    /// Unspent tokens of ended leases, to give back with the next call.
-    pub(super) owed: Vec<Owed>,
-    /// A quota's leased tokens spent and not yet reported (`Ask::spent`).
-    pub(super) unreported: u64,
-    /// A quota's reports whose call failed: told again first, with their
-    /// numbers, by the next call that reports this bucket.
-    pub(super) doubts: Vec<Ask>,
-    /// When the call carrying this quota's reports left (cleared by its
-    /// answer or failure): the next reports wait for it (`REPORT_WAIT`).
-    pub(super) reporting: Option<Instant>,
-    /// Tokens requests wanted in this period and in the previous one.
-    pub(super) demand: u64,
-    pub(super) demand_prev: u64,
-    pub(super) period_start: Instant,
-    /// Requests seen (saturating): one is not a hot bucket.
-    pub(super) requests: u32,
-    /// Redis's time in the call that granted the latest tokens.
-    pub(super) granted_us: Micros,
-    /// A call carrying an ask for this bucket left then (cleared by its grant).
-    pub(super) asking: Option<Instant>,
-    /// Queued for the next call (`renewals`).
-    pub(super) renew_queued: bool,
-    /// What Redis held at its last answer (leases granted in that call
-    /// already taken out: `debit`), for the headers of requests decided
-    /// here: remaining, and when the bucket is whole again.
-    pub(super) redis_remaining: u64,
-    pub(super) reset_at: Instant,
-    pub(super) last_seen: Instant,
-}
-
-/// Tokens of an ended lease, owed back to the shared bucket.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Owed {
-    pub(super) tokens: u64,
-    pub(super) until: i64,
-}
+use crate::limiter::Decision;
 
 impl Entry {
     /// Owes `tokens` of a lease whose grant answered `until`. Returns of one

@@ -40,12 +40,13 @@
 //!   entries idle for two periods, then takes no new bucket (it is decided by
 //!   Redis, as without leases).
 //!
-//! Here: the table (`Leases`: one entry per bucket, bounded), its books
-//! (`book`, `held`) and what a request took (`Taken`). Beside it: `entry`
-//! (one bucket's lease, demand, debts and reports), `spend` (the request
-//! path: spend, confirm, give back), `calls` (what a call to Redis asks for
-//! and gives back), `answers` (a call's grants or failure applied), `ends`
-//! (expiry, release and reset).
+//! Here: the table (`Leases`: one `Entry` per bucket, bounded, and the
+//! buckets waiting for a call), its books (`book`, `held`) and what a
+//! request took (`Taken`). Beside it: `entry` (what an entry does with its
+//! lease, debts, reports and demand), `spend` (the request path: spend,
+//! confirm, give back), `calls` (what a call to Redis asks for and gives
+//! back), `answers` (a call's grants or failure applied), `ends` (expiry,
+//! release and reset).
 
 mod answers;
 mod calls;
@@ -61,12 +62,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{Check, Decision};
+use super::{Check, Decision, Micros};
+use crate::config::Algorithm;
 use crate::metrics::{self, LeaseEvent};
 use crate::shard_map::{Locked, ShardMap};
 pub use answers::Settle;
 pub use calls::{debit, Ask, Asks};
-use entry::Entry;
 
 const SHARDS: usize = 16;
 
@@ -114,6 +115,59 @@ impl Taken {
     pub fn any(&self) -> bool {
         self.decisions.iter().any(Option::is_some)
     }
+}
+
+struct Entry {
+    algorithm: Algorithm,
+    /// Leased and unspent.
+    tokens: u64,
+    /// The lease's end on this replica's clock.
+    expires: Instant,
+    /// What the lease's grant answered (`Grant::until`): a return names it.
+    until: i64,
+    /// Bumped when a lease ends (it expired, was released or replaced, or
+    /// a reset cancelled it): a request that took tokens and then had to
+    /// give them back gives them to the lease it took them from, or one
+    /// merged into it; else they are owed.
+    generation: u64,
+    /// Leases before this one were cancelled by a reset: their tokens were
+    /// taken from a bucket made whole since, and are not given back.
+    reset_generation: u64,
+    /// Unspent tokens of ended leases, to give back with the next call.
+    owed: Vec<Owed>,
+    /// A quota's leased tokens spent and not yet reported (`Ask::spent`).
+    unreported: u64,
+    /// A quota's reports whose call failed: told again first, with their
+    /// numbers, by the next call that reports this bucket.
+    doubts: Vec<Ask>,
+    /// When the call carrying this quota's reports left (cleared by its
+    /// answer or failure): the next reports wait for it (`REPORT_WAIT`).
+    reporting: Option<Instant>,
+    /// Tokens requests wanted in this period and in the previous one.
+    demand: u64,
+    demand_prev: u64,
+    period_start: Instant,
+    /// Requests seen (saturating): one is not a hot bucket.
+    requests: u32,
+    /// Redis's time in the call that granted the latest tokens.
+    granted_us: Micros,
+    /// A call carrying an ask for this bucket left then (cleared by its grant).
+    asking: Option<Instant>,
+    /// Queued for the next call (`renewals`).
+    renew_queued: bool,
+    /// What Redis held at its last answer (leases granted in that call
+    /// already taken out: `debit`), for the headers of requests decided
+    /// here: remaining, and when the bucket is whole again.
+    redis_remaining: u64,
+    reset_at: Instant,
+    last_seen: Instant,
+}
+
+/// Tokens of an ended lease, owed back to the shared bucket.
+#[derive(Debug, Clone, Copy)]
+struct Owed {
+    tokens: u64,
+    until: i64,
 }
 
 pub struct Leases {

@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::entry::Entry;
+use super::Entry;
 use super::{running_low, Leases, Taken};
 use crate::config::Algorithm;
 use crate::limiter::algorithms::lease::leasable;
