@@ -83,15 +83,6 @@ pub struct Taken {
 }
 
 impl Taken {
-    /// Bit i: tier i was covered by its share.
-    pub fn covered(&self) -> u64 {
-        self.decisions
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.is_some())
-            .fold(0, |m, (i, _)| m | 1 << i)
-    }
-
     pub fn any(&self) -> bool {
         self.decisions.iter().any(Option::is_some)
     }
