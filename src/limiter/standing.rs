@@ -3,16 +3,22 @@
 //! has the rules and why they are exact).
 //!
 //! - A request's tiers are tried on their shares first (`take`); a tier its
-//!   share covers needs no call. The others go to Redis as before, on the
-//!   bucket's pool (`pool_view`): a share that cannot cover a request means
-//!   "ask the pool", never "reject".
+//!   share covers needs no call. The others go to Redis as before, a cut
+//!   bucket's on its pool (`pool_check`): a share that cannot cover a
+//!   request means "ask the pool", never "reject". An operator's inspection
+//!   reads the pools of a request's buckets (`pool_view`).
 //! - Shares are used only while this replica is counted in the replica set
 //!   (`heard`, from the heartbeats) and has been for an announcement's life.
 //!   Cut off from Redis, it keeps the count it last heard (`frozen`): the
 //!   others keep its slot while they count at least `limiter.instances`.
+//!   Rejoining it drops every share (others may have grown into them).
+//! - A request refused elsewhere, or never sent upstream, gives its tokens
+//!   back to its shares (`give_back`); a reset forgets them (`forget`);
+//!   `level` tells an inspection what a share holds now.
 //! - Entries are bounded by `local_max_entries`; only full shares are
-//!   dropped (an absent share is a full one), so a full table sends new
-//!   buckets to the pool rather than forget what a share spent.
+//!   dropped (an absent share is a full one; a full shard looks for them
+//!   at most once a second), so a full table sends new buckets to the pool
+//!   rather than forget what a share spent.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,6 +1,28 @@
-//! The limiter the proxy talks to: Redis while it is healthy, and a circuit
-//! breaker that moves to `limiter.on_redis_failure` when it is not.
+//! The limiter the proxy talks to: Redis while it is healthy, a circuit
+//! breaker that moves to `limiter.on_redis_failure` when it is not, and in
+//! front of Redis what this replica decides without a call.
 //!
+//! A request's tiers, decided together (`decide`):
+//! - Standing shares (`[limiter.shares]`): a big bucket's tier is taken
+//!   from this replica's share when the share covers it; the others go on,
+//!   a cut bucket's on its pool.
+//! - A refusal Redis gave is remembered until it ends: the request is
+//!   refused with no call (`remembered_denial`), unless this replica holds
+//!   leased tokens of that bucket.
+//! - Leases: a tier whose lease holds enough is spent here; a request with
+//!   every tier covered makes no call.
+//! - Redis decides the rest (a call that reached it late is sent once
+//!   more). Its answer seeds the local buckets a failover starts from
+//!   (`seed`), tells the client what its lease still holds, and its
+//!   refusals are remembered.
+//! - What shares or leases covered and what decided the rest make one
+//!   outcome (`merge`): all or nothing, the local tokens given back when
+//!   any tier refuses.
+//! - `refund` gives an admission back where it was decided (Redis, the
+//!   local buckets and the ledger, or the shares) when its request never
+//!   reached the upstream.
+//!
+//! Around it:
 //! - Start-up: before the first request is decided, one bounded attempt to
 //!   reach Redis (`start`); if it works, the first request is decided by Redis.
 //! - The breaker opens on Redis's errors, and on Redis's own latency: a call
@@ -13,12 +35,13 @@
 //! - Failback, after several good probes in a row: the ledger is charged to
 //!   the shared buckets first, then traffic returns to Redis.
 //!
-//! Here: the request path (`decide`), the breaker and the refunds. Beside
-//! it: `upkeep` (start-up, the watchdog, heartbeats, resets, the lease
-//! sweeper and release), `failback` (probes, the charge of debts),
-//! `operator` (inspect, reset), `shares` (a replica's share of a rule) and
-//! `merge` (a request's tiers put back together from what shares or leases
-//! covered and what decided the rest).
+//! Here: the request path, the breaker's opening (`trip`) and the failure
+//! log, the refunds, and what `/readyz` reads (`health`). Beside it:
+//! `upkeep` (start-up, the watchdog, heartbeats, resets, the lease sweeper
+//! and release), `failback` (probes, the charge of debts), `operator`
+//! (inspect, reset), `shares` (a replica's share of a rule) and `merge`
+//! (one outcome from what shares or leases covered and what decided the
+//! rest).
 
 mod failback;
 mod merge;
@@ -600,8 +623,6 @@ impl Fallback {
         self.replicas().max(self.instances)
     }
 
-    /// Redis failed: this replica's share, locally, with the admissions
-    /// recorded for failback.
     /// Gives back an admission (`Outcome::Decided`) whose request then
     /// never reached the upstream: the in-flight caps refused it, or its
     /// client left while it was queued. Where it was decided says how: in
@@ -663,6 +684,8 @@ impl Fallback {
         }
     }
 
+    /// Redis failed: this replica's share, locally, with the admissions
+    /// recorded for failback.
     async fn fallback_outcome(&self, checks: &[Check]) -> Outcome {
         let n = self.fallback_replicas();
         let shares: Arc<[Check]> = checks

@@ -36,9 +36,9 @@
 //! - The books balance: granted = spent + returned + lost + held, where
 //!   held (a gauge) is what this replica still has, live, owed or taken by
 //!   a request in flight.
-//! - Entries are bounded by `local_max_entries`: a full table first drops
-//!   entries idle for two periods, then takes no new bucket (it is decided by
-//!   Redis, as without leases).
+//! - Entries are bounded by `local_max_entries`: a full shard first drops
+//!   entries idle for two periods that hold nothing, then takes no new
+//!   bucket (it is decided by Redis, as without leases).
 //!
 //! Here: the table (`Leases`: one `Entry` per bucket, bounded, and the
 //! buckets waiting for a call), its books (`book`, `held`) and what a
