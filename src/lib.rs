@@ -30,4 +30,5 @@ pub mod operator;
 pub mod path;
 pub mod proxy;
 pub mod routing;
+pub mod shard_map;
 pub mod usage;

@@ -7,13 +7,10 @@
 //! and if none have expired, forgets them all (a forgotten denial only costs
 //! one Redis call to relearn).
 
-use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
 use super::Check;
+use crate::shard_map::{Room, ShardMap, StillFull};
 
 const SHARDS: usize = 16;
 
@@ -29,22 +26,14 @@ pub struct Denial {
 }
 
 pub struct DenyCache {
-    shards: Vec<Mutex<HashMap<String, Denial>>>,
-    per_shard: usize,
-    hasher: std::hash::RandomState,
+    denials: ShardMap<String, Denial>,
 }
 
 impl DenyCache {
     pub fn new(cap: usize) -> Self {
         DenyCache {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            per_shard: cap.div_ceil(SHARDS).max(1),
-            hasher: std::hash::RandomState::new(),
+            denials: ShardMap::new(SHARDS, cap),
         }
-    }
-
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Denial>> {
-        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
     /// The first enforcing check known to deny at `now`, with the time left
@@ -60,25 +49,27 @@ impl DenyCache {
             if c.shadow || skip(c) {
                 return None;
             }
-            let d = *self.shard(&c.key).lock().get(&c.key)?;
+            let key = c.key.as_str();
+            let d = *self.denials.lock(key).get(key)?;
             (d.until > now).then(|| (i, d.retry_at.saturating_duration_since(now), d.held))
         })
     }
 
     /// Forgets a bucket's denial (it was reset).
     pub fn forget(&self, key: &str) {
-        self.shard(key).lock().remove(key);
+        self.denials.lock(key).remove(key);
     }
 
     pub fn remember(&self, key: &str, denial: Denial) {
-        let mut shard = self.shard(key).lock();
-        if shard.len() >= self.per_shard && !shard.contains_key(key) {
-            let now = Instant::now();
-            shard.retain(|_, d| d.until > now);
-            if shard.len() >= self.per_shard {
-                shard.clear();
-            }
-        }
-        shard.insert(key.to_string(), denial);
+        let now = Instant::now();
+        let expired = |d: &Denial| d.until <= now;
+        let room = Room::Sweep {
+            stale: &expired,
+            every: Duration::ZERO,
+            then: StillFull::Clear,
+        };
+        self.denials
+            .lock(key)
+            .insert(key.to_string(), denial, &room);
     }
 }

@@ -7,40 +7,23 @@
 //! spent. Debts put back after a failed charge are merged with what was
 //! recorded since, never dropped for room.
 
-use std::hash::BuildHasher;
-
-use indexmap::IndexMap;
-use parking_lot::Mutex;
-
 use super::algorithms::outage::{self, Debt};
 use super::algorithms::{Decision, Micros};
 use super::Check;
+use crate::shard_map::{Room, ShardMap};
 
 const SHARDS: usize = 16;
-const EVICTION_SAMPLE: usize = 8;
-
-/// Bucket name -> the shared rule's check and what was admitted against it.
-type Shard = IndexMap<String, (Check, Option<Debt>), std::hash::RandomState>;
 
 pub struct Ledger {
-    shards: Vec<Mutex<Shard>>,
-    per_shard: usize,
-    hasher: std::hash::RandomState,
+    /// Bucket name -> the shared rule's check and what was admitted against it.
+    debts: ShardMap<String, (Check, Option<Debt>)>,
 }
 
 impl Ledger {
     pub fn new(cap: usize) -> Self {
         Ledger {
-            shards: (0..SHARDS)
-                .map(|_| Mutex::new(IndexMap::default()))
-                .collect(),
-            per_shard: cap.div_ceil(SHARDS).max(1),
-            hasher: std::hash::RandomState::new(),
+            debts: ShardMap::new(SHARDS, cap),
         }
-    }
-
-    fn shard(&self, key: &str) -> &Mutex<Shard> {
-        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
     /// Records one admission of every tier that admitted it. `shared` are the
@@ -48,20 +31,23 @@ impl Ledger {
     /// share, and `decisions` the share's answers (a bucket's first debt
     /// starts where its seeded share stood: `outage::open`).
     pub fn record(&self, shared: &[Check], local: &[Check], decisions: &[Decision], now: Micros) {
+        // A full shard drops one debt of its sample: one whose own arrival
+        // time has passed (it adds least), else the first sampled.
+        let passed = |(_, debt): &(Check, Option<Debt>)| match debt {
+            Some(Debt::Gcra { tat, .. }) if *tat <= now as f64 => 0,
+            _ => 1,
+        };
         for ((c, l), d) in shared.iter().zip(local).zip(decisions) {
             if !d.allowed {
                 continue;
             }
-            let mut shard = self.shard(&c.key).lock();
-            if let Some((_, debt)) = shard.get_mut(&c.key) {
+            let mut shard = self.debts.lock(c.key.as_str());
+            if let Some((_, debt)) = shard.get_mut(c.key.as_str()) {
                 outage::record(&c.algorithm, debt, now, c.cost);
                 continue;
             }
-            if shard.len() >= self.per_shard {
-                evict(&mut shard, now);
-            }
             let debt = outage::open(&c.algorithm, &l.algorithm, d, now, c.cost);
-            shard.insert(c.key.clone(), (c.clone(), debt));
+            shard.insert(c.key.clone(), (c.clone(), debt), &Room::Evict(&passed));
         }
     }
 
@@ -73,7 +59,8 @@ impl Ledger {
             if !d.allowed {
                 continue;
             }
-            if let Some((shared, debt)) = self.shard(&c.key).lock().get_mut(&c.key) {
+            let key = c.key.as_str();
+            if let Some((shared, debt)) = self.debts.lock(key).get_mut(key) {
                 outage::unrecord(&shared.algorithm, debt, now, c.cost);
             }
         }
@@ -81,62 +68,39 @@ impl Ledger {
 
     /// Drops a bucket's debt (it was reset: nothing is owed to it).
     pub fn forget(&self, key: &str) {
-        self.shard(key).lock().swap_remove(key);
+        self.debts.lock(key).remove(key);
     }
 
     /// Every debt, leaving the ledger empty.
     pub fn take(&self) -> Vec<(Check, Debt)> {
-        let mut out = Vec::new();
-        for shard in &self.shards {
-            let drained: Vec<_> = shard.lock().drain(..).collect();
-            out.extend(
-                drained
-                    .into_iter()
-                    .filter_map(|(_, (c, d))| d.map(|d| (c, d))),
-            );
-        }
-        out
+        self.debts
+            .drain()
+            .into_iter()
+            .filter_map(|(_, (c, d))| d.map(|d| (c, d)))
+            .collect()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.shards.iter().all(|s| s.lock().is_empty())
+        self.debts.is_empty()
     }
 
     /// Puts back debts whose charge failed, merged with anything recorded
     /// for the same bucket since (which came after them).
     pub fn restore(&self, debts: Vec<(Check, Debt)>) {
         for (c, earlier) in debts {
-            let mut shard = self.shard(&c.key).lock();
-            match shard.get_mut(&c.key) {
+            let mut shard = self.debts.lock(c.key.as_str());
+            match shard.get_mut(c.key.as_str()) {
                 Some((_, slot @ Some(_))) => {
                     if let Some(later) = slot.take() {
                         *slot = Some(outage::merge(&c.algorithm, earlier, later));
                     }
                 }
                 _ => {
-                    shard.insert(c.key.clone(), (c, Some(earlier)));
+                    shard.force_insert(c.key.clone(), (c, Some(earlier)));
                 }
             }
         }
     }
-}
-
-/// Drops one debt of a random sample: one whose own arrival time has passed
-/// (it adds least), else the first sampled.
-fn evict(shard: &mut Shard, now: Micros) {
-    let n = shard.len();
-    if n == 0 {
-        return;
-    }
-    let mut victim = fastrand::usize(..n);
-    for _ in 0..EVICTION_SAMPLE.min(n) {
-        let i = fastrand::usize(..n);
-        if matches!(&shard[i].1, Some(Debt::Gcra { tat, .. }) if *tat <= now as f64) {
-            victim = i;
-            break;
-        }
-    }
-    shard.swap_remove_index(victim);
 }
 
 #[cfg(test)]

@@ -9,53 +9,49 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use indexmap::IndexMap;
-use parking_lot::Mutex;
 
 use super::algorithms::outage::{self, Debt};
 use super::algorithms::{self, Snapshot, State};
 use super::{Backend, Check, LimiterError, Verdict};
 use crate::clock::Clock;
+use crate::shard_map::{Room, ShardMap};
 
 const MAX_SHARDS: usize = 64;
-const EVICTION_SAMPLE: usize = 8;
 
 struct Entry {
     state: Option<State>,
     expires_at: i64,
 }
 
-type Shard = IndexMap<String, Entry, std::hash::RandomState>;
-
 pub struct LocalBackend {
-    shards: Vec<Mutex<Shard>>,
-    per_shard: usize,
+    buckets: ShardMap<String, Entry>,
     clock: Arc<dyn Clock>,
-    hasher: std::hash::RandomState,
+}
+
+/// A bucket's state while its entry lives (past its TTL it is full again).
+fn live(entry: Option<&Entry>, now: i64) -> Option<&State> {
+    entry
+        .filter(|e| e.expires_at > now)
+        .and_then(|e| e.state.as_ref())
+}
+
+/// A full shard evicts the soonest-expiring entry of its sample (an expired
+/// one at once).
+fn soonest_expiring(now: i64) -> impl Fn(&Entry) -> i64 {
+    move |e| e.expires_at.saturating_sub(now)
 }
 
 impl LocalBackend {
     pub fn new(max_entries: usize, clock: Arc<dyn Clock>) -> Self {
-        // shards x per_shard <= max_entries: the cap holds exactly.
-        let shards = MAX_SHARDS.min(max_entries).max(1);
         LocalBackend {
-            shards: (0..shards)
-                .map(|_| Mutex::new(IndexMap::default()))
-                .collect(),
-            per_shard: (max_entries / shards).max(1),
+            buckets: ShardMap::new(MAX_SHARDS, max_entries),
             clock,
-            hasher: std::hash::RandomState::new(),
         }
-    }
-
-    fn shard_of(&self, key: &str) -> usize {
-        use std::hash::BuildHasher;
-        (self.hasher.hash_one(key) as usize) % self.shards.len()
     }
 
     /// Entries currently held, expired or not.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.buckets.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -70,8 +66,8 @@ impl LocalBackend {
             if !d.allowed {
                 continue;
             }
-            let mut shard = self.shards[self.shard_of(&c.key)].lock();
-            all &= match shard.get_mut(&c.key) {
+            let key = c.key.as_str();
+            all &= match self.buckets.lock(key).get_mut(key) {
                 Some(e) => algorithms::refund(&c.algorithm, &mut e.state, at, c.cost),
                 None => false,
             };
@@ -81,30 +77,16 @@ impl LocalBackend {
 
     /// Decides at an explicit time (the conformance suite drives this).
     pub fn decide_at(&self, checks: &[Check], now: i64) -> Verdict {
-        // Lock every shard involved, in index order, so concurrent requests
-        // touching the same buckets cannot deadlock.
-        let mut idx: Vec<usize> = checks.iter().map(|c| self.shard_of(&c.key)).collect();
-        let mut order = idx.clone();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: Vec<(usize, parking_lot::MutexGuard<'_, Shard>)> =
-            order.iter().map(|&i| (i, self.shards[i].lock())).collect();
-        let slot = |guards: &[(usize, parking_lot::MutexGuard<'_, Shard>)], i: usize| {
-            guards.iter().position(|(s, _)| *s == i).unwrap_or(0)
-        };
-        for i in idx.iter_mut() {
-            *i = slot(&guards, *i);
-        }
-
+        // Every shard involved stays locked from the checks to the commit:
+        // a request's tiers are decided together.
+        let mut shards = self
+            .buckets
+            .lock_many(checks.iter().map(|c| c.key.as_str()));
         let evals: Vec<_> = checks
             .iter()
-            .zip(&idx)
-            .map(|(c, &g)| {
-                let state = guards[g]
-                    .1
-                    .get(&c.key)
-                    .filter(|e| e.expires_at > now)
-                    .and_then(|e| e.state.as_ref());
+            .enumerate()
+            .map(|(i, c)| {
+                let state = live(shards.of(i).get(c.key.as_str()), now);
                 algorithms::check(&c.algorithm, state, now, c.cost)
             })
             .collect();
@@ -113,13 +95,14 @@ impl LocalBackend {
             now_us: now,
         };
         if verdict.admitted(checks) {
-            for ((c, &g), e) in checks.iter().zip(&idx).zip(&evals) {
+            let rank = soonest_expiring(now);
+            for (i, (c, e)) in checks.iter().zip(&evals).enumerate() {
                 if !e.decision.allowed {
                     continue; // a shadow tier that would have rejected
                 }
-                let shard = &mut guards[g].1;
+                let shard = shards.of_mut(i);
                 let expires_at = now + e.ttl_us as i64;
-                if let Some(entry) = shard.get_mut(&c.key) {
+                if let Some(entry) = shard.get_mut(c.key.as_str()) {
                     if entry.expires_at <= now {
                         entry.state = None;
                     }
@@ -127,12 +110,13 @@ impl LocalBackend {
                     entry.expires_at = entry.expires_at.max(expires_at);
                     continue;
                 }
-                if shard.len() >= self.per_shard {
-                    evict_one(shard, now);
-                }
                 let mut state = None;
                 algorithms::commit(&mut state, &e.update);
-                shard.insert(c.key.clone(), Entry { state, expires_at });
+                shard.insert(
+                    c.key.clone(),
+                    Entry { state, expires_at },
+                    &Room::Evict(&rank),
+                );
             }
         }
         verdict
@@ -143,23 +127,17 @@ impl LocalBackend {
     /// Overwrites a bucket's state (what Redis last said of it, as this
     /// replica's share) until `ttl_us` from `now`.
     pub fn seed(&self, key: &str, state: State, ttl_us: u64, now: i64) {
-        let mut shard = self.shards[self.shard_of(key)].lock();
-        let expires_at = now + ttl_us as i64;
-        if let Some(entry) = shard.get_mut(key) {
-            entry.state = Some(state);
-            entry.expires_at = expires_at;
-            return;
+        let entry = Entry {
+            state: Some(state),
+            expires_at: now + ttl_us as i64,
+        };
+        let mut shard = self.buckets.lock(key);
+        match shard.get_mut(key) {
+            Some(held) => *held = entry,
+            None => {
+                shard.insert(key.to_string(), entry, &Room::Evict(&soonest_expiring(now)));
+            }
         }
-        if shard.len() >= self.per_shard {
-            evict_one(&mut shard, now);
-        }
-        shard.insert(
-            key.to_string(),
-            Entry {
-                state: Some(state),
-                expires_at,
-            },
-        );
     }
 
     /// What each check's bucket holds at `now`, spending nothing.
@@ -167,12 +145,9 @@ impl LocalBackend {
         checks
             .iter()
             .map(|c| {
-                let shard = self.shards[self.shard_of(&c.key)].lock();
-                let state = shard
-                    .get(&c.key)
-                    .filter(|e| e.expires_at > now)
-                    .and_then(|e| e.state.as_ref());
-                algorithms::inspect(&c.algorithm, state, now)
+                let key = c.key.as_str();
+                let shard = self.buckets.lock(key);
+                algorithms::inspect(&c.algorithm, live(shard.get(key), now), now)
             })
             .collect()
     }
@@ -184,19 +159,14 @@ impl LocalBackend {
     /// Forgets these buckets (they are whole again); returns how many held state.
     pub fn remove(&self, keys: &[&str]) -> usize {
         keys.iter()
-            .filter(|k| {
-                self.shards[self.shard_of(k)]
-                    .lock()
-                    .swap_remove(**k)
-                    .is_some()
-            })
+            .filter(|k| self.buckets.lock(**k).remove(**k).is_some())
             .count()
     }
 
     /// Whether a sliding log's state was written less than `within_us` ago
     /// (its entries live `window_us`, and every write renews that).
     pub fn log_written_within(&self, key: &str, window_us: i64, within_us: i64, now: i64) -> bool {
-        let shard = self.shards[self.shard_of(key)].lock();
+        let shard = self.buckets.lock(key);
         shard.get(key).is_some_and(|e| {
             matches!(e.state, Some(State::Log(_))) && e.expires_at - window_us > now - within_us
         })
@@ -207,42 +177,18 @@ impl LocalBackend {
     pub fn charge_at(&self, debts: &[(Check, Debt)], now: i64) -> usize {
         let mut written = 0;
         for (c, debt) in debts {
-            let shard = self.shards[self.shard_of(&c.key)].lock();
-            let current = shard
-                .get(&c.key)
-                .filter(|e| e.expires_at > now)
-                .and_then(|e| e.state.clone());
-            let Some((state, ttl)) = outage::charge(&c.algorithm, current.as_ref(), debt, now)
-            else {
+            let key = c.key.as_str();
+            let shard = self.buckets.lock(key);
+            let charged = outage::charge(&c.algorithm, live(shard.get(key), now), debt, now);
+            drop(shard);
+            let Some((state, ttl)) = charged else {
                 continue;
             };
-            drop(shard);
-            self.seed(&c.key, state, ttl, now);
+            self.seed(key, state, ttl, now);
             written += 1;
         }
         written
     }
-}
-
-/// Removes the soonest-expiring of a random sample (an expired one if seen).
-fn evict_one(shard: &mut Shard, now: i64) {
-    let n = shard.len();
-    if n == 0 {
-        return;
-    }
-    let mut victim = fastrand::usize(..n);
-    let mut soonest = shard[victim].expires_at;
-    for _ in 1..EVICTION_SAMPLE.min(n) {
-        let i = fastrand::usize(..n);
-        if shard[i].expires_at < soonest {
-            victim = i;
-            soonest = shard[i].expires_at;
-        }
-        if soonest <= now {
-            break;
-        }
-    }
-    shard.swap_remove_index(victim);
 }
 
 #[async_trait]

@@ -3,20 +3,23 @@
 //! has the rules and why they are exact).
 //!
 //! - A request's tiers are tried on their shares first (`take`); a tier its
-//!   share covers needs no call. The others go to Redis as before, on the
-//!   bucket's pool (`pool_view`): a share that cannot cover a request means
-//!   "ask the pool", never "reject".
+//!   share covers needs no call. The others go to Redis as before, a cut
+//!   bucket's on its pool (`pool_check`): a share that cannot cover a
+//!   request means "ask the pool", never "reject". An operator's inspection
+//!   reads the pools of a request's buckets (`pool_view`).
 //! - Shares are used only while this replica is counted in the replica set
 //!   (`heard`, from the heartbeats) and has been for an announcement's life.
 //!   Cut off from Redis, it keeps the count it last heard (`frozen`): the
 //!   others keep its slot while they count at least `limiter.instances`.
+//!   Rejoining it drops every share (others may have grown into them).
+//! - A request refused elsewhere, or never sent upstream, gives its tokens
+//!   back to its shares (`give_back`); a reset forgets them (`forget`);
+//!   `level` tells an inspection what a share holds now.
 //! - Entries are bounded by `local_max_entries`; only full shares are
-//!   dropped (an absent share is a full one), so a full table sends new
-//!   buckets to the pool rather than forget what a share spent.
+//!   dropped (an absent share is a full one; a full shard looks for them
+//!   at most once a second), so a full table sends new buckets to the pool
+//!   rather than forget what a share spent.
 
-use std::collections::HashMap;
-use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +28,7 @@ use parking_lot::Mutex;
 use super::algorithms::standing::{pool, share, Heard, Membership, Share};
 use super::{Check, Decision, Micros, Tier};
 use crate::clock::{Clock, SystemClock};
+use crate::shard_map::{Room, ShardMap, StillFull};
 
 const SHARDS: usize = 16;
 
@@ -39,7 +43,6 @@ pub struct Standing {
     fraction: f64,
     /// Shares are cut for at least this many replicas (`limiter.instances`).
     instances: u32,
-    per_shard: usize,
     /// Monotonic time origin for the membership's clock.
     base: Instant,
     ttl: Duration,
@@ -50,9 +53,10 @@ pub struct Standing {
     /// Times are µs since `base`: shares never read the wall clock, which
     /// a step forward would refill.
     membership: Mutex<Members>,
-    shards: Box<[Mutex<Shard>]>,
-    hasher: std::collections::hash_map::RandomState,
-    entries: AtomicUsize,
+    /// The shares held; each shard's own state is the membership its
+    /// shares belong to (`Members::generation`): a request that read an
+    /// older one (a rejoin cleared the table meanwhile) inserts nothing.
+    shares: ShardMap<Box<str>, Share, std::hash::RandomState, u64>,
 }
 
 #[derive(Default)]
@@ -65,15 +69,6 @@ struct Members {
     grew: Option<(Micros, u32)>,
     /// Bumped by each new membership (every share dropped).
     generation: u64,
-}
-
-#[derive(Default)]
-struct Shard {
-    map: HashMap<Box<str>, Share>,
-    /// The membership its shares belong to: a request that read an older
-    /// one (a rejoin cleared the table meanwhile) inserts nothing.
-    generation: u64,
-    swept: Option<Instant>,
 }
 
 /// How shares are cut at one moment (`now`, µs since `base`).
@@ -94,15 +89,6 @@ pub struct Taken {
 }
 
 impl Taken {
-    /// Bit i: tier i was covered by its share.
-    pub fn covered(&self) -> u64 {
-        self.decisions
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.is_some())
-            .fold(0, |m, (i, _)| m | 1 << i)
-    }
-
     pub fn any(&self) -> bool {
         self.decisions.iter().any(Option::is_some)
     }
@@ -134,15 +120,11 @@ impl Standing {
         Standing {
             fraction,
             instances: instances.max(1),
-            // Never past `local_max_entries` (a table of fewer than 16 holds 16).
-            per_shard: (max_entries / SHARDS).max(1),
             base: Instant::now(),
             ttl,
             join_wait: ttl + JOIN_MARGIN,
             membership: Mutex::new(Members::default()),
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            hasher: Default::default(),
-            entries: AtomicUsize::new(0),
+            shares: ShardMap::new(SHARDS, max_entries),
         }
     }
 
@@ -190,11 +172,9 @@ impl Standing {
             let generation = m.generation;
             drop(m);
             // Others may have grown into what these shares held.
-            for s in self.shards.iter() {
-                let mut s = s.lock();
-                self.entries.fetch_sub(s.map.len(), Ordering::Relaxed);
-                s.map.clear();
-                s.generation = generation;
+            for mut s in self.shares.lock_each() {
+                s.clear();
+                *s.meta_mut() = generation;
             }
             tracing::info!(replicas = count, "limiter: standing shares rejoin the replica set; they fill from empty once it has counted this replica");
         }
@@ -236,10 +216,6 @@ impl Standing {
         self.usable(frozen).is_some()
     }
 
-    fn shard(&self, key: &str) -> &Mutex<Shard> {
-        &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
-    }
-
     /// Tries each cut tier on its share. `frozen`: Redis is out of reach
     /// (the breaker is open).
     pub fn take(&self, checks: &[Check], frozen: bool) -> Option<Taken> {
@@ -267,36 +243,31 @@ impl Standing {
     fn take_one(&self, c: &Check, cut: &Cut) -> Option<Decision> {
         let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
         let now = cut.now;
-        let mut shard = self.shard(&c.key).lock();
-        if shard.generation != cut.generation {
+        let key = c.key.as_str();
+        let mut shard = self.shares.lock(key);
+        if *shard.meta() != cut.generation {
             return None;
         }
-        let held = shard.map.get(c.key.as_str()).copied();
-        if held.is_none() && shard.map.len() >= self.per_shard && !self.sweep(&mut shard, now) {
+        let held = shard.get(key).copied();
+        // Only full shares make room (an absent share is a full one), at
+        // most once per `SWEEP_EVERY` in a shard; else the tier goes to
+        // the pool.
+        let full = |s: &Share| s.full(now);
+        let room = Room::Sweep {
+            stale: &full,
+            every: SWEEP_EVERY,
+            then: StillFull::Refuse,
+        };
+        if held.is_none() && !shard.make_room(&room) {
             return None;
         }
         let current = self.current(held, c, cap, rate, cut);
         let (e, next) = current.take(c.cost, now);
-        let next = next?;
-        if shard.map.insert(c.key.as_str().into(), next).is_none() {
-            self.entries.fetch_add(1, Ordering::Relaxed);
-        }
+        shard.force_insert(key.into(), next?);
         Some(Decision {
             limit: super::algorithms::quota(&c.algorithm),
             ..e.decision
         })
-    }
-
-    /// Drops the shard's full shares; whether there is room now.
-    fn sweep(&self, shard: &mut Shard, now: Micros) -> bool {
-        if shard.swept.is_none_or(|t| t.elapsed() >= SWEEP_EVERY) {
-            shard.swept = Some(Instant::now());
-            let before = shard.map.len();
-            shard.map.retain(|_, s| !s.full(now));
-            self.entries
-                .fetch_sub(before - shard.map.len(), Ordering::Relaxed);
-        }
-        shard.map.len() < self.per_shard
     }
 
     /// Tokens the covered tiers took, given back (the request was refused
@@ -311,22 +282,17 @@ impl Standing {
 
     pub fn give_back_one(&self, c: &Check) {
         let now = self.mono(Instant::now());
-        let mut shard = self.shard(&c.key).lock();
-        if let Some(s) = shard.map.get_mut(c.key.as_str()) {
+        let key = c.key.as_str();
+        if let Some(s) = self.shares.lock(key).get_mut(key) {
             *s = s.give_back(c.cost, now);
         }
     }
 
     /// Buckets reset by an operator: their shares are whole again.
     pub fn forget(&self, keys: &[&str]) -> usize {
-        let mut dropped = 0;
-        for k in keys {
-            if self.shard(k).lock().map.remove(*k).is_some() {
-                dropped += 1;
-            }
-        }
-        self.entries.fetch_sub(dropped, Ordering::Relaxed);
-        dropped
+        keys.iter()
+            .filter(|k| self.shares.lock(**k).remove(**k).is_some())
+            .count()
     }
 
     /// This replica's share of a cut bucket now: (tokens, capacity), if it
@@ -337,13 +303,14 @@ impl Standing {
         }
         let cut = self.usable(frozen)?;
         let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
-        let held = self.shard(&c.key).lock().map.get(c.key.as_str()).copied();
+        let key = c.key.as_str();
+        let held = self.shares.lock(key).get(key).copied();
         let s = self.current(held, c, cap, rate, &cut);
         Some((s.level(cut.now).floor() as u64, cap))
     }
 
     pub fn len(&self) -> usize {
-        self.entries.load(Ordering::Relaxed)
+        self.shares.len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -1,6 +1,28 @@
-//! The limiter the proxy talks to: Redis while it is healthy, and a circuit
-//! breaker that moves to `limiter.on_redis_failure` when it is not.
+//! The limiter the proxy talks to: Redis while it is healthy, a circuit
+//! breaker that moves to `limiter.on_redis_failure` when it is not, and in
+//! front of Redis what this replica decides without a call.
 //!
+//! A request's tiers, decided together (`decide`):
+//! - Standing shares (`[limiter.shares]`): a big bucket's tier is taken
+//!   from this replica's share when the share covers it; the others go on,
+//!   a cut bucket's on its pool.
+//! - A refusal Redis gave is remembered until it ends: the request is
+//!   refused with no call (`remembered_denial`), unless this replica holds
+//!   leased tokens of that bucket.
+//! - Leases: a tier whose lease holds enough is spent here; a request with
+//!   every tier covered makes no call.
+//! - Redis decides the rest (a call that reached it late is sent once
+//!   more). Its answer seeds the local buckets a failover starts from
+//!   (`seed`), tells the client what its lease still holds, and its
+//!   refusals are remembered.
+//! - What shares or leases covered and what decided the rest make one
+//!   outcome (`merge`): all or nothing, the local tokens given back when
+//!   any tier refuses.
+//! - `refund` gives an admission back where it was decided (Redis, the
+//!   local buckets and the ledger, or the shares) when its request never
+//!   reached the upstream.
+//!
+//! Around it:
 //! - Start-up: before the first request is decided, one bounded attempt to
 //!   reach Redis (`start`); if it works, the first request is decided by Redis.
 //! - The breaker opens on Redis's errors, and on Redis's own latency: a call
@@ -13,12 +35,16 @@
 //! - Failback, after several good probes in a row: the ledger is charged to
 //!   the shared buckets first, then traffic returns to Redis.
 //!
-//! Here: the request path (`decide`), the breaker and the refunds. Beside
-//! it: `upkeep` (start-up, the watchdog, heartbeats, resets, the lease
-//! sweeper and release), `failback` (probes, the charge of debts),
-//! `operator` (inspect, reset) and `shares` (a replica's share of a rule).
+//! Here: the request path, the breaker's opening (`trip`) and the failure
+//! log, the refunds, and what `/readyz` reads (`health`). Beside it:
+//! `upkeep` (start-up, the watchdog, heartbeats, resets, the lease sweeper
+//! and release), `failback` (probes, the charge of debts), `operator`
+//! (inspect, reset), `shares` (a replica's share of a rule) and `merge`
+//! (one outcome from what shares or leases covered and what decided the
+//! rest).
 
 mod failback;
+mod merge;
 mod operator;
 mod shares;
 mod upkeep;
@@ -37,11 +63,12 @@ use super::deny_cache::{Denial, DenyCache};
 use super::leases::Leases;
 use super::ledger::Ledger;
 use super::redis::Persistence;
-use super::standing::{self, Standing};
+use super::standing::Standing;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Algorithm, OnRedisFailure};
 use crate::metrics::{self, DecidedBy};
+use merge::Covered;
 
 /// Consecutive good probes before traffic goes back to Redis.
 const PROBES_TO_FAIL_BACK: u32 = 3;
@@ -343,27 +370,31 @@ impl Fallback {
                 .decide_shared_tiers(&checks.iter().map(pool).collect())
                 .await;
         };
-        let covered = taken.covered();
-        if covered == (1u64 << checks.len()) - 1 {
+        let covered = Covered::shares(&taken.decisions);
+        if let Some(outcome) = covered.whole(checks, taken.now_us) {
             metrics::decided_by(DecidedBy::Share);
-            return Outcome::Decided {
-                verdict: Verdict {
-                    decisions: taken.decisions.into_iter().flatten().collect(),
-                    now_us: taken.now_us,
-                },
-                backend: FallbackState::Redis,
-                checks: checks.clone(),
-                standing: covered,
-            };
+            return outcome;
         }
-        let rest: Arc<[Check]> = checks
-            .iter()
-            .zip(&taken.decisions)
-            .filter(|(_, d)| d.is_none())
-            .map(|(c, _)| pool(c))
-            .collect();
+        let rest = covered.rest(checks, pool);
         let outcome = self.decide_shared_tiers(&rest).await;
-        merge_standing(checks, &taken, outcome, standing)
+        let mut outcome = covered.merge(checks, outcome, |admitted| {
+            if !admitted {
+                standing.give_back(checks, &taken.decisions);
+            }
+        });
+        // A pool's decision tells the bucket's own limit.
+        if let Outcome::Decided { verdict, .. } = &mut outcome {
+            for ((c, d), here) in checks
+                .iter()
+                .zip(&mut verdict.decisions)
+                .zip(&taken.decisions)
+            {
+                if here.is_none() && standing.cuts(c) {
+                    d.limit = super::algorithms::quota(&c.algorithm);
+                }
+            }
+        }
+        outcome
     }
 
     async fn decide_shared_tiers(&self, checks: &Arc<[Check]>) -> Outcome {
@@ -398,28 +429,19 @@ impl Fallback {
                 redis.renew();
             }
             if t.all() {
-                leases.confirm(checks, t);
-                metrics::decided_by(DecidedBy::Lease);
-                return Outcome::Decided {
-                    verdict: Verdict {
-                        decisions: t.decisions.iter().flatten().copied().collect(),
-                        now_us: SystemClock.now_us(),
-                    },
-                    backend: FallbackState::Redis,
-                    checks: checks.clone(),
-                    standing: 0,
-                };
+                if let Some(outcome) =
+                    Covered::leases(&t.decisions).whole(checks, SystemClock.now_us())
+                {
+                    leases.confirm(checks, t);
+                    metrics::decided_by(DecidedBy::Lease);
+                    return outcome;
+                }
             }
         }
         let taken = taken.filter(|t| t.any());
         if up {
             let asked: Arc<[Check]> = match &taken {
-                Some(t) => checks
-                    .iter()
-                    .zip(&t.decisions)
-                    .filter(|(_, d)| d.is_none())
-                    .map(|(c, _)| c.clone())
-                    .collect(),
+                Some(t) => Covered::leases(&t.decisions).rest(checks, Check::clone),
                 None => checks.clone(),
             };
             let mut result = redis.decide_shared(asked.clone(), epoch).await;
@@ -473,34 +495,24 @@ impl Fallback {
                             );
                         }
                     }
-                    // The covered tiers' decisions in their places.
-                    let verdict = match (&taken, leases) {
-                        (Some(t), Some(leases)) => {
-                            let mut answered = verdict.decisions.into_iter();
-                            let decisions = t
-                                .decisions
-                                .iter()
-                                .map(|d| d.or_else(|| answered.next()))
-                                .collect::<Option<Vec<_>>>()
-                                .unwrap_or_default();
-                            let verdict = Verdict {
-                                decisions,
-                                now_us: verdict.now_us,
-                            };
-                            if verdict.admitted(checks) {
-                                leases.confirm(checks, t);
-                            } else {
-                                leases.give_back(checks, t);
-                            }
-                            verdict
-                        }
-                        _ => verdict,
-                    };
-                    return Outcome::Decided {
+                    let outcome = Outcome::Decided {
                         verdict,
                         backend: FallbackState::Redis,
-                        checks: checks.clone(),
+                        checks: asked,
                         standing: 0,
+                    };
+                    // The covered tiers' decisions in their places.
+                    return match (&taken, leases) {
+                        (Some(t), Some(leases)) => {
+                            Covered::leases(&t.decisions).merge(checks, outcome, |admitted| {
+                                if admitted {
+                                    leases.confirm(checks, t);
+                                } else {
+                                    leases.give_back(checks, t);
+                                }
+                            })
+                        }
+                        _ => outcome,
                     };
                 }
                 Err(e) => {
@@ -611,8 +623,6 @@ impl Fallback {
         self.replicas().max(self.instances)
     }
 
-    /// Redis failed: this replica's share, locally, with the admissions
-    /// recorded for failback.
     /// Gives back an admission (`Outcome::Decided`) whose request then
     /// never reached the upstream: the in-flight caps refused it, or its
     /// client left while it was queued. Where it was decided says how: in
@@ -674,6 +684,8 @@ impl Fallback {
         }
     }
 
+    /// Redis failed: this replica's share, locally, with the admissions
+    /// recorded for failback.
     async fn fallback_outcome(&self, checks: &[Check]) -> Outcome {
         let n = self.fallback_replicas();
         let shares: Arc<[Check]> = checks
@@ -757,98 +769,5 @@ impl Fallback {
             tracing::debug!(error = %text, "limiter: probe failed");
         }
         *last = Some(e);
-    }
-}
-
-/// A request some of whose tiers its standing shares covered (`taken`) and
-/// the rest decided by `outcome` (on their pools): one outcome over every
-/// tier, in order, the shares' tokens given back unless it was admitted.
-fn merge_standing(
-    checks: &Arc<[Check]>,
-    taken: &standing::Taken,
-    outcome: Outcome,
-    standing: &Standing,
-) -> Outcome {
-    let covered = taken.covered();
-    // Where the j-th undecided tier sits among all.
-    let places: Vec<usize> = (0..checks.len())
-        .filter(|i| covered & (1 << i) == 0)
-        .collect();
-    let merged_checks = |rest: &[Check]| -> Arc<[Check]> {
-        let mut rest = rest.iter();
-        checks
-            .iter()
-            .enumerate()
-            .map(|(i, c)| match covered & (1 << i) {
-                0 => rest.next().cloned().unwrap_or_else(|| c.clone()),
-                _ => c.clone(),
-            })
-            .collect()
-    };
-    match outcome {
-        Outcome::Decided {
-            verdict,
-            backend,
-            checks: rest,
-            ..
-        } => {
-            let mut answered = verdict.decisions.into_iter();
-            let decisions: Vec<Decision> = checks
-                .iter()
-                .zip(&taken.decisions)
-                .map(|(c, d)| match d {
-                    Some(d) => *d,
-                    // A pool's decision tells the bucket's own limit.
-                    None => {
-                        let mut d = answered.next().unwrap_or(Decision {
-                            allowed: false,
-                            limit: 0,
-                            remaining: 0,
-                            retry_after_us: 0,
-                            reset_after_us: 0,
-                            delay_us: 0,
-                        });
-                        if standing.cuts(c) {
-                            d.limit = super::algorithms::quota(&c.algorithm);
-                        }
-                        d
-                    }
-                })
-                .collect();
-            let checks = merged_checks(&rest);
-            let verdict = Verdict {
-                decisions,
-                now_us: verdict.now_us,
-            };
-            if !verdict.admitted(&checks) {
-                standing.give_back(&checks, &taken.decisions);
-            }
-            Outcome::Decided {
-                verdict,
-                backend,
-                checks,
-                standing: covered,
-            }
-        }
-        Outcome::Remembered {
-            checks: rest,
-            tier,
-            decision,
-            now_us,
-        } => {
-            standing.give_back(checks, &taken.decisions);
-            Outcome::Remembered {
-                checks: merged_checks(&rest),
-                tier: places.get(tier).copied().unwrap_or(tier),
-                decision,
-                now_us,
-            }
-        }
-        // Admitted with no limiter: what the shares took stays spent.
-        Outcome::FailOpen => Outcome::FailOpen,
-        Outcome::FailClosed => {
-            standing.give_back(checks, &taken.decisions);
-            Outcome::FailClosed
-        }
     }
 }
