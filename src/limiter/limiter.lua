@@ -39,7 +39,7 @@ then per shape: n, its number of tiers, and per tier two values: the index
          (tokens taken, 1 to the bucket's quota)
 then per request: the index of its shape (requests of one client on one
          route share a shape, so a request costs one argument)
-then, optionally, leases (leases.rs): l, the number of them, r, the replicas
+then, optionally, leases (leases/): l, the number of them, r, the replicas
          sharing the limit, g0, the smallest lease worth granting, h, the
          holder (the calling replica's random id, [0-9a-z] only) and hold,
          how long after a quota grant Redis takes its unspent tokens back
