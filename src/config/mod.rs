@@ -134,7 +134,8 @@ pub trait KeyFacts {
     /// Keys accepted: `[[api_keys]]` and the keys file's.
     fn keys(&self) -> usize;
     fn keys_from_file(&self) -> usize;
-    fn keys_of_plan(&self, plan: &str) -> usize;
+    /// Keys by plan name, counted in one pass.
+    fn keys_per_plan(&self) -> std::collections::HashMap<String, usize>;
     /// Signing keys read from the `key_files` of issuer `issuer` (its index).
     fn jwt_file_keys(&self, issuer: usize) -> usize;
     /// Calls `f` with each key that has limits of its own, until it

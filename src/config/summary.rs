@@ -228,8 +228,9 @@ impl Config {
                 let _ = writeln!(s, "  ip: (off)");
             }
         }
+        let per_plan = facts.keys_per_plan();
         for (name, p) in &self.plans {
-            let keys = facts.keys_of_plan(name);
+            let keys = per_plan.get(name).copied().unwrap_or(0);
             let _ = writeln!(
                 s,
                 "  key plan {name}: token_bucket capacity={} refill_per_sec={}{} ({keys} key(s); priority {})",

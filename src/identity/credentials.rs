@@ -41,17 +41,21 @@ impl Credentials {
     pub fn read(config: &Config, files: Files) -> Result<Credentials, Vec<ConfigError>> {
         let mut errors = Vec::new();
         let mut unread = Vec::new();
-        // A file `check` cannot open here is noted, not refused.
-        let mut elsewhere = |at: &str, path: &Path| match std::fs::File::open(path) {
-            Err(e) if files == Files::MayBeElsewhere => {
-                let why = format!(
-                    "cannot read {}: {e}; `gateway run` refuses to start until it can be read",
-                    path.display()
-                );
-                unread.push(config.error_at(at, why));
-                true
-            }
-            _ => false,
+        // A file `check` cannot open here is noted, not refused (`run` and
+        // a reload read it once, in its loader, which names what is wrong).
+        let mut elsewhere = |at: &str, path: &Path| match files {
+            Files::Required => false,
+            Files::MayBeElsewhere => match std::fs::File::open(path) {
+                Err(e) => {
+                    let why = format!(
+                        "cannot read {}: {e}; `gateway run` refuses to start until it can be read",
+                        path.display()
+                    );
+                    unread.push(config.error_at(at, why));
+                    true
+                }
+                Ok(_) => false,
+            },
         };
         let keys = match &config.clients.api_keys_file {
             Some(path) if elsewhere("clients.api_keys_file", path) => {
@@ -135,9 +139,9 @@ impl KeyFacts for Credentials {
         self.keys.from_file()
     }
 
-    fn keys_of_plan(&self, plan: &str) -> usize {
-        let i = self.keys.plans().iter().position(|p| p == plan);
-        i.map_or(0, |i| self.keys.per_plan()[i])
+    fn keys_per_plan(&self) -> std::collections::HashMap<String, usize> {
+        let plans = self.keys.plans().iter().cloned();
+        plans.zip(self.keys.per_plan()).collect()
     }
 
     fn jwt_file_keys(&self, issuer: usize) -> usize {
