@@ -81,6 +81,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     shadow: false,
                     cost: 1,
                     shards: 1,
+                    pool: false,
                 },
                 Check {
                     tier: Tier::Key,
@@ -89,6 +90,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     shadow: false,
                     cost: 1,
                     shards: 1,
+                    pool: false,
                 },
                 Check {
                     tier: Tier::Route,
@@ -97,6 +99,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     shadow: false,
                     cost: 1,
                     shards: 1,
+                    pool: false,
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))
@@ -256,7 +259,7 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
         },
         backend: FallbackState::Local,
         checks: plan.checks.clone(),
-        standing: 0,
+        standing: ratelimit_gateway::limiter::OnShares::NONE,
     };
     group.bench_function("conclude (both header styles)", |b| {
         b.iter(|| conclude(black_box(&outcome), HeaderStyle::Both, 0))

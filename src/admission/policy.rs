@@ -194,6 +194,7 @@ impl Rule {
             shadow: self.shadow,
             cost: self.cost,
             shards: self.shards,
+            pool: false,
         }
     }
 }
@@ -380,6 +381,7 @@ impl Policy {
                 shadow: false,
                 cost: 1,
                 shards: 1,
+                pool: false,
             });
         }
     }

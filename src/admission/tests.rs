@@ -78,7 +78,7 @@ fn decided_by(checks: Vec<Check>, allowed: &[bool]) -> Outcome {
         },
         backend: crate::limiter::FallbackState::Redis,
         checks: checks.into(),
-        standing: 0,
+        standing: crate::limiter::OnShares::NONE,
     }
 }
 

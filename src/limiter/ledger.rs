@@ -124,6 +124,7 @@ mod tests {
             shadow: false,
             cost: 1,
             shards: 1,
+            pool: false,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;

@@ -20,7 +20,7 @@ use std::fmt;
 use async_trait::async_trait;
 
 pub use algorithms::{Decision, Micros};
-pub use fallback::{share, Fallback, FallbackState, Outcome, Reset};
+pub use fallback::{share, Fallback, FallbackState, OnShares, Outcome, Reset};
 pub use local::LocalBackend;
 pub use redis::{slot, AdminConnection, RedisBackend};
 
@@ -69,6 +69,9 @@ pub struct Check {
     /// The bucket is one of this many equal sub-buckets of a global limit
     /// (its `shards`), holding 1/shards of it; 1 for every other bucket.
     pub shards: u64,
+    /// The check is a cut bucket's pool (`standing`): the replicas' shares
+    /// are this replica's local part of it, so it is never leased too.
+    pub pool: bool,
 }
 
 impl Check {
@@ -262,6 +265,7 @@ mod tests {
                 shadow: false,
                 cost: 1,
                 shards: 1,
+                pool: false,
             };
             assert_eq!(c.policy_name(), format!("quota-{name}"));
         }

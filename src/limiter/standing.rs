@@ -23,11 +23,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use super::algorithms::standing::{pool, share, Heard, Membership, Share};
 use super::{Check, Decision, Micros, Tier};
 use crate::clock::{Clock, SystemClock};
+use crate::config::Algorithm;
 use crate::shard_map::{Room, ShardMap, StillFull};
 
 const SHARDS: usize = 16;
@@ -53,10 +55,28 @@ pub struct Standing {
     /// Times are µs since `base`: shares never read the wall clock, which
     /// a step forward would refill.
     membership: Mutex<Members>,
+    /// What a request reads of the membership, published whole by each
+    /// heartbeat: the request path takes no lock shared by every request.
+    view: ArcSwapOption<View>,
     /// The shares held; each shard's own state is the membership its
     /// shares belong to (`Members::generation`): a request that read an
     /// older one (a rejoin cleared the table meanwhile) inserts nothing.
     shares: ShardMap<Box<str>, Share, std::hash::RandomState, u64>,
+}
+
+/// The membership as a request reads it (µs since `base`).
+#[derive(Debug, Clone, Copy)]
+struct View {
+    /// Shares are usable from `from` and, unless frozen, before `until`.
+    from: Micros,
+    until: Micros,
+    n: u32,
+    ramp_from: Micros,
+    grew: Option<(Micros, u32)>,
+    generation: u64,
+    /// The wall clock minus the membership's clock when the view was
+    /// published: a request reads one clock, not two.
+    wall_offset: Micros,
 }
 
 #[derive(Default)]
@@ -78,6 +98,7 @@ struct Cut {
     grew: Option<(Micros, u32)>,
     now: Micros,
     generation: u64,
+    wall_offset: Micros,
 }
 
 /// What a request took from its shares.
@@ -86,6 +107,9 @@ pub struct Taken {
     /// Per tier: its decision when its share covered it.
     pub decisions: Vec<Option<Decision>>,
     pub now_us: Micros,
+    /// The membership the shares belong to: a give-back after a rejoin
+    /// (which empties every share) gives nothing to the new ones.
+    pub generation: u64,
 }
 
 impl Taken {
@@ -95,9 +119,15 @@ impl Taken {
 }
 
 /// Whether `fraction` cuts this check's bucket into a pool and shares: a
-/// big token bucket, not a quota, a global limit's sub-bucket or a shadow.
+/// big token bucket, not a quota, a global limit's sub-bucket or a shadow,
+/// whose requests' cost fits in the pool. A cost the pool cannot hold (nor,
+/// then, any share) would never be admitted once the bucket is cut: such a
+/// bucket is decided whole, as without shares.
 pub fn cuts(c: &Check, fraction: f64) -> bool {
-    !c.shadow && c.shards == 1 && c.tier != Tier::Quota && pool(&c.algorithm, fraction).is_some()
+    !c.shadow
+        && c.shards == 1
+        && c.tier != Tier::Quota
+        && matches!(pool(&c.algorithm, fraction), Some(Algorithm::TokenBucket { capacity, .. }) if c.cost <= capacity)
 }
 
 /// The check as Redis decides it: a cut bucket's pool (same key).
@@ -108,6 +138,7 @@ pub fn pool_check(c: &Check, fraction: f64) -> Check {
     {
         Some(algorithm) => Check {
             algorithm,
+            pool: true,
             ..c.clone()
         },
         None => c.clone(),
@@ -124,8 +155,26 @@ impl Standing {
             ttl,
             join_wait: ttl + JOIN_MARGIN,
             membership: Mutex::new(Members::default()),
+            view: ArcSwapOption::empty(),
             shares: ShardMap::new(SHARDS, max_entries),
         }
+    }
+
+    /// Publishes what requests read of the membership (under its lock).
+    fn publish(&self, m: &Members) {
+        let view = m.m.window().map(|(since, until)| {
+            let now = Instant::now();
+            View {
+                from: since + self.join_wait.as_micros() as Micros,
+                until,
+                n: m.n,
+                ramp_from: m.ramp_from,
+                grew: m.grew,
+                generation: m.generation,
+                wall_offset: SystemClock.now_us() - self.mono(now),
+            }
+        });
+        self.view.store(view.map(Arc::new));
     }
 
     fn mono(&self, t: Instant) -> Micros {
@@ -170,33 +219,39 @@ impl Standing {
             m.ramp_from = ramp_from;
             m.generation += 1;
             let generation = m.generation;
-            drop(m);
-            // Others may have grown into what these shares held.
+            // Others may have grown into what these shares held. Emptied
+            // before the new membership is published: a request that reads
+            // it finds its shard already of that generation.
             for mut s in self.shares.lock_each() {
                 s.clear();
                 *s.meta_mut() = generation;
             }
             tracing::info!(replicas = count, "limiter: standing shares rejoin the replica set; they fill from empty once it has counted this replica");
         }
+        self.publish(&m);
     }
 
     /// A replica that stops uses no share again.
     pub fn leave(&self) {
-        self.membership.lock().m.leave();
+        let mut m = self.membership.lock();
+        m.m.leave();
+        self.publish(&m);
     }
 
-    /// How shares are cut now, if this replica may use them.
+    /// How shares are cut now, if this replica may use them: one read of
+    /// the published membership and one of the clock.
     fn usable(&self, frozen: bool) -> Option<Cut> {
-        let m = self.membership.lock();
+        let guard = self.view.load();
+        let v = guard.as_deref()?;
         let now = self.mono(Instant::now());
-        let n =
-            m.m.usable(now, self.join_wait.as_micros() as Micros, frozen)?;
-        Some(Cut {
-            n: n.max(self.instances),
-            ramp_from: m.ramp_from,
-            grew: m.grew,
+        let usable = now >= v.from && (now < v.until || frozen);
+        usable.then_some(Cut {
+            n: v.n.max(self.instances),
+            ramp_from: v.ramp_from,
+            grew: v.grew,
             now,
-            generation: m.generation,
+            generation: v.generation,
+            wall_offset: v.wall_offset,
         })
     }
 
@@ -235,7 +290,8 @@ impl Standing {
         }
         let taken = Taken {
             decisions,
-            now_us: SystemClock.now_us(),
+            now_us: cut.now + cut.wall_offset,
+            generation: cut.generation,
         };
         taken.any().then_some(taken)
     }
@@ -248,7 +304,16 @@ impl Standing {
         if *shard.meta() != cut.generation {
             return None;
         }
-        let held = shard.get(key).copied();
+        let decided = |e: super::algorithms::Evaluation| Decision {
+            limit: super::algorithms::quota(&c.algorithm),
+            ..e.decision
+        };
+        // A share held is taken from in place (no new key).
+        if let Some(held) = shard.get_mut(key) {
+            let (e, next) = held.rescale(cap, rate, now).take(c.cost, now);
+            *held = next?;
+            return Some(decided(e));
+        }
         // Only full shares make room (an absent share is a full one), at
         // most once per `SWEEP_EVERY` in a shard; else the tier goes to
         // the pool.
@@ -258,32 +323,35 @@ impl Standing {
             every: SWEEP_EVERY,
             then: StillFull::Refuse,
         };
-        if held.is_none() && !shard.make_room(&room) {
+        if !shard.make_room(&room) {
             return None;
         }
-        let current = self.current(held, c, cap, rate, cut);
-        let (e, next) = current.take(c.cost, now);
+        let (e, next) = self.current(None, c, cap, rate, cut).take(c.cost, now);
         shard.force_insert(key.into(), next?);
-        Some(Decision {
-            limit: super::algorithms::quota(&c.algorithm),
-            ..e.decision
-        })
+        Some(decided(e))
     }
 
     /// Tokens the covered tiers took, given back (the request was refused
     /// elsewhere, or never reached the upstream).
-    pub fn give_back(&self, checks: &[Check], decisions: &[Option<Decision>]) {
-        for (c, d) in checks.iter().zip(decisions) {
+    pub fn give_back(&self, checks: &[Check], taken: &Taken) {
+        for (c, d) in checks.iter().zip(&taken.decisions) {
             if d.is_some_and(|d| d.allowed) {
-                self.give_back_one(c);
+                self.give_back_one(c, taken.generation);
             }
         }
     }
 
-    pub fn give_back_one(&self, c: &Check) {
+    /// `c`'s tokens back to its share, if the share is still of the
+    /// membership (`generation`) they were taken in: a rejoin since has
+    /// emptied it, and the new share owes them nothing.
+    pub fn give_back_one(&self, c: &Check, generation: u64) {
         let now = self.mono(Instant::now());
         let key = c.key.as_str();
-        if let Some(s) = self.shares.lock(key).get_mut(key) {
+        let mut shard = self.shares.lock(key);
+        if *shard.meta() != generation {
+            return;
+        }
+        if let Some(s) = shard.get_mut(key) {
             *s = s.give_back(c.cost, now);
         }
     }
@@ -334,6 +402,7 @@ mod tests {
             shadow: false,
             cost: 1,
             shards: 1,
+            pool: false,
         }
     }
 
@@ -383,6 +452,47 @@ mod tests {
         assert!(covered <= 1000, "then none: {covered}");
     }
 
+    /// A cost the pool cannot hold leaves the bucket whole (decided by
+    /// Redis as without shares): cut, it could never be admitted.
+    #[test]
+    fn a_cost_the_pool_cannot_hold_is_not_cut() {
+        // 100 cut by a quarter: a pool of 75.
+        let mut c = check("rl:route:x".into(), 100, 10.0);
+        for (cost, cut) in [(1, true), (75, true), (76, false), (200, false)] {
+            c.cost = cost;
+            assert_eq!(cuts(&c, 0.25), cut, "cost {cost}");
+        }
+        assert!(!pool_check(&c, 0.25).pool, "a bucket not cut is no pool");
+        c.cost = 1;
+        assert!(pool_check(&c, 0.25).pool);
+    }
+
+    /// A give-back that arrives after a rejoin (which emptied every share)
+    /// gives nothing to the new, empty share.
+    #[test]
+    fn a_give_back_after_a_rejoin_gives_nothing() {
+        let s = usable(100);
+        let big = check("rl:ip:x:big".into(), 1_000_000, 1_000_000.0);
+        let taken = s.take(std::slice::from_ref(&big), false).expect("covered");
+        // The membership lapses and is heard again: a new generation.
+        let t = Instant::now() + Duration::from_secs(10);
+        s.heard(t, t, 1);
+        assert!(s.is_empty(), "a rejoin drops every share");
+        // The new membership's share of that bucket, empty.
+        let now = s.mono(Instant::now());
+        let empty = Share::fresh(250_000, 250_000.0, now, now + 10_000_000);
+        s.shares
+            .lock(big.key.as_str())
+            .force_insert(big.key.as_str().into(), empty);
+        s.give_back(std::slice::from_ref(&big), &taken);
+        let held = s
+            .shares
+            .lock(big.key.as_str())
+            .get(big.key.as_str())
+            .copied();
+        assert_eq!(held, Some(empty), "the old generation's token went nowhere");
+    }
+
     #[test]
     fn uncut_tiers_are_left_to_redis_and_a_refusal_gives_back() {
         let s = usable(100);
@@ -394,7 +504,7 @@ mod tests {
             .expect("big covered");
         assert!(taken.decisions[0].is_some() && taken.decisions[1].is_none());
         let before = s.level(&big, false).expect("level").0;
-        s.give_back(&[big.clone(), small], &taken.decisions);
+        s.give_back(&[big.clone(), small], &taken);
         assert!(s.level(&big, false).expect("level").0 >= before);
         assert_eq!(s.forget(&["rl:ip:x:big"]), 1);
         assert!(s.is_empty());

@@ -74,6 +74,7 @@ fn check(tier: Tier, rule: &str, alg: Algorithm, who: &str) -> Check {
         shadow: false,
         cost: 1,
         shards: 1,
+        pool: false,
     }
 }
 

@@ -251,6 +251,12 @@ impl Membership {
         (now >= since + join_wait && (now < until || frozen)).then_some(self.n)
     }
 
+    /// Since when this membership counts, and until when its last answered
+    /// heartbeat keeps it counted; None when there is none.
+    pub fn window(&self) -> Option<(Micros, Micros)> {
+        self.joined
+    }
+
     /// Forgets the membership (a replica that stops).
     pub fn leave(&mut self) {
         self.joined = None;

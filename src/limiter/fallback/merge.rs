@@ -7,30 +7,32 @@
 
 use std::sync::Arc;
 
-use super::{FallbackState, Outcome};
+use super::{FallbackState, OnShares, Outcome};
+use crate::limiter::standing::Taken;
 use crate::limiter::{Check, Decision, Micros, Verdict};
 
 /// What tokens held here decided of a request's tiers.
 pub(super) struct Covered<'a> {
     /// Per tier: its decision when it was covered here.
     decisions: &'a [Option<Decision>],
-    /// Covered by standing shares: the outcome says which tiers
-    /// (`Outcome::Decided::standing`), for a refund to give back to them.
-    on_shares: bool,
+    /// Covered by standing shares (of this membership): the outcome says
+    /// which tiers (`Outcome::Decided::standing`), for a refund to give
+    /// back to them.
+    on_shares: Option<u64>,
 }
 
 impl<'a> Covered<'a> {
-    pub fn shares(decisions: &'a [Option<Decision>]) -> Self {
+    pub fn shares(taken: &'a Taken) -> Self {
         Covered {
-            decisions,
-            on_shares: true,
+            decisions: &taken.decisions,
+            on_shares: Some(taken.generation),
         }
     }
 
     pub fn leases(decisions: &'a [Option<Decision>]) -> Self {
         Covered {
             decisions,
-            on_shares: false,
+            on_shares: None,
         }
     }
 
@@ -43,11 +45,13 @@ impl<'a> Covered<'a> {
             .fold(0, |m, (i, _)| m | 1 << i)
     }
 
-    fn marked(&self) -> u64 {
-        if self.on_shares {
-            self.mask()
-        } else {
-            0
+    fn marked(&self) -> OnShares {
+        match self.on_shares {
+            Some(generation) => OnShares {
+                tiers: self.mask(),
+                generation,
+            },
+            None => OnShares::NONE,
         }
     }
 
@@ -181,6 +185,7 @@ mod tests {
             shadow: false,
             cost: 1,
             shards: 1,
+            pool: false,
         }
     }
 
@@ -203,14 +208,18 @@ mod tests {
             },
             backend: FallbackState::Redis,
             checks,
-            standing: 0,
+            standing: OnShares::NONE,
         }
     }
 
     #[test]
     fn the_rest_goes_out_and_comes_back_in_tier_order() {
         let checks: Arc<[Check]> = vec![check("a", 10), check("b", 10), check("c", 10)].into();
-        let here = [None, Some(decision(true, 4)), None];
+        let here = Taken {
+            decisions: vec![None, Some(decision(true, 4)), None],
+            now_us: 7,
+            generation: 3,
+        };
         let covered = Covered::shares(&here);
         assert!(covered.whole(&checks, 7).is_none());
         let rest = covered.rest(&checks, |c| check(&c.key, 5));
@@ -242,7 +251,13 @@ mod tests {
                 .collect::<Vec<_>>(),
             [1, 4, 2]
         );
-        assert_eq!(standing, 0b010);
+        assert_eq!(
+            standing,
+            OnShares {
+                tiers: 0b010,
+                generation: 3
+            }
+        );
         // The covered tier reports its own check, the others as sent.
         assert_eq!(merged[1], checks[1]);
         assert_eq!(
@@ -264,7 +279,13 @@ mod tests {
             |admitted| kept = Some(admitted),
         );
         assert_eq!(kept, Some(false));
-        assert!(matches!(outcome, Outcome::Decided { standing: 0, .. }));
+        assert!(matches!(
+            outcome,
+            Outcome::Decided {
+                standing: OnShares::NONE,
+                ..
+            }
+        ));
 
         // A remembered denial names its tier among all.
         let mut kept = None;
@@ -291,7 +312,11 @@ mod tests {
     #[test]
     fn a_request_covered_whole_is_decided_here() {
         let checks: Arc<[Check]> = vec![check("a", 10), check("b", 10)].into();
-        let here = [Some(decision(true, 4)), Some(decision(true, 3))];
+        let here = Taken {
+            decisions: vec![Some(decision(true, 4)), Some(decision(true, 3))],
+            now_us: 9,
+            generation: 1,
+        };
         let Some(Outcome::Decided {
             verdict, standing, ..
         }) = Covered::shares(&here).whole(&checks, 9)
@@ -300,7 +325,14 @@ mod tests {
         };
         assert_eq!(
             (verdict.decisions.len(), verdict.now_us, standing),
-            (2, 9, 0b11)
+            (
+                2,
+                9,
+                OnShares {
+                    tiers: 0b11,
+                    generation: 1
+                }
+            )
         );
         assert!(Covered::leases(&[]).whole(&checks, 9).is_none());
     }

@@ -121,9 +121,9 @@ pub enum Outcome {
         /// The checks as they were enforced (scaled down when local
         /// fallback; a cut bucket's pool when Redis decided it).
         checks: Arc<[Check]>,
-        /// Bit i: tier i was decided on this replica's standing share
+        /// The tiers decided on this replica's standing shares
         /// (`checks[i]` is then the bucket's own rule).
-        standing: u64,
+        standing: OnShares,
     },
     /// A denial remembered from Redis's answer (the denied-until cache)
     /// refused it at once: `checks[tier]` decided it, with `decision`; the
@@ -138,6 +138,21 @@ pub enum Outcome {
     FailOpen,
     /// Redis failed and `on_redis_failure = "deny"`.
     FailClosed,
+}
+
+/// Which tiers of a request its standing shares decided (bit i: tier i),
+/// and the membership those shares belong to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OnShares {
+    pub tiers: u64,
+    pub generation: u64,
+}
+
+impl OnShares {
+    pub const NONE: OnShares = OnShares {
+        tiers: 0,
+        generation: 0,
+    };
 }
 
 /// What a reset did.
@@ -370,7 +385,7 @@ impl Fallback {
                 .decide_shared_tiers(&checks.iter().map(pool).collect())
                 .await;
         };
-        let covered = Covered::shares(&taken.decisions);
+        let covered = Covered::shares(&taken);
         if let Some(outcome) = covered.whole(checks, taken.now_us) {
             metrics::decided_by(DecidedBy::Share);
             return outcome;
@@ -379,7 +394,7 @@ impl Fallback {
         let outcome = self.decide_shared_tiers(&rest).await;
         let mut outcome = covered.merge(checks, outcome, |admitted| {
             if !admitted {
-                standing.give_back(checks, &taken.decisions);
+                standing.give_back(checks, &taken);
             }
         });
         // A pool's decision tells the bucket's own limit.
@@ -481,7 +496,9 @@ impl Fallback {
                             // retry time. (This replica's own leases pass
                             // the memory: `remembered_denial`.)
                             let others = self.replicas() > 1;
-                            let memory = match leases.filter(|_| others && leasable(&c.algorithm)) {
+                            let memory = match leases
+                                .filter(|_| others && !c.pool && leasable(&c.algorithm))
+                            {
                                 Some(l) => wait.min(l.period()),
                                 None => wait,
                             };
@@ -499,7 +516,7 @@ impl Fallback {
                         verdict,
                         backend: FallbackState::Redis,
                         checks: asked,
-                        standing: 0,
+                        standing: OnShares::NONE,
                     };
                     // The covered tiers' decisions in their places.
                     return match (&taken, leases) {
@@ -639,14 +656,14 @@ impl Fallback {
             return;
         };
         metrics::refunded();
-        if *covered != 0 {
+        if covered.tiers != 0 {
             // The tiers its shares decided go back to them; the others as
             // where they were decided.
-            let on_share = |i: usize| covered & (1 << i) != 0;
+            let on_share = |i: usize| covered.tiers & (1 << i) != 0;
             if let Some(standing) = &self.standing {
                 for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
                     if on_share(i) && d.allowed {
-                        standing.give_back_one(c);
+                        standing.give_back_one(c, covered.generation);
                     }
                 }
             }
@@ -665,7 +682,7 @@ impl Fallback {
                     },
                     backend: *backend,
                     checks: rest.into(),
-                    standing: 0,
+                    standing: OnShares::NONE,
                 });
             }
             return;
@@ -714,7 +731,7 @@ impl Fallback {
                 verdict,
                 backend: FallbackState::Local,
                 checks,
-                standing: 0,
+                standing: OnShares::NONE,
             },
             Err(_) => Outcome::FailOpen, // the local backend has no failure mode
         }

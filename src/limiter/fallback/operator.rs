@@ -48,10 +48,19 @@ impl Fallback {
             }
             return Ok((FallbackState::Redis, snapshots));
         }
-        Ok((
-            FallbackState::Local,
-            self.local.peek(&self.local_view(checks)),
-        ))
+        let mut snapshots = self.local.peek(&self.local_view(checks));
+        // On the fallback a cut bucket is enforced as this replica's part
+        // of the pool plus its standing share (`decide`): both are shown.
+        let shares = self.standing.as_ref();
+        if let Some(standing) = shares.filter(|_| self.on_failure == OnRedisFailure::Local) {
+            for (c, s) in checks.iter().zip(snapshots.iter_mut()) {
+                if let Some((tokens, cap)) = standing.level(c, true) {
+                    s.remaining += tokens;
+                    s.limit += cap;
+                }
+            }
+        }
+        Ok((FallbackState::Local, snapshots))
     }
 
     /// This replica's unspent lease on a bucket, and its time left.
@@ -62,18 +71,24 @@ impl Fallback {
             .and_then(|l| l.outstanding(key, Instant::now()))
     }
 
-    /// The checks as the local backend enforces them now.
+    /// The checks as the local backend enforces them now: on the fallback,
+    /// this replica's part of each bucket (of a cut bucket, of its pool).
     pub(super) fn local_view(&self, checks: &[Check]) -> Vec<Check> {
         let n = if self.redis.is_some() {
             self.fallback_replicas()
         } else {
             1
         };
+        let pool = |c: &Check| match &self.standing {
+            Some(s) if self.on_failure == OnRedisFailure::Local => s.pool_check(c),
+            _ => c.clone(),
+        };
         checks
             .iter()
+            .map(pool)
             .map(|c| Check {
                 algorithm: share(&c.algorithm, n),
-                ..c.clone()
+                ..c
             })
             .collect()
     }

@@ -19,6 +19,7 @@ fn check(key: &str, cost: u64) -> Check {
         shadow: false,
         cost,
         shards: 1,
+        pool: false,
     }
 }
 
