@@ -30,6 +30,7 @@ mod routing;
 mod runtime_keys;
 mod saturation;
 mod shards;
+mod spread_client;
 mod standing_shares;
 mod tiers;
 mod tls;
