@@ -188,11 +188,18 @@ command -v cargo >/dev/null || PATH=$HOME/.cargo/bin:$PATH
 # Build what is measured: cargo is a no-op when the binaries are fresh. Others
 # may be editing src/ meanwhile; --no-build measures the binaries as they are.
 no_build=0
+bin_dir=$root/target/release
+prev=""
 for arg in "$@"; do
   case $arg in --no-build) no_build=1 ;; esac
+  [[ $prev == --bin-dir ]] && bin_dir=$arg
+  prev=$arg
 done
-bins=("$root/target/release/gateway" "$root/target/release/mock-upstream"
-  "$root/target/release/examples/bare_proxy")
+bins=("$bin_dir/gateway" "$bin_dir/mock-upstream" "$bin_dir/examples/bare_proxy")
+if [[ $bin_dir != "$root/target/release" ]] && ((!no_build)); then
+  echo "bench.sh: --bin-dir measures binaries built elsewhere: add --no-build" >&2
+  exit 2
+fi
 if ((no_build)); then
   for bin in "${bins[@]}"; do
     if [[ ! -x $bin ]]; then
