@@ -320,7 +320,7 @@ def run(args) -> int:
                             "latency": "loadtest/bench/fixedrate.c (open loop, latency from the intended send time)"},
     }
     if args.shapes and not args.memory_only:
-        extra["shapes"] = shapes.summarize(thr, args.shapes, args)
+        extra["shapes"] = shapes.summarize(thr, args.shapes, shapes.describe(args, args.shapes))
     summary = summarize(args, targets if not args.memory_only else [], thr, lat, rate, extra)
     noise = [d["other_cpu_pct"] for d in summary["targets"].values() if d.get("other_cpu_pct") is not None]
     if noise and max(noise) > 25:

@@ -169,15 +169,19 @@ def row(r: dict) -> dict:
         "rejected_by_tier": r.get("rejected_by_tier") or {},
         "redis_commands_per_req": {c: round(v / max(r.get("requests", 1), 1), 4)
                                    for c, v in sorted((r.get("redis_calls") or {}).items())},
+        # Every command Redis ran (scripts' inner ones included, our INFO not) per request.
+        "redis_commands_total_per_req": (sum((r.get("redis_calls") or {}).values()) / max(r.get("requests", 1), 1)
+                                         if "redis_calls" in r else None),
         "other_cpu_pct": r.get("other_cpu_pct"),
     }
 
 
-def summarize(thr: dict, shapes: list[str], a) -> dict:
-    """Per shape: every round's figures of each shaped target, and the ratios
-    to gateway_local round by round (the windows of one round are minutes
-    apart at most; rounds apart, the machine drifts)."""
-    out: dict = {"order": shapes, "shapes": describe(a, shapes), "per_shape": {}}
+def summarize(thr: dict, shapes: list[str], described: dict) -> dict:
+    """Per shape (`described`: describe's): every round's figures of each
+    shaped target, and the ratios to gateway_local round by round (the windows
+    of one round are minutes apart at most; rounds apart, the machine drifts).
+    From the rounds alone, so `bench.py report` can make it again."""
+    out: dict = {"order": shapes, "shapes": described, "per_shape": {}}
     for s in shapes:
         ts = [t for t in thr if shape_of(t) == s]
         rounds = max((len(thr[t]) for t in ts), default=0)
@@ -187,9 +191,8 @@ def summarize(thr: dict, shapes: list[str], a) -> dict:
             if b == "gateway_local" or not local:
                 continue
             xs = per["targets"][b]
-            per["ratios"][f"{b}/gateway_local"] = [
-                x["rps"] / y["rps"] if i < len(xs) and x.get("rps") and y.get("rps") else None
-                for i, (x, y) in enumerate(zip(xs, local))]
+            per["ratios"][f"{b}/gateway_local"] = [x["rps"] / y["rps"] if x.get("rps") and y.get("rps") else None
+                                                   for x, y in zip(xs, local)]
         per["medians"] = {b: {k: median(x.get(k) for x in xs)
                               for k in ("rps", "cpu_us_per_req", "redis_cpu_us_per_req",
                                         "redis_cpu_us_per_req_above_idle", "script_calls_per_req", "share_429")}
@@ -230,6 +233,11 @@ def fmt(v, nd=1) -> str:
     return f"{v:.{nd}f}"
 
 
+def size(v) -> str:
+    """A bucket size or rate: whole ones with separators (1,000,000), others as given (0.5)."""
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:g}"
+
+
 def pct(v) -> str:
     return "n/a" if v is None else f"{100 * v:.1f}"
 
@@ -245,14 +253,14 @@ def markdown(s: dict, fmt_limit) -> list[str]:
         d = sh["shapes"][name]
         ip, rt = d["ip_tier"], d["route_bucket"]
         L.append(f"- **{name}**: {d['what']}; {d['clients']:,} client{'s' if d['clients'] != 1 else ''}; ip tier "
-                 f"{ip['capacity']:,} tokens refilling {ip['refill_per_sec']:,g}/s; the route's bucket "
-                 f"{rt['capacity']:,} refilling {rt['refill_per_sec']:,g}/s")
+                 f"{size(ip['capacity'])} tokens refilling {size(ip['refill_per_sec'])}/s; the route's bucket "
+                 f"{size(rt['capacity'])} refilling {size(rt['refill_per_sec'])}/s")
     L += ["", "Every max-throughput window, by shape and round (Redis CPU above its idle CPU, measured before each "
           "window; *decided by*: `gateway_limiter_decisions_total{path}`, the share of the window's decisions; "
           "*refused by*: `gateway_ratelimit_decisions_total{decision=\"rejected\"}` by tier, per request):", "",
           "| shape | round | target | max rps | ÷ local | proxy CPU µs/req | Redis CPU µs/req (above idle) | "
-          "script calls/req | 429 % | decided by % | refused by, per req | other load % |",
-          "|---|--:|---|--:|--:|--:|--:|--:|--:|---|---|--:|"]
+          "script calls/req | Redis commands/req | 429 % | decided by % | refused by, per req | other load % |",
+          "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|---|---|--:|"]
     for name in sh["order"]:
         per = sh["per_shape"].get(name) or {}
         for i in range(per.get("rounds", 0)):
@@ -266,9 +274,10 @@ def markdown(s: dict, fmt_limit) -> list[str]:
                 redis = (f"{fmt(x['redis_cpu_us_per_req'], 2)} ({fmt(x['redis_cpu_us_per_req_above_idle'], 2)})"
                          if b != "gateway_local" else "")
                 calls = fmt(x["script_calls_per_req"], 4) if b != "gateway_local" else ""
+                cmds = fmt(x.get("redis_commands_total_per_req"), 4) if b != "gateway_local" else ""
                 L.append(f"| {name} | {i + 1} | `{b}` | {fmt(x['rps'], 0)} | {fmt(ratio, 3)} | "
-                         f"{fmt(x['cpu_us_per_req'], 1)} | {redis} | {calls} | {pct(x['share_429'])} | {dec} | "
-                         f"{ref} | {fmt(x['other_cpu_pct'], 0)} |")
+                         f"{fmt(x['cpu_us_per_req'], 1)} | {redis} | {calls} | {cmds} | {pct(x['share_429'])} | "
+                         f"{dec} | {ref} | {fmt(x['other_cpu_pct'], 0)} |")
     L += ["", "Ratios to `gateway_local` round by round (and their median):", "",
           "| shape | ratio | " + " | ".join(f"round {i + 1}" for i in range(max(
               (p.get("rounds", 0) for p in sh["per_shape"].values()), default=0))) + " | median |",
@@ -286,7 +295,9 @@ def markdown(s: dict, fmt_limit) -> list[str]:
             if c:
                 cmds.append(f"- {name}, round {i + 1}: {c}")
     if cmds:
-        L += ["", "Redis commands per request during `gateway_redis` (those a script runs included):", ""] + cmds
+        L += ["", "Redis commands per request during `gateway_redis`, by command (INFO commandstats: those a "
+              "script runs are counted too, so a command beyond the script calls' own is a call of its own or "
+              "another script's):", ""] + cmds
     cs = [c for c in s.get("checks", []) if c.get("shape") and c["key"].startswith("shape_")]
     if cs:
         L += ["", "| shape target | value | limit | result |", "|---|--:|--:|---|"]
@@ -305,29 +316,30 @@ def chart(s: dict, path, pyplot, save_png) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     colors = {"hot": "#d62728", "crowd": "#1f77b4", "near": "#2ca02c"}
-    for name in sh["order"]:
+    rounds_n = max((p.get("rounds", 0) for p in sh["per_shape"].values()), default=0)
+
+    def style(unshared: bool) -> dict:
+        # gateway_redis solid and filled, gateway_redis_unshared (the before) dashed and hollow.
+        return dict(ls="--", marker="s", mfc="none") if unshared else dict(ls="-", marker="o")
+
+    for j, name in enumerate(sh["order"]):
         per = sh["per_shape"].get(name) or {}
         col = colors.get(name, "#555555")
+        dx = 0.08 * (j - (len(sh["order"]) - 1) / 2)  # side by side within a round
         for k, vs in per.get("ratios", {}).items():
-            xs = [i + 1 for i, v in enumerate(vs) if v is not None]
+            xs = [i + 1 + dx for i, v in enumerate(vs) if v is not None]
             ys = [v for v in vs if v is not None]
-            dashed = "unshared" in k
-            axes[0].plot(xs, ys, marker="o", color=col, ls="--" if dashed else "-",
-                         label=f"{name}: {k.replace('/gateway_local', '').replace('gateway_', 'gw_')}")
-        redis = per.get("targets", {}).get("gateway_redis") or []
-        unsh = per.get("targets", {}).get("gateway_redis_unshared") or []
-        for xs_, dashed in ((redis, False), (unsh, True)):
-            if not xs_:
-                continue
-            rounds = list(range(1, len(xs_) + 1))
-            lab = f"{name}: {'gw_redis_unshared' if dashed else 'gw_redis'}"
-            cpu = [x.get("redis_cpu_us_per_req_above_idle") for x in xs_]
-            axes[1].plot([r for r, v in zip(rounds, cpu) if v is not None], [v for v in cpu if v is not None],
-                         marker="o", color=col, ls="--" if dashed else "-", label=lab)
-            calls = [x.get("script_calls_per_req") for x in xs_]
-            axes[2].plot([r for r, v in zip(rounds, calls) if v is not None],
-                         [max(v, 1e-5) for v in calls if v is not None], marker="o", color=col,
-                         ls="--" if dashed else "-", label=lab)
+            axes[0].plot(xs, ys, color=col, label=f"{name}: {k.replace('/gateway_local', '').replace('gateway_', 'gw_')}",
+                         **style("unshared" in k))
+        for b in ("gateway_redis", "gateway_redis_unshared"):
+            xs_ = per.get("targets", {}).get(b) or []
+            lab = f"{name}: {b.replace('gateway_', 'gw_')}"
+            for ax, key, floor in ((axes[1], "redis_cpu_us_per_req_above_idle", None),
+                                   (axes[2], "script_calls_per_req", 1e-5)):
+                pts = [(i + 1 + dx, x.get(key)) for i, x in enumerate(xs_) if x.get(key) is not None]
+                if pts:
+                    ax.plot([p[0] for p in pts], [max(p[1], floor) if floor else p[1] for p in pts], color=col,
+                            label=lab, **style(b != "gateway_redis"))
     axes[0].axhline(0.97, color="#555555", ls=":", lw=1, label="target: 0.97")
     axes[0].set_title("max rps ÷ gateway_local's, same shape and round")
     axes[0].set_ylabel("ratio")
@@ -340,9 +352,10 @@ def chart(s: dict, path, pyplot, save_png) -> None:
     axes[2].set_ylabel("calls / request")
     for ax in axes:
         ax.set_xlabel("round")
+        ax.set_xticks(list(range(1, rounds_n + 1)))
+        ax.set_xlim(0.5, rounds_n + 0.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        ax.xaxis.get_major_locator().set_params(integer=True)
     m, run = s["machine"], s["run"]
     fig.suptitle(f"loadtest/bench.sh {run['mode']} --shapes {','.join(sh['order'])} — {m['nproc']} vCPU "
                  f"{m['cpu_model']}, {run['started_at']}", fontsize=10)
