@@ -155,9 +155,12 @@ def run(args) -> int:
             per = args.warmup + args.duration + 0.7 + args.redis_idle
             per_l = args.warmup + args.latency_duration + 0.7
             served = [t for t in targets if t != ANCHOR]
-            # The crowd near its limits has no latency window: its one client
+            # A crowd near its limits has no latency window: its one client
             # at the fixed rate would be refused by its own ip tier.
-            timed = [t for t in served if shapes.shape_of(t) != "near"]
+            timed = [t for t in served if shapes.has_latency_window(t, args)]
+            if len(timed) < len(served):
+                log("no fixed-rate windows for " + ", ".join(t for t in served if t not in timed)
+                    + ": the crowd's ip tier would refuse the one client they send")
             eta = args.rounds * (len(served) * per + len(timed) * per_l)
             if ANCHOR in targets:
                 eta += args.rounds * (args.redis_idle + len(ANCHOR_PIPELINES) * (args.warmup + args.duration + 0.3))
@@ -219,11 +222,11 @@ def run(args) -> int:
             extra["orders"] = orders
             # The leases' p99 added over gateway_local: both driven at once, so the
             # noise this machine makes lands on both (measure.paired_latency).
-            pair = [t for t in ("gateway_local", "gateway_redis") if t in targets]
+            pair = [t for t in ("gateway_local", "gateway_redis") if t in timed]
             if args.shapes:
                 # The hot client's pair (or the far-below crowd's: its latency windows keep one client too).
                 pair = next(([f"gateway_local@{sh}", f"gateway_redis@{sh}"] for sh in args.shapes
-                             if sh != "near" and {f"gateway_local@{sh}", f"gateway_redis@{sh}"} <= set(targets)), [])
+                             if {f"gateway_local@{sh}", f"gateway_redis@{sh}"} <= set(timed)), [])
             if len(pair) == 2 and args.paired_rounds > 0:
                 log(f"paired latency: {pair[0]} and {pair[1]} at once, {rate / 2:,.0f} rps each, "
                     f"{args.paired_rounds} windows of {args.latency_duration:g}s")

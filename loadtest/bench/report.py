@@ -257,7 +257,8 @@ def per_client_md(c: dict) -> str:
                 "alike: a crowd far below its limits.")
     return (f" The ip tier holds {ip['capacity']:,} tokens and refills {ip['refill_per_sec']:,g}/s "
             f"(`--client-capacity`, `--client-refill`); the route's per-client bucket {c['per_client_capacity']:,} "
-            f"refilling {c['per_client_refill_per_sec']:,}/s, every target alike.")
+            f"refilling {c['per_client_refill_per_sec']:,}/s, every target alike. Smaller than the far-below "
+            "crowd's, so these targets had no fixed-rate windows: their ip tier would refuse the one client sent.")
 
 
 def anchor_md(s: dict) -> list[str]:

@@ -134,6 +134,17 @@ def limits(t: str, a) -> dict:
             "route_refill": route[1]}
 
 
+def has_latency_window(t: str, a) -> bool:
+    """Whether a target is measured at the fixed rate: not when its crowd's ip
+    tier is smaller than the far-below crowd's (the near shape, or
+    --client-capacity / --client-refill with --clients), since the fixed-rate
+    windows send one client, whom its own ip tier would refuse."""
+    if t not in common.MANY_CLIENTS_TARGETS:
+        return True
+    lim = limits(t, a)
+    return not (lim["many"] and (lim["ip_capacity"] < MANY_CLIENTS_CAPACITY or lim["ip_refill"] < MANY_CLIENTS_REFILL))
+
+
 def near_tier(a) -> tuple[float, float]:
     return (a.client_capacity or NEAR_CAPACITY, a.client_refill or NEAR_REFILL)
 
