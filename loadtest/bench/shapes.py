@@ -116,13 +116,15 @@ def number(x: float) -> str:
 def limits(t: str, a) -> dict:
     """A gateway target's per-client buckets: whether it is sent a crowd
     (trusted proxy, the over route), its ip tier and its route's bucket.
-    Unshaped targets keep the bench's rule: with --clients, a crowd with the
-    ip tier at --client-capacity / --client-refill (1,000,000 by default)."""
+    Unshaped targets keep the bench's rule: with --clients, a crowd, the ip
+    tier of the targets it is sent to at --client-capacity / --client-refill
+    (1,000,000 by default), the others' (one client) at 1,000,000."""
     shape = shape_of(t)
     if shape is None:
         many = bool(a.clients)
-        ip = ((a.client_capacity or MANY_CLIENTS_CAPACITY, a.client_refill or MANY_CLIENTS_REFILL) if many
-              else (HUGE, HUGE))
+        crowd = t in common.MANY_CLIENTS_TARGETS
+        ip = ((a.client_capacity or MANY_CLIENTS_CAPACITY, a.client_refill or MANY_CLIENTS_REFILL) if many and crowd
+              else (MANY_CLIENTS_CAPACITY, MANY_CLIENTS_REFILL) if many else (HUGE, HUGE))
     elif shape == "hot":
         many, ip = False, (HUGE, HUGE)
     elif shape == "crowd":
