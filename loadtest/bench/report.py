@@ -688,6 +688,9 @@ def publish(out: Path) -> None:
         shutil.copyfile(out / "chart.png", HERE / "latest-chart.png")
         shutil.copyfile(out / "summary.json", HERE / "latest-summary.json")
         body = markdown(dict(s, memory=None)) + "\n![the targets side by side](../loadtest/bench/latest-chart.png)\n"
+        if s.get("shapes") and (out / "shapes.png").exists():
+            shutil.copyfile(out / "shapes.png", HERE / "latest-shapes.png")
+            body = body.replace("](shapes.png)", "](../loadtest/bench/latest-shapes.png)")
         text = replace_block(text, "bench", body)
     if s.get("memory"):
         shutil.copyfile(out / "memory.png", HERE / "latest-memory.png")

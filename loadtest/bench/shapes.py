@@ -281,7 +281,8 @@ def markdown(s: dict, fmt_limit) -> list[str]:
                 if i >= len(xs):
                     continue
                 x = xs[i]
-                ratio = 1.0 if b == "gateway_local" else (per["ratios"].get(f"{b}/gateway_local") or [None] * (i + 1))[i]
+                rs = per["ratios"].get(f"{b}/gateway_local") or []
+                ratio = 1.0 if b == "gateway_local" else rs[i] if i < len(rs) else None
                 dec = ", ".join(f"{p} {pct(v)}" for p, v in x["decided_by"].items())
                 ref = ", ".join(f"{t} {v:.3f}" for t, v in x["rejected_by_tier"].items() if v)
                 redis = (f"{fmt(x['redis_cpu_us_per_req'], 2)} ({fmt(x['redis_cpu_us_per_req_above_idle'], 2)})"
@@ -342,8 +343,8 @@ def chart(s: dict, path, pyplot, save_png) -> None:
         for k, vs in per.get("ratios", {}).items():
             xs = [i + 1 + dx for i, v in enumerate(vs) if v is not None]
             ys = [v for v in vs if v is not None]
-            axes[0].plot(xs, ys, color=col, label=f"{name}: {k.replace('/gateway_local', '').replace('gateway_', 'gw_')}",
-                         **style("unshared" in k))
+            lab = f"{name}: {k.replace('/gateway_local', '').replace('gateway_', 'gw_')}"
+            axes[0].plot(xs, ys, color=col, label=lab, **style("unshared" in k))
         for b in ("gateway_redis", "gateway_redis_unshared"):
             xs_ = per.get("targets", {}).get(b) or []
             lab = f"{name}: {b.replace('gateway_', 'gw_')}"
