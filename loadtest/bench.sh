@@ -9,9 +9,11 @@
 #                     [--targets a,b,...] [--memory | --no-memory | --memory-only]
 #                     [--memory-clients N] [--memory-max-entries N] [--no-memory-redis]
 #                     [--clients N [--zipf S] [--over PCT]] [--cluster-nodes N]
+#                     [--client-capacity C] [--client-refill R]
+#                     [--shapes hot,crowd,near]
 #                     [--anchor-connections N] [--redis-idle SECS]
 #                     [--gateway-bin PATH [--gateway-note TEXT]]
-#                     [--perf] [--publish] [--out DIR] [--no-build]
+#                     [--bin-dir DIR] [--perf] [--publish] [--out DIR] [--no-build]
 #
 # Targets, each measured in every round, rounds alternating the order
 # (forward, reversed, ...) so drift in the machine hits all alike:
@@ -146,16 +148,58 @@
 #                    one request, capacity 1, refill 0.000001/s: 429s after).
 #                    The per-client buckets (the ip tier and the route's
 #                    per-client bucket) hold 1,000,000 tokens and refill
-#                    1,000,000/s, every target alike: full again within a
+#                    1,000,000/s, every target alike (the ip tier's:
+#                    --client-capacity, --client-refill): full again within a
 #                    second, a crowd far below its limits (a standing share of
 #                    a bucket refilling slower would never fill). Adds
 #                    gateway_redis_unshared and redis_anchor to the default
 #                    targets and the standing shares' checks. Latency windows
 #                    keep one client.
+#   --client-capacity C, --client-refill R  the crowd's ip tier: C tokens
+#                    refilling R/s (1,000,000 and 1,000,000 by default; with
+#                    --shapes, the near shape's: 100 and 10 by default). The
+#                    route's per-client bucket stays 1,000,000 at 1,000,000/s:
+#                    with one API key for every client it is one shared bucket
+#   --shapes LIST    crowd shapes side by side in one run (hot, crowd, near;
+#                    crowd-near is near): gateway_local, gateway_redis,
+#                    gateway_redis_unshared and gateway_redis_cluster (those
+#                    of --targets; by default the first three) run once per
+#                    shape, each its own gateway, named <target>@<shape>,
+#                    grouped by shape, every round alternating the order
+#                    across all of them:
+#                      hot    one client, as without --clients (the leases'
+#                             hot client)
+#                      crowd  --clients N (1,000,000 unless given) Zipf
+#                             clients, every per-client bucket 1,000,000 at
+#                             1,000,000/s: the crowd far below its limits
+#                      near   the same crowd, the ip tier --client-capacity
+#                             refilling --client-refill/s (100 and 10): its
+#                             head over its limit, a quarter or so of the
+#                             requests refused
+#                    Per shape and round in summary.md (a table) and
+#                    shapes.png (a plot): max rps of each, its ratio to
+#                    gateway_local's in the same round, proxy CPU µs/req,
+#                    Redis CPU µs/req (gross and above idle), script calls
+#                    and all Redis commands per request, the share answered
+#                    429, the share decided on a share / lease / Redis call /
+#                    denied cache / fallback (gateway_limiter_decisions_total
+#                    {path}) and the refusals per request by tier
+#                    (gateway_ratelimit_decisions_total{decision="rejected"}).
+#                    Checked: per shape, gateway_redis rps >= 0.97x
+#                    gateway_local's (the median of the per-round ratios);
+#                    near: Redis CPU above idle <= 1 µs and script calls <=
+#                    0.01 per request. The bench's other checks read the hot
+#                    shape's targets, the standing shares' the crowd's. The
+#                    near shape has no latency window (its one client at the
+#                    fixed rate would be refused by its own ip tier); the
+#                    paired windows drive the hot pair
 #   --anchor-connections  redis_anchor's connections to its Redis (8)
 #   --gateway-bin    measure this gateway binary, not target/release/gateway
 #                    (an A/B, or a commit built elsewhere); --gateway-note says
 #                    what it is, in the summary
+#   --bin-dir DIR    take gateway, mock-upstream and examples/bare_proxy from
+#                    DIR, not target/release (a worktree with no build of its
+#                    own); needs --no-build
 #   --perf           also record a perf profile of each proxy during one extra
 #                    max-throughput window (perf-<target>.txt, .data)
 #   --publish        copy the table and chart into docs/benchmarks.md
@@ -188,11 +232,18 @@ command -v cargo >/dev/null || PATH=$HOME/.cargo/bin:$PATH
 # Build what is measured: cargo is a no-op when the binaries are fresh. Others
 # may be editing src/ meanwhile; --no-build measures the binaries as they are.
 no_build=0
+bin_dir=$root/target/release
+prev=""
 for arg in "$@"; do
   case $arg in --no-build) no_build=1 ;; esac
+  [[ $prev == --bin-dir ]] && bin_dir=$arg
+  prev=$arg
 done
-bins=("$root/target/release/gateway" "$root/target/release/mock-upstream"
-  "$root/target/release/examples/bare_proxy")
+bins=("$bin_dir/gateway" "$bin_dir/mock-upstream" "$bin_dir/examples/bare_proxy")
+if [[ $bin_dir != "$root/target/release" ]] && ((!no_build)); then
+  echo "bench.sh: --bin-dir measures binaries built elsewhere: add --no-build" >&2
+  exit 2
+fi
 if ((no_build)); then
   for bin in "${bins[@]}"; do
     if [[ ! -x $bin ]]; then

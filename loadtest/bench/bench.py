@@ -68,8 +68,9 @@ from pathlib import Path
 # (the servers), measure (a window's numbers), checks (medians and the
 # targets), report (summary.md, charts, docs/benchmarks.md).
 import common
+import shapes
 from checks import summarize
-from common import (ANCHOR, ANCHOR_PIPELINES, BARE, CLIENTS_ONLY_TARGETS, GATEWAY_TARGETS, LIMITED_TARGETS,
+from common import (ANCHOR, ANCHOR_PIPELINES, CLIENTS_ONLY_TARGETS, GATEWAY_TARGETS, LIMITED_TARGETS,
                     MANY_CLIENTS_CAPACITY, MANY_CLIENTS_REFILL, MANY_CLIENTS_TARGETS, OVER_PATH, PATH, REDIS_TARGETS,
                     RESULTS, ROOT, SHARES_GAUGE, SHARES_SETTLE_S, SHARES_WAIT_S, TARGETS, log, warn)
 from common import BenchError, median
@@ -88,11 +89,17 @@ def run(args) -> int:
     # gateway_redis_unshared and redis_anchor (standing shares) belong to many-clients
     # mode: measured by default only with --clients, or when --targets names them.
     targets = ([t for t in TARGETS if t in args.targets] if args.targets
+               else list(shapes.DEFAULT_BASES) if args.shapes
                else [t for t in TARGETS if t not in CLIENTS_ONLY_TARGETS or args.clients])
+    if args.shapes:
+        # Each limited target once per crowd shape (gateway_redis@near, ...), in
+        # the same rounds; the rest of the bench sees each as its base target.
+        targets = shapes.expand(targets, args.shapes)
+        shapes.register(targets)
     if args.memory_only:
         targets = ["direct"]
-    if "pingora_bare" in targets and not BARE.exists():
-        print(f"bench: {BARE} is missing (the pingora_bare target): build first: "
+    if "pingora_bare" in targets and not common.BARE.exists():
+        print(f"bench: {common.BARE} is missing (the pingora_bare target): build first: "
               f"cargo build --release --example bare_proxy", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else RESULTS / f"bench-{stamp}"
@@ -148,7 +155,13 @@ def run(args) -> int:
             per = args.warmup + args.duration + 0.7 + args.redis_idle
             per_l = args.warmup + args.latency_duration + 0.7
             served = [t for t in targets if t != ANCHOR]
-            eta = len(served) * args.rounds * (per + per_l)
+            # A crowd near its limits has no latency window: its one client
+            # at the fixed rate would be refused by its own ip tier.
+            timed = [t for t in served if shapes.has_latency_window(t, args)]
+            if len(timed) < len(served):
+                log("no fixed-rate windows for " + ", ".join(t for t in served if t not in timed)
+                    + ": the crowd's ip tier would refuse the one client they send")
+            eta = args.rounds * (len(served) * per + len(timed) * per_l)
             if ANCHOR in targets:
                 eta += args.rounds * (args.redis_idle + len(ANCHOR_PIPELINES) * (args.warmup + args.duration + 0.3))
             log("up: " + ", ".join(f"{t} {tg.t[t]['url']}" for t in targets))
@@ -173,13 +186,20 @@ def run(args) -> int:
                     if t in REDIS_TARGETS and "redis_cpu_us_per_req" in r:
                         extra_s = (f", Redis {r['redis_cpu_us_per_req']:.2f} µs/req, "
                                    f"{r['script_calls_per_req']:.3f} script calls/req")
-                        if r.get("share_decided"):
+                        if args.shapes and r.get("decided_by_share"):
+                            extra_s += ", decided by " + " ".join(
+                                f"{k} {100 * v:.1f}%" for k, v in sorted(r["decided_by_share"].items(),
+                                                                           key=lambda x: -x[1]) if v >= 0.0005)
+                        elif r.get("share_decided"):
                             extra_s += f", {100 * r['share_decided']:.1f}% on a share"
                         if "redis_nodes_cpu_us_per_req" in r:
                             extra_s += " (summed over nodes: " + " + ".join(
                                 f"{x:.1f}" for x in r["redis_nodes_cpu_us_per_req"]) + " µs)"
                     if r.get("share_429") is not None:
                         extra_s += f", {r['clients']:,} clients, {100 * r['share_429']:.1f}% 429"
+                        if args.shapes and r.get("rejected_by_tier"):
+                            extra_s += " (refused per req: " + ", ".join(
+                                f"{k} {v:.3f}" for k, v in r["rejected_by_tier"].items()) + ")"
                     log(f"[max {rnd + 1}/{args.rounds}] {t:<21} {r['rps']:>9,.0f} rps  "
                         f"{r['cpu_us_per_req']:6.1f} µs/req CPU ({r['proxy_cpu_cores']:.2f} cores){extra_s}"
                         f"  other load {r['other_cpu_pct']:.0f}%")
@@ -191,8 +211,8 @@ def run(args) -> int:
                 rate = round(off / 2)
             if served:
                 log(f"fixed rate: {rate:,} rps for {args.latency_duration:g}s per target and round")
-            for rnd in range(args.rounds if served else 0):
-                order = [t for t in orders[rnd] if t != ANCHOR]
+            for rnd in range(args.rounds if timed else 0):
+                order = [t for t in orders[rnd] if t in timed]
                 for t in order:
                     r = meter.fixed_rate(t, f"lat{rnd + 1}", rate)
                     lat[t].append(r)
@@ -202,7 +222,11 @@ def run(args) -> int:
             extra["orders"] = orders
             # The leases' p99 added over gateway_local: both driven at once, so the
             # noise this machine makes lands on both (measure.paired_latency).
-            pair = [t for t in ("gateway_local", "gateway_redis") if t in targets]
+            pair = [t for t in ("gateway_local", "gateway_redis") if t in timed]
+            if args.shapes:
+                # The hot client's pair (or the far-below crowd's: its latency windows keep one client too).
+                pair = next(([f"gateway_local@{sh}", f"gateway_redis@{sh}"] for sh in args.shapes
+                             if {f"gateway_local@{sh}", f"gateway_redis@{sh}"} <= set(timed)), [])
             if len(pair) == 2 and args.paired_rounds > 0:
                 log(f"paired latency: {pair[0]} and {pair[1]} at once, {rate / 2:,.0f} rps each, "
                     f"{args.paired_rounds} windows of {args.latency_duration:g}s")
@@ -277,11 +301,17 @@ def run(args) -> int:
         "paired_rounds": args.paired_rounds,
         "clients": {"n": args.clients, "zipf": args.zipf, "over_pct": args.over, "over_path": OVER_PATH,
                     "targets": [t for t in targets if t in MANY_CLIENTS_TARGETS],
-                    "per_client_capacity": MANY_CLIENTS_CAPACITY, "per_client_refill_per_sec": MANY_CLIENTS_REFILL,
-                    "note": "max-throughput windows only; the fixed-rate windows keep one client; the per-client "
-                            "buckets (ip tier, the route's per-client bucket) hold per_client_capacity tokens and "
-                            "refill per_client_refill_per_sec, every target alike"}
+                    "per_client_capacity": None if args.shapes else MANY_CLIENTS_CAPACITY,
+                    "per_client_refill_per_sec": None if args.shapes else MANY_CLIENTS_REFILL,
+                    "ip_tier": None if args.shapes else {
+                        "capacity": args.client_capacity or MANY_CLIENTS_CAPACITY,
+                        "refill_per_sec": args.client_refill or MANY_CLIENTS_REFILL},
+                    "note": "max-throughput windows only; the fixed-rate windows keep one client; the route's "
+                            "per-client bucket holds per_client_capacity tokens and refills "
+                            "per_client_refill_per_sec, every target alike; the ip tier holds ip_tier "
+                            "(--client-capacity, --client-refill); with --shapes, each shape's own (run.shapes)"}
         if args.clients else None,
+        "shapes": shapes.describe(args, args.shapes) if args.shapes else None,
         "shares": {"targets": sorted(tg.shares), "section": "[limiter.shares] enabled = true",
                    "waited_for": f"{SHARES_GAUGE} 1 (at most {SHARES_WAIT_S:g} s), then {SHARES_SETTLE_S:g} s"}
         if tg.shares else None,
@@ -292,6 +322,8 @@ def run(args) -> int:
         "load_generators": {"max_throughput": "wrk (closed loop, fixed connections)",
                             "latency": "loadtest/bench/fixedrate.c (open loop, latency from the intended send time)"},
     }
+    if args.shapes and not args.memory_only:
+        extra["shapes"] = shapes.summarize(thr, args.shapes, shapes.describe(args, args.shapes))
     summary = summarize(args, targets if not args.memory_only else [], thr, lat, rate, extra)
     noise = [d["other_cpu_pct"] for d in summary["targets"].values() if d.get("other_cpu_pct") is not None]
     if noise and max(noise) > 25:
@@ -355,6 +387,17 @@ def main() -> int:
                    help="the memory step without its Redis variant (standing shares: the Redis backend with "
                         "[limiter.shares])")
     r.add_argument("--clients", type=int, default=0)
+    r.add_argument("--client-capacity", type=int, default=None,
+                   help="the ip tier's capacity for the crowd (--clients; with --shapes: the near shape's), "
+                        "1,000,000 by default (near: 100)")
+    r.add_argument("--client-refill", type=float, default=None,
+                   help="the ip tier's refill per second for the crowd (--clients; with --shapes: the near "
+                        "shape's), 1,000,000 by default (near: 10)")
+    r.add_argument("--shapes", help="measure the limited targets under these shapes side by side in one run: "
+                                    "hot (one client), crowd (far below its limits), near (the crowd near its "
+                                    "limits; alias crowd-near)")
+    r.add_argument("--bin-dir", help="where the gateway, mock-upstream and examples/bare_proxy are "
+                                     "(default: target/release)")
     r.add_argument("--cluster-nodes", type=int, default=common.CLUSTER_NODES)
     r.add_argument("--zipf", type=float, default=1.0)
     r.add_argument("--over", type=float, default=3.0)
@@ -383,6 +426,24 @@ def main() -> int:
         publish(Path(args.dir).resolve())
         return 0
 
+    if args.bin_dir:
+        common.set_bin_dir(Path(args.bin_dir).resolve())
+    if args.shapes is not None:
+        try:
+            args.shapes = shapes.parse(args.shapes)
+        except ValueError as e:
+            ap.error(str(e))
+        if args.clients == 0 and any(s != "hot" for s in args.shapes):
+            args.clients = shapes.DEFAULT_CLIENTS
+        if args.targets is not None and not any(t.strip() in shapes.SHAPED_BASES for t in args.targets.split(",")):
+            ap.error(f"--shapes needs one of {', '.join(shapes.SHAPED_BASES)} among --targets")
+    if args.client_capacity is not None and args.client_capacity < 1:
+        ap.error("--client-capacity must be at least 1 (tokens)")
+    if args.client_refill is not None and args.client_refill <= 0:
+        ap.error("--client-refill must be positive (tokens per second)")
+    if (args.client_capacity or args.client_refill) and not args.clients:
+        ap.error("--client-capacity and --client-refill size the crowd's ip tier: they need --clients N or "
+                 "--shapes with crowd or near")
     if args.cluster_nodes < 1:
         ap.error("--cluster-nodes must be at least 1")
     common.CLUSTER_NODES = args.cluster_nodes

@@ -4,6 +4,7 @@ the targets passed or failed, and the ratios given for context."""
 from __future__ import annotations
 
 import common
+import shapes
 from common import ANCHOR, ANCHOR_PIPELINES, REDIS_TARGETS, TLS_TARGETS, median
 
 # The targets: (key, label, op, limit).
@@ -158,7 +159,7 @@ def summarize(args, targets, thr, lat, rate, extra) -> dict:
         s["anchor"] = summarize_anchor(thr[ANCHOR], s["targets"])
     s["fixed_rate_rps"] = rate
     s.update(extra)
-    s["checks"] = compute_checks(s)
+    s["checks"] = shaped_checks(s) if s.get("shapes") else compute_checks(s)
     s["context"] = compute_context(s)
     if any(t in s["targets"] for t in TLS_TARGETS):
         s["tls"] = compute_tls(s["targets"], extra.get("tls_negotiated", {}))
@@ -246,6 +247,26 @@ def compute_context(s: dict) -> list[dict]:
         x, y = T.get(num, {}).get("cpu_us_per_req"), T.get(den, {}).get("cpu_us_per_req")
         out.append({"key": key, "label": label, "value": x / y if x is not None and y else None})
     return out
+
+
+def shaped_checks(s: dict) -> list[dict]:
+    """With --shapes: the bench's own checks read the hot shape's targets
+    (gateway_redis@hot as gateway_redis), the standing shares' many-clients
+    checks the far-below crowd's (its figures as before the shapes), and each
+    shape's own targets come after (shapes.checks)."""
+    T = s["targets"]
+    unshaped = {t: d for t, d in T.items() if shapes.shape_of(t) is None}
+
+    def view(shape: str, many) -> dict:
+        return dict(s, many_clients=many, targets={
+            **unshaped, **{shapes.base_of(t): d for t, d in T.items() if shapes.shape_of(t) == shape}})
+
+    out = compute_checks(view("hot", None))
+    if "crowd" in s["shapes"]["order"]:
+        keys = {k for k, *_ in CLIENTS_CHECKS}
+        out += [dict(c, shape="crowd") for c in compute_checks(view("crowd", s.get("many_clients") or 1))
+                if c["key"] in keys]
+    return out + shapes.checks(s["shapes"])
 
 
 def compute_checks(s: dict) -> list[dict]:

@@ -15,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:
     sys.path.append(str(HERE.parent))
 ROOT = HERE.parent.parent
+# The binaries measured; bench.py --bin-dir DIR looks in DIR instead (set_bin_dir).
 GATEWAY = ROOT / "target/release/gateway"
 MOCK = ROOT / "target/release/mock-upstream"
 BARE = ROOT / "target/release/examples/bare_proxy"
@@ -96,6 +97,12 @@ OVER_PATH = "/api/over"
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 
 
+def key_prefix(target: str) -> str:
+    """A gateway target's Redis key prefix ([redis] key_prefix): its name,
+    a crowd shape's `@` (gateway_redis@near) as `-`."""
+    return f"bench-{target.replace('@', '-')}"
+
+
 def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
@@ -104,6 +111,14 @@ def warn(msg: str, warnings: list | None = None) -> None:
     print(f"{time.strftime('%H:%M:%S')} WARNING: {msg}", flush=True)
     if warnings is not None:
         warnings.append(msg)
+
+
+def set_bin_dir(d: Path) -> None:
+    """Measure the binaries of another build folder (a worktree with no build
+    of its own, the lead's target/release): its gateway, mock-upstream and
+    examples/bare_proxy. Read through this module (common.GATEWAY, ...)."""
+    global GATEWAY, MOCK, BARE
+    GATEWAY, MOCK, BARE = d / "gateway", d / "mock-upstream", d / "examples" / "bare_proxy"
 
 
 class BenchError(Exception):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common import (ANCHOR, ANCHOR_PIPELINES, CLK_TCK, HERE, MANY_CLIENTS_TARGETS, MEMORY_REDIS_CAPACITY,
                     MEMORY_REDIS_REFILL, OVER_PATH, PATH, REDIS_TARGETS, ROOT, SCRIPT_COMMANDS, SHARES_GAUGE,
-                    SHARES_SETTLE_S, SHARES_WAIT_S, TLS_TARGETS, BenchError, log, warn)
+                    SHARES_SETTLE_S, SHARES_WAIT_S, TLS_TARGETS, BenchError, key_prefix, log, warn)
 from lt.procs import free_ports
 from targets import Targets, http_get, start_redis_server, wait_until
 
@@ -62,7 +62,8 @@ PLAIN_METRIC_RE = re.compile(r'^(\w+)\s+([0-9.eE+-]+)$')
 def gateway_metrics(admin: str) -> dict:
     """Status counts and failover counters from the gateway's /metrics."""
     status, _, body = http_get(f"http://{admin}/metrics", timeout=5)
-    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}, "lease_tokens": {}, "shares": {}}
+    out = {"status": {}, "fallback": {}, "backend": {}, "decided_by": {}, "lease_tokens": {}, "shares": {},
+           "rejected_by_tier": {}}
     if status != 200:
         return out
     for line in body.decode(errors="replace").splitlines():
@@ -86,6 +87,10 @@ def gateway_metrics(admin: str) -> dict:
             out["decided_by"][lab.get("path", "?")] = value
         elif name == "gateway_lease_tokens_total":
             out["lease_tokens"][lab.get("event", "?")] = value
+        elif name == "gateway_ratelimit_decisions_total" and lab.get("decision") == "rejected":
+            # Which tier refused, summed over routes (the crowd's shapes: where the 429s come from).
+            tier = lab.get("tier", "?")
+            out["rejected_by_tier"][tier] = out["rejected_by_tier"].get(tier, 0) + value
     return out
 
 
@@ -192,6 +197,11 @@ class Meter:
                 r["lease_share"] = paths.get("lease", 0) / sum(paths.values())
                 # Requests whose every tier a standing share decided (no Redis call).
                 r["share_decided"] = paths.get("share", 0) / sum(paths.values())
+                # Every path's share (share, lease, redis, denied_cache, ...): where Redis calls come from.
+                r["decided_by_share"] = {k: v / sum(paths.values()) for k, v in paths.items()}
+            refused = delta_counts(mb.get("rejected_by_tier", {}), me.get("rejected_by_tier", {}))
+            if refused:
+                r["rejected_by_tier"] = {k: v / n for k, v in refused.items()}
             gauges = me.get("shares", {})
             if "gateway_shares_entries" in gauges:
                 r["shares_entries"] = gauges["gateway_shares_entries"]
@@ -362,7 +372,7 @@ class Meter:
         once full, so later most would be gone): MEMORY USAGE of up to
         `samples` random keys of the target's, and, with many keys, the growth
         of used_memory since the server started over the keys it holds now."""
-        prefix = f"bench-{target}:"
+        prefix = f"{key_prefix(target)}:"
         keys = used = 0
         sizes: list[int] = []
         for r in self.tg.redis_nodes(target):

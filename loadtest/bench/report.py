@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import shapes
 from checks import CLIENTS_CHECKS, compute_context
 from common import ANCHOR_PIPELINES, HERE, REDIS_TARGETS, ROOT, log
 from lt.plots import pyplot, save_png  # after common, which puts loadtest/ on sys.path
@@ -123,12 +124,16 @@ def markdown(s: dict) -> str:
         L.append("")
     L += tls_md(s)
     L += anchor_md(s)
+    L += shapes.markdown(s, fmt_limit)
     L += failed_md(s)
+    if s.get("shapes"):
+        L += ["With `--shapes`, the checks below read the hot shape's targets (`gateway_redis@hot` as "
+              "`gateway_redis`), the standing shares' the far-below crowd's (`@crowd`).", ""]
     L.append("| target | value | limit | result |")
     L.append("|---|--:|--:|---|")
     for c in s["checks"]:
-        if many_clients(c):
-            continue  # in their own table, beside the before
+        if many_clients(c) or c["key"].startswith("shape_"):
+            continue  # in their own tables: beside the before, or the shapes' section
         res = "n/a" if c["pass"] is None else ("**pass**" if c["pass"] else "**FAIL**")
         L.append(f"| {c['label']} | {fmt(c['value'], 3)} | {c['op']} {fmt_limit(c['limit'])} | {res} |")
     L += clients_checks_md(s)
@@ -238,9 +243,22 @@ def clients_md(s: dict) -> list[str]:
             f"(X-Forwarded-For from trusted 127.0.0.1), the client of rank r sending in proportion to 1/r^{c['zipf']:g}; "
             f"{c['over_pct']:g} % of the clients are over their limit (answered 429 after their first request). "
             f"Share answered 429: {shares or 'n/a'}. The fixed-rate (latency) windows keep one client."
-            + (f" The per-client buckets (the ip tier, the route's per-client bucket) hold "
-               f"{c['per_client_capacity']:,} tokens and refill {c['per_client_refill_per_sec']:,}/s, every target "
-               "alike: a crowd far below its limits." if c.get("per_client_capacity") else ""), ""]
+            + per_client_md(c), ""]
+
+
+def per_client_md(c: dict) -> str:
+    """The crowd's buckets, for clients_md (with --shapes: each shape's, in its own section)."""
+    if not c.get("per_client_capacity"):
+        return ""
+    ip = c.get("ip_tier") or {"capacity": c["per_client_capacity"], "refill_per_sec": c["per_client_refill_per_sec"]}
+    if (ip["capacity"], ip["refill_per_sec"]) == (c["per_client_capacity"], c["per_client_refill_per_sec"]):
+        return (f" The per-client buckets (the ip tier, the route's per-client bucket) hold "
+                f"{c['per_client_capacity']:,} tokens and refill {c['per_client_refill_per_sec']:,}/s, every target "
+                "alike: a crowd far below its limits.")
+    return (f" The ip tier holds {ip['capacity']:,} tokens and refills {ip['refill_per_sec']:,g}/s "
+            f"(`--client-capacity`, `--client-refill`); the route's per-client bucket {c['per_client_capacity']:,} "
+            f"refilling {c['per_client_refill_per_sec']:,}/s, every target alike. Smaller than the far-below "
+            "crowd's, so these targets had no fixed-rate windows: their ip tier would refuse the one client sent.")
 
 
 def anchor_md(s: dict) -> list[str]:
@@ -579,12 +597,18 @@ def memory_chart(s: dict, path: Path) -> None:
 
 def write_report(out: Path) -> dict:
     s = json.loads((out / "summary.json").read_text())
+    if s.get("shapes") and (s.get("rounds") or {}).get("max_throughput"):
+        # The shapes' per-round figures, made again from the rounds (a report of an older run reads alike).
+        sh = s["shapes"]
+        s["shapes"] = shapes.summarize(s["rounds"]["max_throughput"], sh["order"], sh["shapes"])
     (out / "summary.md").write_text(markdown(s))
     try:
         if s["targets"]:
             chart(s, out / "chart.png")
         if s.get("memory"):
             memory_chart(s, out / "memory.png")
+        if s.get("shapes"):
+            shapes.chart(s, out / "shapes.png", pyplot, save_png)
     except ImportError as e:
         print(f"bench: no chart ({e}); install matplotlib into .venv", file=sys.stderr)
     return s
@@ -664,6 +688,9 @@ def publish(out: Path) -> None:
         shutil.copyfile(out / "chart.png", HERE / "latest-chart.png")
         shutil.copyfile(out / "summary.json", HERE / "latest-summary.json")
         body = markdown(dict(s, memory=None)) + "\n![the targets side by side](../loadtest/bench/latest-chart.png)\n"
+        if s.get("shapes") and (out / "shapes.png").exists():
+            shutil.copyfile(out / "shapes.png", HERE / "latest-shapes.png")
+            body = body.replace("](shapes.png)", "](../loadtest/bench/latest-shapes.png)")
         text = replace_block(text, "bench", body)
     if s.get("memory"):
         shutil.copyfile(out / "memory.png", HERE / "latest-memory.png")

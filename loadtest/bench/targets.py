@@ -22,10 +22,10 @@ import urllib.request
 from pathlib import Path
 
 import common
-from common import (ANCHOR, API_KEY, BARE, CLUSTER_TARGETS, GATEWAY, GATEWAY_TARGETS, HERE, JWT_TARGETS,
-                    LIMITED_TARGETS, MANY_CLIENTS_CAPACITY, MANY_CLIENTS_REFILL, MOCK, NGINX_TARGETS, OVER_PATH,
-                    PADDED_TARGETS, PATH, REDIS_TARGETS, SHARES_GAUGE, SHARES_SETTLE_S, SHARES_TARGETS, SHARES_WAIT_S,
-                    TLS_TARGETS, BenchError, log, warn)
+import shapes
+from common import (ANCHOR, API_KEY, CLUSTER_TARGETS, GATEWAY_TARGETS, HERE, JWT_TARGETS, LIMITED_TARGETS,
+                    NGINX_TARGETS, OVER_PATH, PADDED_TARGETS, PATH, REDIS_TARGETS, SHARES_GAUGE, SHARES_SETTLE_S,
+                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, BenchError, key_prefix, log, warn)
 from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
 # --- processes ------------------------------------------------------------------
@@ -344,11 +344,12 @@ class Targets:
         self.gateway = out / "bin" / "gateway"
         self.mock = out / "bin" / "mock-upstream"
         self.bare = out / "bin" / "bare_proxy"
-        self.gateway_source = Path(args.gateway_bin).resolve() if getattr(args, "gateway_bin", None) else GATEWAY
+        self.gateway_source = (Path(args.gateway_bin).resolve() if getattr(args, "gateway_bin", None)
+                               else common.GATEWAY)
         shutil.copy2(self.gateway_source, self.gateway)
-        shutil.copy2(MOCK, self.mock)
+        shutil.copy2(common.MOCK, self.mock)
         if "pingora_bare" in targets:
-            shutil.copy2(BARE, self.bare)
+            shutil.copy2(common.BARE, self.bare)
 
     def render(self, template: str, dest: Path, **subs) -> Path:
         text = (HERE / template).read_text()
@@ -433,7 +434,6 @@ class Targets:
             "probe_interval_ms = 250\n"
             'key_prefix = "@@PREFIX@@"'
         )
-        many = bool(a.clients)
         over_route = (
             "[[routes]]\n"
             'name = "bench-over"\n'
@@ -441,8 +441,6 @@ class Targets:
             'upstream = "mock"\n'
             'limit = { algorithm = "token_bucket", capacity = 1, refill_per_sec = 0.000001, scope = "client" }\n'
         )
-        per_client_capacity = MANY_CLIENTS_CAPACITY if many else 1000000000
-        per_client_refill = MANY_CLIENTS_REFILL if many else 1000000000
         for t in [t for t in targets if t in GATEWAY_TARGETS]:
             port, admin_port = next(ports), next(ports)
             subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
@@ -455,7 +453,10 @@ class Targets:
                 self.render("gateway.tls.toml", dest, **subs, TLS_LISTEN_ADDR=f"127.0.0.1:{tls_port}",
                             CERT_FILE=self.tls["cert"], KEY_FILE=self.tls["key"])
             else:
-                backend = "local" if t in ["gateway_local", *JWT_TARGETS, *PADDED_TARGETS] else "redis"
+                backend = "redis" if t in REDIS_TARGETS else "local"
+                # The per-client buckets: a crowd's (--clients, a crowd shape) or one client's.
+                lim = shapes.limits(t, a)
+                many = lim["many"]
                 denied = t == "gateway_redis_denied"
                 section = cluster_section if t in CLUSTER_TARGETS else redis_section
                 shares = t in SHARES_TARGETS and backend == "redis"
@@ -463,15 +464,15 @@ class Targets:
                     self.shares.add(t)
                 self.render(
                     "gateway.tiers.toml", dest, **subs, BACKEND=backend, API_KEY=API_KEY,
-                    REDIS_SECTION=section.replace("@@PREFIX@@", f"bench-{t}") if backend == "redis" else "",
+                    REDIS_SECTION=section.replace("@@PREFIX@@", key_prefix(t)) if backend == "redis" else "",
                     LEASES_SECTION=f"[limiter.leases]\nperiod_ms = {a.lease_period_ms}   # --lease-period-ms"
                     if a.lease_period_ms and backend == "redis" else "# [limiter.leases]: the defaults",
                     SHARES_SECTION="[limiter.shares]\nenabled = true   # standing shares: no Redis call"
                     if shares else "# [limiter.shares]: off (the default)",
-                    ROUTE_CAPACITY=1 if denied else per_client_capacity,
-                    ROUTE_REFILL="0.000001" if denied else per_client_refill,
-                    CLIENT_CAPACITY=per_client_capacity,
-                    CLIENT_REFILL=per_client_refill,
+                    ROUTE_CAPACITY=1 if denied else shapes.number(lim["route_capacity"]),
+                    ROUTE_REFILL="0.000001" if denied else shapes.number(lim["route_refill"]),
+                    CLIENT_CAPACITY=shapes.number(lim["ip_capacity"]),
+                    CLIENT_REFILL=shapes.number(lim["ip_refill"]),
                     OVER_PATH=OVER_PATH,
                     TRUSTED_PROXIES='trusted_proxies = ["127.0.0.1/32"]   # --clients: wrk plays the load balancer'
                     if many else "# one client: no trusted proxy",
