@@ -46,6 +46,13 @@ impl Config {
                 never_bind - 20
             ));
         }
+        // Loaded, not refused: a file that switches between the backends
+        // (a laptop's local run of a fleet's config) need not change twice.
+        if self.limiter.shares.enabled && self.limiter.backend == Backend::Local {
+            out.push(
+                "limiter.shares.enabled: standing shares cut Redis's buckets; with limiter.backend = \"local\" they do nothing".to_string(),
+            );
+        }
         let issuers = self.jwt.iter().flat_map(|j| j.issuers.iter().enumerate());
         for (i, issuer) in issuers {
             let JwtKeys::Url(u) = &issuer.keys else {
@@ -136,12 +143,14 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} quota_time_zone={} quota_retention_days={}",
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} shares.enabled={} shares.fraction={} quota_time_zone={} quota_retention_days={}",
             l.instances,
             l.retry_after_jitter_ms,
             l.local_max_entries,
             l.leases.enabled,
             l.leases.period_ms,
+            l.shares.enabled,
+            l.shares.fraction,
             l.quota_time_zone.name(),
             l.quota_retention_days
         );
