@@ -370,7 +370,7 @@ pub enum KeysAsk {
         id: String,
     },
     List {
-        cursor: u64,
+        cursor: String,
         limit: usize,
     },
 }
@@ -464,7 +464,22 @@ pub fn keys(config: &Config, credentials: &Credentials, ask: KeysAsk) -> Result<
             KeysAsk::Create { id, body: b } => admin.create(&body(b, Some(id))).await,
             KeysAsk::Update { id, body: b } => admin.update(&id, &body(b, None)).await,
             KeysAsk::Revoke { id } => admin.revoke(&id).await,
-            KeysAsk::List { cursor, limit } => admin.list(cursor, limit).await,
+            KeysAsk::List { cursor, limit } => {
+                let cursor =
+                    crate::identity::apikeys::admin::Cursor::parse(&cursor).map_err(|e| {
+                        crate::identity::apikeys::admin::Refusal {
+                            status: 400,
+                            message: format!("--cursor: {e}"),
+                        }
+                    })?;
+                if limit == 0 {
+                    return Err(crate::identity::apikeys::admin::Refusal {
+                        status: 400,
+                        message: "--limit: expected a number from 1 to 10000, found 0".into(),
+                    });
+                }
+                admin.list(&cursor, limit).await
+            }
         }
     })
     .map_err(|r| redis.redact(&r.message))
