@@ -186,13 +186,26 @@ impl Config {
         let c = &self.clients;
         let _ = writeln!(
             s,
-            "clients: trusted_proxies={} allow={} deny={} ipv6_prefix_len={} api_key_header={}",
+            "clients: trusted_proxies={} allow={} deny={} ipv6_prefix_len={} api_key_header={} hide_credentials={}",
             c.trusted_proxies.len(),
             c.allow.len(),
             c.deny.len(),
             c.ipv6_prefix_len,
-            c.api_key_header
+            c.api_key_header,
+            c.hide_credentials
         );
+        // Runtime keys live in Redis: the snapshot only with it.
+        if self.limiter.backend == Backend::Redis {
+            let snapshot = match &c.runtime_keys_snapshot {
+                KeySnapshot::At(p) => p.display().to_string(),
+                KeySnapshot::Off => "false (a replica started while Redis is down serves no runtime key until it answers)".to_string(),
+                KeySnapshot::Auto => format!(
+                    "true (in {}, named for the Redis it mirrors)",
+                    std::env::temp_dir().display()
+                ),
+            };
+            let _ = writeln!(s, "clients: runtime_keys_snapshot={snapshot}");
+        }
         if let Some(path) = &c.api_keys_file {
             let _ = writeln!(
                 s,
