@@ -8,7 +8,7 @@
 //! read. It is written whole to a file beside it (mode 0600) and renamed
 //! over the old one, so a reader sees one set or the other, never half.
 //!
-//! What it costs: one write of about 100 bytes a key (a million keys: about
+//! What it costs: one write of about 109 bytes a key (a million keys: about
 //! 110 MB) at most once every `EVERY` while the set changes, and a revoked
 //! key that lives on in the file until the replica next reads Redis. A
 //! replica cut off from Redis serves a key revoked meanwhile for as long as
