@@ -63,6 +63,12 @@ sed -e "s#127.0.0.1:8080#127.0.0.1:$p_proxy#" \
     -e "s#127.0.0.1:9001#127.0.0.1:$p_rides#" \
     -e "s#127.0.0.1:9002#127.0.0.1:$p_geo#" \
     gateway.toml > "$work/gateway.toml"
+# `check` compares the config's keys with the runtime keys in Redis: it
+# runs once Redis answers, or it would warn that it could not.
+for _ in $(seq 1 100); do
+  redis-cli -p "$p_redis" ping 2>/dev/null | grep -q PONG && break
+  sleep 0.1
+done
 target/release/gateway check -c "$work/gateway.toml" >/dev/null
 GATEWAY_LOG=${GATEWAY_LOG:-warn} target/release/gateway run -c "$work/gateway.toml" 2>"$work/gateway.log" &
 gateway_pid=$!

@@ -370,7 +370,7 @@ pub enum KeysAsk {
         id: String,
     },
     List {
-        cursor: u64,
+        cursor: String,
         limit: usize,
     },
 }
@@ -412,6 +412,28 @@ pub fn runtime_key_check(
     Some(read.map_err(|e| redis.redact(&e)))
 }
 
+/// Who runs `gateway keys`, for the audit log: `cli:` and the login name
+/// (`$USER`, else `$LOGNAME`), else the process's uid (a container often
+/// sets neither), else `cli` alone.
+fn cli_caller() -> String {
+    let named = ["USER", "LOGNAME"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .find(|n| !n.is_empty());
+    if let Some(n) = named {
+        return format!("cli:{}", n.chars().take(64).collect::<String>());
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        // /proc/self belongs to the user the process runs as.
+        if let Ok(m) = std::fs::metadata("/proc/self") {
+            return format!("cli:uid={}", m.uid());
+        }
+    }
+    "cli".to_string()
+}
+
 /// `gateway keys`: the runtime keys in Redis, as `/keys` changes them (the
 /// replicas follow within a second).
 pub fn keys(config: &Config, credentials: &Credentials, ask: KeysAsk) -> Result<Value, String> {
@@ -419,10 +441,7 @@ pub fn keys(config: &Config, credentials: &Credentials, ask: KeysAsk) -> Result<
         return Err("runtime API keys are kept in Redis, and limiter.backend is \"local\": use [[api_keys]] or clients.api_keys_file".into());
     };
     let redis = RedisBackend::from_settings(settings, None).map_err(|e| e.to_string())?;
-    let by = format!(
-        "cli:{}",
-        std::env::var("USER").unwrap_or_else(|_| "?".into())
-    );
+    let by = cli_caller();
     let admin = crate::identity::apikeys::admin::KeyAdmin {
         redis: &redis,
         config,
@@ -445,7 +464,22 @@ pub fn keys(config: &Config, credentials: &Credentials, ask: KeysAsk) -> Result<
             KeysAsk::Create { id, body: b } => admin.create(&body(b, Some(id))).await,
             KeysAsk::Update { id, body: b } => admin.update(&id, &body(b, None)).await,
             KeysAsk::Revoke { id } => admin.revoke(&id).await,
-            KeysAsk::List { cursor, limit } => admin.list(cursor, limit).await,
+            KeysAsk::List { cursor, limit } => {
+                let cursor =
+                    crate::identity::apikeys::admin::Cursor::parse(&cursor).map_err(|e| {
+                        crate::identity::apikeys::admin::Refusal {
+                            status: 400,
+                            message: format!("--cursor: {e}"),
+                        }
+                    })?;
+                if limit == 0 {
+                    return Err(crate::identity::apikeys::admin::Refusal {
+                        status: 400,
+                        message: "--limit: expected a number from 1 to 10000, found 0".into(),
+                    });
+                }
+                admin.list(&cursor, limit).await
+            }
         }
     })
     .map_err(|r| redis.redact(&r.message))

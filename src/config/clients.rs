@@ -1,10 +1,11 @@
 //! `[clients]`: who the client is (trusted proxies, IPv6 prefix), who is
 //! never limited or always refused, where the API key is read from, and
-//! the file more keys are read from (read by the `identity` room).
+//! the file more keys are read from (read by the `identity` room), whether
+//! the key goes on upstream, and where the runtime keys' snapshot is kept.
 
 use toml::de::DeTable;
 
-use super::model::Clients;
+use super::model::{Clients, KeySnapshot};
 use super::reader::Reader;
 use super::reader::{cidrs, opt};
 
@@ -15,6 +16,8 @@ pub const CLIENTS_KEYS: &[&str] = &[
     "deny",
     "api_key_header",
     "api_keys_file",
+    "hide_credentials",
+    "runtime_keys_snapshot",
 ];
 
 pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Clients> {
@@ -51,6 +54,21 @@ pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Client
     let keys_file = opt(r, t, p, "api_keys_file", None, |r, path, v| {
         r.file_path(path, v).map(Some)
     });
+    let hide = opt(r, t, p, "hide_credentials", false, |r, path, v| {
+        r.boolean(path, v)
+    });
+    let snapshot = opt(
+        r,
+        t,
+        p,
+        "runtime_keys_snapshot",
+        KeySnapshot::Auto,
+        |r, path, v| match v.get_ref() {
+            toml::de::DeValue::Boolean(true) => Some(KeySnapshot::Auto),
+            toml::de::DeValue::Boolean(false) => Some(KeySnapshot::Off),
+            _ => r.file_path(path, v).map(KeySnapshot::At),
+        },
+    );
     Some(Clients {
         trusted_proxies: trusted?,
         ipv6_prefix_len: v6?,
@@ -58,5 +76,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<Client
         deny: deny?,
         api_key_header: header?,
         api_keys_file: keys_file?,
+        hide_credentials: hide?,
+        runtime_keys_snapshot: snapshot?,
     })
 }

@@ -328,6 +328,21 @@ pub struct Clients {
     pub api_key_header: String,
     /// More keys, in a file of their own (JSON lines or CSV), watched.
     pub api_keys_file: Option<std::path::PathBuf>,
+    /// The API key's header, and an `Authorization: Bearer` that carried
+    /// the key, are taken off the request sent upstream.
+    pub hide_credentials: bool,
+    /// Where a replica keeps the last runtime key set it read from Redis.
+    pub runtime_keys_snapshot: KeySnapshot,
+}
+
+/// `clients.runtime_keys_snapshot`: `true` (the default: a file in the
+/// system's temporary directory named for the Redis it mirrors), `false`,
+/// or a path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySnapshot {
+    Auto,
+    Off,
+    At(std::path::PathBuf),
 }
 
 /// One limiting algorithm with its parameters.

@@ -46,6 +46,13 @@ impl Config {
                 never_bind - 20
             ));
         }
+        // Loaded, not refused: a file that switches between the backends
+        // (a laptop's local run of a fleet's config) need not change twice.
+        if self.limiter.shares.enabled && self.limiter.backend == Backend::Local {
+            out.push(
+                "limiter.shares.enabled: standing shares cut Redis's buckets; with limiter.backend = \"local\" they do nothing".to_string(),
+            );
+        }
         let issuers = self.jwt.iter().flat_map(|j| j.issuers.iter().enumerate());
         for (i, issuer) in issuers {
             let JwtKeys::Url(u) = &issuer.keys else {
@@ -136,12 +143,14 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} quota_time_zone={} quota_retention_days={}",
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} shares.enabled={} shares.fraction={} quota_time_zone={} quota_retention_days={}",
             l.instances,
             l.retry_after_jitter_ms,
             l.local_max_entries,
             l.leases.enabled,
             l.leases.period_ms,
+            l.shares.enabled,
+            l.shares.fraction,
             l.quota_time_zone.name(),
             l.quota_retention_days
         );
@@ -177,13 +186,26 @@ impl Config {
         let c = &self.clients;
         let _ = writeln!(
             s,
-            "clients: trusted_proxies={} allow={} deny={} ipv6_prefix_len={} api_key_header={}",
+            "clients: trusted_proxies={} allow={} deny={} ipv6_prefix_len={} api_key_header={} hide_credentials={}",
             c.trusted_proxies.len(),
             c.allow.len(),
             c.deny.len(),
             c.ipv6_prefix_len,
-            c.api_key_header
+            c.api_key_header,
+            c.hide_credentials
         );
+        // Runtime keys live in Redis: the snapshot only with it.
+        if self.limiter.backend == Backend::Redis {
+            let snapshot = match &c.runtime_keys_snapshot {
+                KeySnapshot::At(p) => p.display().to_string(),
+                KeySnapshot::Off => "false (a replica started while Redis is down serves no runtime key until it answers)".to_string(),
+                KeySnapshot::Auto => format!(
+                    "true (in {}, named for the Redis it mirrors)",
+                    std::env::temp_dir().display()
+                ),
+            };
+            let _ = writeln!(s, "clients: runtime_keys_snapshot={snapshot}");
+        }
         if let Some(path) = &c.api_keys_file {
             let _ = writeln!(
                 s,

@@ -2,8 +2,8 @@
 //!
 //! - `POST /keys` `{"id", "plan", ...}`: issue one; the answer holds its
 //!   secret, shown this once (201);
-//! - `GET /keys?cursor=C&limit=N`: a page of keys (`next`: the cursor of
-//!   the next page, null on the last);
+//! - `GET /keys?cursor=C&limit=N`: a page of at most N keys (1 to 10,000;
+//!   100 by default; `next`: the cursor of the next page, null on the last);
 //! - `GET /keys/ID`, `PATCH /keys/ID` `{"plan": ...}`, `DELETE /keys/ID`.
 //!
 //! Every method needs the admin token (or, without one, a loopback-only
@@ -18,7 +18,7 @@ use pingora::protocols::http::ServerSession;
 
 use super::limits::{authorize_change, error, Answer};
 use super::Live;
-use crate::identity::apikeys::admin::KeyAdmin;
+use crate::identity::apikeys::admin::{Cursor, KeyAdmin};
 use crate::limiter::Fallback;
 
 /// The largest body read.
@@ -72,7 +72,7 @@ pub async fn serve(
     let result = match (&method, id) {
         (&Method::POST, None) => admin.create(&body).await.map(|v| (201, v)),
         (&Method::GET, None) => match page(&query) {
-            Ok((cursor, limit)) => admin.list(cursor, limit).await.map(|v| (200, v)),
+            Ok((cursor, limit)) => admin.list(&cursor, limit).await.map(|v| (200, v)),
             Err(e) => return error(400, e),
         },
         (&Method::GET, Some(id)) => admin.get(id).await.map(|v| (200, v)),
@@ -90,21 +90,34 @@ pub async fn serve(
     }
 }
 
-/// `cursor` (0) and `limit` (100).
-fn page(query: &str) -> Result<(u64, usize), String> {
-    let (mut cursor, mut limit) = (0, 100);
+/// `cursor` (the start) and `limit` (100; 1 to `MAX_PAGE`, a larger one
+/// is `MAX_PAGE`).
+fn page(query: &str) -> Result<(Cursor, usize), String> {
+    let (mut cursor, mut limit) = (Cursor::default(), 100);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         match k {
+            // A client may have percent-encoded the `:` of a `next`.
             "cursor" => {
-                cursor = v
-                    .parse()
-                    .map_err(|_| "cursor: expected a number".to_string())?
+                cursor = Cursor::parse(&v.replace("%3A", ":").replace("%3a", ":"))
+                    .map_err(|e| format!("cursor: {e}"))?
             }
             "limit" => {
-                limit = v
-                    .parse()
-                    .map_err(|_| "limit: expected a number".to_string())?
+                limit = match v.parse::<usize>() {
+                    Ok(0) => {
+                        return Err(format!(
+                            "limit: expected a number from 1 to {}, found 0",
+                            Cursor::MAX_PAGE
+                        ))
+                    }
+                    Ok(n) => n.min(Cursor::MAX_PAGE),
+                    Err(_) => {
+                        return Err(format!(
+                            "limit: expected a number from 1 to {}, found \"{v}\"",
+                            Cursor::MAX_PAGE
+                        ))
+                    }
+                }
             }
             other => {
                 return Err(format!(
@@ -136,11 +149,25 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, Answer> {
 mod tests {
     use super::page;
 
+    use crate::identity::apikeys::admin::Cursor;
+
     #[test]
     fn pages() {
-        assert_eq!(page(""), Ok((0, 100)));
-        assert_eq!(page("cursor=7&limit=5"), Ok((7, 5)));
-        assert!(page("limit=x").is_err());
+        assert_eq!(page(""), Ok((Cursor::default(), 100)));
+        assert_eq!(
+            page("cursor=7&limit=5"),
+            Ok((Cursor::parse("7").unwrap(), 5))
+        );
+        assert_eq!(page("limit=20000").map(|p| p.1), Ok(10_000));
+        assert_eq!(
+            page("limit=0"),
+            Err("limit: expected a number from 1 to 10000, found 0".into())
+        );
+        assert_eq!(
+            page("limit=x"),
+            Err("limit: expected a number from 1 to 10000, found \"x\"".into())
+        );
+        assert!(page("cursor=7:a%20b").is_err());
         assert!(page("colour=red").is_err());
     }
 }

@@ -445,6 +445,10 @@ impl ProxyHttp for Gateway {
                 Error::because(ErrorType::InternalError, "normalised path is not a URI", e)
             })?;
             upstream_request.set_uri(uri);
+            if live.policy.config.clients.hide_credentials {
+                let by_key = plan.client_identity.starts_with("k:");
+                hide_credentials(upstream_request, &live.policy.config.clients, by_key)?;
+            }
         }
         let peer = session
             .client_addr()
@@ -675,4 +679,33 @@ impl ProxyHttp for Gateway {
             left_out,
         );
     }
+}
+
+/// `clients.hide_credentials`: the key header never goes upstream, nor an
+/// `Authorization: Bearer` of a request an API key named (that bearer was
+/// the key: a JWT beside a key is refused). Other schemes go on.
+fn hide_credentials(
+    req: &mut RequestHeader,
+    clients: &crate::config::Clients,
+    by_key: bool,
+) -> Result<()> {
+    req.remove_header(clients.api_key_header.as_str());
+    if by_key {
+        let kept: Vec<http::HeaderValue> = req
+            .headers
+            .get_all(http::header::AUTHORIZATION)
+            .iter()
+            .filter(|v| {
+                !v.as_bytes()
+                    .get(..7)
+                    .is_some_and(|p| p.eq_ignore_ascii_case(b"bearer "))
+            })
+            .cloned()
+            .collect();
+        req.remove_header(&http::header::AUTHORIZATION);
+        for v in kept {
+            req.append_header(http::header::AUTHORIZATION, v)?;
+        }
+    }
+    Ok(())
 }

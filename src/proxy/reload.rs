@@ -286,6 +286,10 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             l0.quota_retention_days != l1.quota_retention_days,
         ),
         ("redis", old.redis != new.redis),
+        (
+            "clients.runtime_keys_snapshot",
+            old.clients.runtime_keys_snapshot != new.clients.runtime_keys_snapshot,
+        ),
     ]
     .into_iter()
     .filter_map(|(key, changed)| changed.then_some(key))

@@ -38,6 +38,7 @@ struct KeySync {
     limiter: Arc<Fallback>,
     store: Arc<RuntimeKeys>,
     prefix: String,
+    snapshot: Option<crate::identity::apikeys::snapshot::Snapshot>,
 }
 
 #[async_trait]
@@ -51,6 +52,7 @@ impl BackgroundService for KeySync {
                 self.store.clone(),
                 redis,
                 self.prefix.clone(),
+                self.snapshot.clone(),
                 stop,
             )
             .await;
@@ -314,6 +316,7 @@ pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), 
                 limiter: limiter.clone(),
                 store: runtime_keys,
                 prefix: config.key_prefix().to_string(),
+                snapshot: crate::identity::apikeys::snapshot::Snapshot::of(&config),
             },
         ));
     }

@@ -1036,3 +1036,78 @@ default_plan = "pro"
         "{err}"
     );
 }
+
+/// `[limiter.shares]` is printed like every other effective value; enabled
+/// on the local backend it loads (it does nothing there) with a warning.
+#[test]
+fn shares_are_printed_and_named_on_the_local_backend() {
+    let (ok, out, err) = check(MINIMAL);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("shares.enabled=false shares.fraction=0.25"),
+        "{out}"
+    );
+    assert!(!err.contains("limiter.shares"), "{err}");
+    let local = format!(
+        "{MINIMAL}\n[limiter]\nbackend = \"local\"\n\n[limiter.shares]\nenabled = true\nfraction = 0.3\n"
+    );
+    let (ok, out, err) = check(&local);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("shares.enabled=true shares.fraction=0.3"),
+        "{out}"
+    );
+    assert!(
+        err.contains("warning: limiter.shares.enabled: standing shares cut Redis's buckets; with limiter.backend = \"local\" they do nothing"),
+        "{err}"
+    );
+    // On Redis: no such warning. The config has no API key a runtime key
+    // could clash with, so a Redis that does not answer is not a warning
+    // either.
+    let redis = format!(
+        "{MINIMAL}\n[limiter]\nbackend = \"redis\"\n\n[limiter.shares]\nenabled = true\n\n[redis]\nurls = [\"redis://127.0.0.1:1\"]\n"
+    );
+    let (ok, out, err) = check(&redis);
+    assert!(ok, "{err}");
+    assert!(out.contains("shares.enabled=true"), "{out}");
+    assert!(err.is_empty(), "{err}");
+}
+
+/// `clients.hide_credentials` and `clients.runtime_keys_snapshot`: printed
+/// as in force, and a value of the wrong kind named with its line.
+#[test]
+fn hide_credentials_and_the_snapshot_are_checked() {
+    let with = |body: &str| format!("{MINIMAL}\n[clients]\n{body}\n");
+    let (ok, out, err) = check(MINIMAL);
+    assert!(ok, "{err}");
+    assert!(out.contains("hide_credentials=false"), "{out}");
+    let (ok, out, err) = check(&with(
+        "hide_credentials = true\nruntime_keys_snapshot = \"/var/lib/gateway/keys.jsonl\"",
+    ));
+    assert!(ok, "{err}");
+    assert!(out.contains("hide_credentials=true"), "{out}");
+    let (ok, out, err) = check(&with("runtime_keys_snapshot = false"));
+    assert!(ok, "{err}");
+    assert!(
+        !out.contains("runtime_keys_snapshot="),
+        "the local backend has none: {out}"
+    );
+    for (body, problem) in [
+        (
+            "hide_credentials = \"yes\"",
+            "clients.hide_credentials (line",
+        ),
+        (
+            "runtime_keys_snapshot = 3",
+            "clients.runtime_keys_snapshot (line",
+        ),
+        (
+            "runtime_keys_snapshot = \"\"",
+            "clients.runtime_keys_snapshot (line",
+        ),
+    ] {
+        let (ok, _, err) = check(&with(body));
+        assert!(!ok, "{body}: {err}");
+        assert!(err.contains(problem), "{body}: {err}");
+    }
+}

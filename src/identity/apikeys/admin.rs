@@ -239,23 +239,77 @@ impl KeyAdmin<'_> {
         Ok(json!({ "id": id, "revoked": true }))
     }
 
-    /// One page of keys from `cursor` (0: the first); `next` is null on
-    /// the last page. Redis's HSCAN: a page holds about `limit` keys.
-    pub async fn list(&self, cursor: u64, limit: usize) -> Result<Value, Refusal> {
-        let (next, page) = store::page(
-            self.redis,
-            self.config.key_prefix(),
-            cursor,
-            limit.clamp(1, 10_000),
-        )
-        .await
-        .map_err(unavailable)?;
-        let keys: Vec<Value> = page
+    /// A page of at most `limit` keys from `cursor`, sorted by id within
+    /// each of Redis's scan steps; `next` is null on the last page.
+    ///
+    /// HSCAN's COUNT is a hint: a small hash (a listpack) answers all of it
+    /// at once, a large one about COUNT records at a time. A step with more
+    /// than `limit` records is read again for the next page, which takes the
+    /// ids after the last one answered; a key present throughout a listing is
+    /// in it at least once, as HSCAN promises.
+    pub async fn list(&self, cursor: &Cursor, limit: usize) -> Result<Value, Refusal> {
+        let limit = limit.clamp(1, Cursor::MAX_PAGE);
+        let (next, page) = store::page(self.redis, self.config.key_prefix(), cursor.scan, limit)
+            .await
+            .map_err(unavailable)?;
+        let mut keys: Vec<Checked> = page
             .iter()
             .filter_map(|(_, raw)| parse_record(raw, None).ok())
-            .map(|k| public(&k))
+            .filter(|k| cursor.after.as_deref().is_none_or(|a| k.id.as_str() > a))
             .collect();
-        Ok(json!({ "keys": keys, "next": (next != 0).then_some(next) }))
+        keys.sort_by(|a, b| a.id.cmp(&b.id));
+        let next = if keys.len() > limit {
+            keys.truncate(limit);
+            Some(Cursor {
+                scan: cursor.scan,
+                after: keys.last().map(|k| k.id.clone()),
+            })
+        } else {
+            (next != 0).then_some(Cursor {
+                scan: next,
+                after: None,
+            })
+        };
+        let keys: Vec<Value> = keys.iter().map(public).collect();
+        Ok(json!({ "keys": keys, "next": next.map(|c| c.to_string()) }))
+    }
+}
+
+/// Where a listing of the keys goes on: Redis's scan cursor, and within
+/// that scan step the last id already answered. Written `SCAN` or
+/// `SCAN:ID` (ids are `[A-Za-z0-9._-]`, so it needs no escaping in a URL).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cursor {
+    scan: u64,
+    after: Option<String>,
+}
+
+impl Cursor {
+    /// The most keys a page holds.
+    pub const MAX_PAGE: usize = 10_000;
+
+    pub fn parse(s: &str) -> Result<Cursor, String> {
+        let expected = || format!("expected a `next` of an earlier page, found \"{s}\"");
+        let (scan, after) = match s.split_once(':') {
+            Some((scan, id)) => {
+                crate::config::rules::name(id).map_err(|_| expected())?;
+                (scan, Some(id.to_string()))
+            }
+            None => (s, None),
+        };
+        Ok(Cursor {
+            scan: scan.parse().map_err(|_| expected())?,
+            after,
+        })
+    }
+}
+
+impl std::fmt::Display for Cursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.after {
+            Some(id) => write!(f, "{}:{id}", self.scan),
+            None => write!(f, "{}", self.scan),
+        }
     }
 }
 

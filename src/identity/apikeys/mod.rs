@@ -20,6 +20,7 @@
 pub mod admin;
 pub mod file;
 pub mod runtime;
+pub mod snapshot;
 pub mod store;
 
 use std::collections::HashMap;

@@ -5,7 +5,9 @@
 //! Each replica reads the whole hash once, then the changes' stream every
 //! `POLL`: a key issued or revoked through any replica is in force on all
 //! of them within that. While Redis cannot be read, a replica keeps the
-//! last set it read (a restarted replica starts with none until it can).
+//! last set it read; it keeps that set on disk too (`snapshot`), and a
+//! replica that starts while Redis does not answer serves the set the file
+//! holds until Redis does, when the whole hash replaces it.
 //! A record's plan is checked when a request uses it, against the config
 //! in force then: a key whose plan a reload removed is refused, never
 //! served unlimited.
@@ -17,6 +19,7 @@ use std::time::Duration;
 use parking_lot::RwLock;
 
 use super::file::{parse_record, Checked};
+use super::snapshot::{self, Snapshot};
 use super::store;
 use super::KeyRef;
 use crate::limiter::RedisBackend;
@@ -67,6 +70,8 @@ impl State {
 #[derive(Default)]
 pub struct RuntimeKeys {
     state: RwLock<State>,
+    /// Counts the changes, so the snapshot is written only after one.
+    changes: std::sync::atomic::AtomicU64,
 }
 
 impl RuntimeKeys {
@@ -94,6 +99,7 @@ impl RuntimeKeys {
             Some(k) => s.put(k),
             None => s.remove(id),
         }
+        self.changed();
     }
 
     fn replace_all(&self, keys: Vec<Checked>) {
@@ -102,6 +108,106 @@ impl RuntimeKeys {
             fresh.put(k);
         }
         *self.state.write() = fresh;
+        self.changed();
+    }
+
+    fn changed(&self) {
+        self.changes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn change_count(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Every key, sorted by id.
+    fn all(&self) -> Vec<Checked> {
+        let mut keys: Vec<Checked> = self
+            .state
+            .read()
+            .by_digest
+            .values()
+            .map(|k| k.0.clone())
+            .collect();
+        keys.sort_by(|a, b| a.id.cmp(&b.id));
+        keys
+    }
+}
+
+/// Keeps `store`'s set in the snapshot file: written after a change, at
+/// most once every `snapshot::EVERY`.
+struct Keeper {
+    snapshot: Option<Snapshot>,
+    /// The change count the file holds.
+    written: u64,
+    last: Option<std::time::Instant>,
+    failing: bool,
+}
+
+impl Keeper {
+    /// At start: if Redis does not answer, the file's set.
+    fn load(&mut self, store: &RuntimeKeys) {
+        let Some(snap) = &self.snapshot else { return };
+        match snap.read() {
+            Ok(Some((keys, written_at))) => {
+                let age = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs())
+                    .saturating_sub(written_at);
+                let n = keys.len();
+                store.replace_all(keys);
+                self.written = store.change_count();
+                tracing::warn!(keys = n, age_secs = age, file = %snap.path.display(), "runtime API keys read from this replica's snapshot: Redis does not answer; keys revoked since it was written are served until it does");
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(file = %snap.path.display(), error = %e, "the runtime API keys' snapshot is not read");
+            }
+        }
+    }
+
+    /// Writes the set if it changed since the file was written (`now`: at
+    /// shutdown, however soon after the last write).
+    async fn keep(&mut self, store: &RuntimeKeys, now: bool) {
+        let Some(snap) = &self.snapshot else { return };
+        let count = store.change_count();
+        let due = self.last.is_none_or(|t| t.elapsed() >= snapshot::EVERY);
+        if count == self.written || !(due || now) {
+            return;
+        }
+        let keys = store.all();
+        // No file for a Redis that never had a runtime key.
+        if keys.is_empty() && !snap.path.exists() {
+            self.written = count;
+            return;
+        }
+        let snap = snap.clone();
+        let path = snap.path.clone();
+        let first = self.last.is_none();
+        let wrote = tokio::task::spawn_blocking(move || {
+            if first {
+                snap.clear_leftovers();
+            }
+            snap.write(&keys)
+        })
+        .await;
+        self.last = Some(std::time::Instant::now());
+        match wrote {
+            Ok(Ok(())) => {
+                self.written = count;
+                if self.failing {
+                    tracing::info!(file = %path.display(), "the runtime API keys' snapshot is written again");
+                }
+                self.failing = false;
+            }
+            Ok(Err(e)) => {
+                if !self.failing {
+                    tracing::warn!(file = %path.display(), error = %e, "the runtime API keys' snapshot cannot be written; a restart while Redis is down would serve none of them (clients.runtime_keys_snapshot)");
+                }
+                self.failing = true;
+            }
+            Err(_) => self.failing = true,
+        }
     }
 }
 
@@ -194,16 +300,27 @@ async fn read_all(redis: &RedisBackend, prefix: &str) -> Result<(String, Vec<Che
     }
 }
 
-/// Follows Redis's runtime keys into `store` until `stop` resolves.
+/// Follows Redis's runtime keys into `store`, and `store` into the
+/// `snapshot` file, until `stop` resolves.
 pub async fn sync(
     store: Arc<RuntimeKeys>,
     redis: &RedisBackend,
     prefix: String,
+    snapshot: Option<Snapshot>,
     stop: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(stop);
     let mut after: Option<String> = None;
     let mut failing = false;
+    let mut keeper = Keeper {
+        snapshot,
+        written: 0,
+        last: None,
+        failing: false,
+    };
+    // Until Redis first answers: the file's set is read at the first
+    // failure, and only then.
+    let mut started = false;
     loop {
         let step = async {
             match &after {
@@ -244,8 +361,14 @@ pub async fn sync(
                 }
                 failing = false;
                 after = pos;
+                started = true;
+                keeper.keep(&store, false).await;
             }
             Err(e) => {
+                if !started {
+                    keeper.load(&store);
+                    started = true;
+                }
                 if !failing {
                     tracing::warn!(error = %e, keys = store.len(), "runtime API keys cannot be read from Redis; the last set read stays in force");
                 }
@@ -254,7 +377,10 @@ pub async fn sync(
         }
         crate::metrics::runtime_api_keys(store.len());
         tokio::select! {
-            _ = &mut stop => return,
+            _ = &mut stop => {
+                keeper.keep(&store, true).await;
+                return;
+            }
             _ = tokio::time::sleep(POLL) => {}
         }
     }

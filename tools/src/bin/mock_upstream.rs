@@ -330,6 +330,11 @@ async fn serve_one(
         "x_forwarded_for": header("x-forwarded-for"),
         "x_request_id": header("x-request-id"),
         "host": header("host"),
+        // Every header as received, for a test of what the gateway sends on.
+        "headers": req.headers().keys().map(|name| {
+            let values: Vec<&str> = req.headers().get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
+            (name.as_str().to_string(), serde_json::Value::from(values.join(", ")))
+        }).collect::<serde_json::Map<_, _>>(),
     })
     .to_string();
     // Read the whole body, as a real service would.
