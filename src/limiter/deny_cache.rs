@@ -9,7 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::Check;
+use super::{Check, Decision};
+use crate::config::Algorithm;
 use crate::shard_map::{Room, ShardMap, StillFull};
 
 const SHARDS: usize = 16;
@@ -23,6 +24,27 @@ pub struct Denial {
     pub until: Instant,
     pub retry_at: Instant,
     pub held: u64,
+}
+
+/// How long a token bucket that `d` admitted into holds less than `c.cost`
+/// (its time to full less the capacity it may lack and still pay it): the
+/// next request's refusal, known without asking.
+pub fn empty_for(c: &Check, d: &Decision) -> Option<Duration> {
+    let Algorithm::TokenBucket {
+        capacity,
+        refill_per_sec,
+    } = c.algorithm
+    else {
+        return None;
+    };
+    if d.remaining >= c.cost || refill_per_sec <= 0.0 || c.cost > capacity {
+        return None;
+    }
+    let per_token = 1e6 / refill_per_sec;
+    let wait = d.reset_after_us as f64 - (capacity - c.cost) as f64 * per_token;
+    // A microsecond over: the script's doubles may put the token a hair
+    // past the rounded time.
+    (wait > 0.0).then(|| Duration::from_micros(wait.ceil() as u64 + 1))
 }
 
 pub struct DenyCache {
@@ -71,5 +93,65 @@ impl DenyCache {
         self.denials
             .lock(key)
             .insert(key.to_string(), denial, &room);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::algorithms::{check, commit};
+    use crate::limiter::Tier;
+
+    /// Against the algorithm itself: after each admission, `empty_for` is
+    /// how long the bucket refuses the next request of that cost, to the
+    /// microsecond.
+    #[test]
+    fn an_emptied_bucket_refuses_until_its_next_token() {
+        let alg = Algorithm::TokenBucket {
+            capacity: 75,
+            refill_per_sec: 7.5,
+        };
+        for cost in [1u64, 3] {
+            let c = Check {
+                tier: Tier::Ip,
+                key: "k".into(),
+                algorithm: alg,
+                shadow: false,
+                cost,
+                shards: 1,
+                pool: true,
+            };
+            let (mut state, mut now) = (None, 1_000_000_000i64);
+            let mut emptied = 0;
+            for _ in 0..200 {
+                let e = check(&alg, state.as_ref(), now, cost);
+                if !e.decision.allowed {
+                    now += 1_000;
+                    continue;
+                }
+                commit(&mut state, &e.update);
+                match empty_for(&c, &e.decision) {
+                    None => assert!(check(&alg, state.as_ref(), now, cost).decision.allowed),
+                    Some(wait) => {
+                        emptied += 1;
+                        let w = wait.as_micros() as i64;
+                        // Within the microseconds its two roundings up add.
+                        assert!(
+                            !check(&alg, state.as_ref(), now + w - 4, cost)
+                                .decision
+                                .allowed
+                        );
+                        let at = check(&alg, state.as_ref(), now + w, cost);
+                        assert!(
+                            at.decision.allowed,
+                            "cost {cost} w {w} {:?} {:?} {:?}",
+                            e.decision, at.decision, state
+                        );
+                        now += w;
+                    }
+                }
+            }
+            assert!(emptied > 100, "the bucket ran dry: {emptied}");
+        }
     }
 }

@@ -198,8 +198,12 @@ fn a_client_spread_over_three_replicas_gets_its_whole_limit() {
         "an interval went {:+.1} over",
         worst.worst
     );
+    // What the cut loses (docs/design/standing-shares.md#what-it-costs):
+    // one token to rounding, about one the full pool refills while the
+    // shares are spent first, about two the run's last refill. 196 of 199.8
+    // in every run measured; one token of room for a loaded host.
     assert!(
-        admitted >= 0.98 * bound,
+        admitted >= 0.975 * bound,
         "admitted {admitted} of a bound of {bound:.1}"
     );
     assert_eq!(lost, 0.0, "no leased token lost");

@@ -66,7 +66,7 @@ use super::redis::Persistence;
 use super::standing::Standing;
 use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Algorithm, OnRedisFailure};
+use crate::config::OnRedisFailure;
 use crate::metrics::{self, DecidedBy};
 use merge::Covered;
 
@@ -486,6 +486,24 @@ impl Fallback {
                         leases.answered(&asked, &mut verdict.decisions, received);
                     }
                     for (c, d) in asked.iter().zip(&verdict.decisions) {
+                        // A pool this admission emptied refuses the next
+                        // request until its next token: remembered as the
+                        // refusal Redis would give it (a head over its
+                        // limit then costs one call per token it earns,
+                        // not two). Only the refill adds to a pool: it is
+                        // never leased.
+                        if d.allowed && c.pool && !c.shadow {
+                            if let Some(wait) = super::deny_cache::empty_for(c, d) {
+                                self.denied.remember(
+                                    &c.key,
+                                    Denial {
+                                        until: received + wait,
+                                        retry_at: received + wait,
+                                        held: d.remaining,
+                                    },
+                                );
+                            }
+                        }
                         if !d.allowed && !c.shadow {
                             let wait = Duration::from_micros(d.retry_after_us);
                             // Another live replica's lease on this bucket
@@ -567,33 +585,6 @@ impl Fallback {
             OnRedisFailure::Deny => {
                 metrics::decided_by(DecidedBy::FailClosed);
                 Outcome::FailClosed
-            }
-        }
-    }
-
-    /// What Redis just said of each bucket, kept as this replica's share so
-    /// a failover starts from it (only when the fallback is local buckets).
-    fn seed(&self, checks: &[Check], decisions: &[Decision]) {
-        if self.on_failure != OnRedisFailure::Local {
-            return;
-        }
-        let n = self.fallback_replicas();
-        let now = SystemClock.now_us();
-        for (c, d) in checks.iter().zip(decisions) {
-            // A log's seed holds one entry per request spent: at most one a
-            // second per bucket, so a large log costs no copy per request.
-            if let Algorithm::SlidingLog { window_secs, .. } = c.algorithm {
-                let w = window_secs as i64 * 1_000_000;
-                if self
-                    .local
-                    .log_written_within(&c.key, w, LOG_SEED_EVERY_US, now)
-                {
-                    continue;
-                }
-            }
-            let local = share(&c.algorithm, n);
-            if let Some((state, ttl)) = outage::seed(&c.algorithm, &local, d, now) {
-                self.local.seed(&c.key, state, ttl, now);
             }
         }
     }

@@ -1,6 +1,39 @@
-//! A replica's share of a shared rule while it decides alone.
+//! A replica's share of a shared rule while it decides alone, and the
+//! local buckets a failover starts from (`seed`).
 
-use crate::config::Algorithm;
+use super::{outage, Fallback, LOG_SEED_EVERY_US};
+use crate::clock::{Clock, SystemClock};
+use crate::config::{Algorithm, OnRedisFailure};
+use crate::limiter::{Check, Decision};
+
+impl Fallback {
+    /// What Redis just said of each bucket, kept as this replica's share so
+    /// a failover starts from it (only when the fallback is local buckets).
+    pub(super) fn seed(&self, checks: &[Check], decisions: &[Decision]) {
+        if self.on_failure != OnRedisFailure::Local {
+            return;
+        }
+        let n = self.fallback_replicas();
+        let now = SystemClock.now_us();
+        for (c, d) in checks.iter().zip(decisions) {
+            // A log's seed holds one entry per request spent: at most one a
+            // second per bucket, so a large log costs no copy per request.
+            if let Algorithm::SlidingLog { window_secs, .. } = c.algorithm {
+                let w = window_secs as i64 * 1_000_000;
+                if self
+                    .local
+                    .log_written_within(&c.key, w, LOG_SEED_EVERY_US, now)
+                {
+                    continue;
+                }
+            }
+            let local = share(&c.algorithm, n);
+            if let Some((state, ttl)) = outage::seed(&c.algorithm, &local, d, now) {
+                self.local.seed(&c.key, state, ttl, now);
+            }
+        }
+    }
+}
 
 /// A shared rule's share on one of `n` replicas (or one of a global limit's
 /// `n` sub-buckets): 1/n of capacity and rate, never less than one request.
