@@ -164,6 +164,47 @@ pub fn refused(policy: &Policy, req: &RequestView<'_>) -> Refused {
     }
 }
 
+/// What a request's client address pays before its bearer JWT's signature
+/// is checked. A check is the expensive part of a token, and the `kid` that
+/// buys one is public in the issuer's JWKS: without a price, a flood of
+/// forged tokens costs the gateway a check each.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenCost {
+    /// A deny-listed address: refused (403) whatever its token says, so
+    /// the token is not checked at all.
+    Refused,
+    /// Nothing: no `[ip_tier]`, or an allow-listed address (which no tier
+    /// limits).
+    Free,
+    /// One token of the per-IP tier, as `classify` names its bucket.
+    Ip(Check),
+}
+
+pub fn token_cost(policy: &Policy, req: &RequestView<'_>) -> TokenCost {
+    let cfg = &policy.config;
+    let client_ip = identity::client_ip(
+        req.peer,
+        req.xff.iter().copied(),
+        &cfg.clients.trusted_proxies,
+    );
+    if cfg.clients.deny.iter().any(|n| n.contains(&client_ip)) {
+        return TokenCost::Refused;
+    }
+    let allowed = cfg.clients.allow.iter().any(|n| n.contains(&client_ip));
+    match &policy.ip_rule {
+        Some(rule) if !allowed => {
+            let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
+            TokenCost::Ip(rule.check(&ip_identity_of(&client)))
+        }
+        _ => TokenCost::Free,
+    }
+}
+
+/// The per-IP tier's bucket identity of a client address.
+fn ip_identity_of(client: &ClientAddr) -> String {
+    format!("ip:{client}")
+}
+
 pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal> {
     let cfg = &policy.config;
     let client_ip = identity::client_ip(
@@ -245,7 +286,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         },
     };
     let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
-    let ip_identity = format!("ip:{client}");
+    let ip_identity = ip_identity_of(&client);
     let key_identity = match token {
         Some(t) => Some(t.identity.clone()),
         None => key.map(|k| format!("k:{}", k.id)),
