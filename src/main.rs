@@ -303,7 +303,7 @@ fn main() -> ExitCode {
                     Subject::Nobody
                 }
                 (None, None, None) => {
-                    eprintln!("gateway limits: name a client: --key ID, --sub ID (a JWT's) or --ip ADDRESS (or a keyed route's bucket: --route NAME --value V)");
+                    eprintln!("gateway limits: name a client: --key ID or --ip ADDRESS, or a JWT's --sub ID (or a keyed route's bucket: --route NAME --value V)");
                     return ExitCode::from(2);
                 }
             };

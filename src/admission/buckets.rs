@@ -131,7 +131,7 @@ pub fn buckets(
         }
         _ if route.is_some() && value.is_some() => None,
         _ => return Err(BucketsError::Missing(
-            "name a client: key=ID, sub=ID (a JWT's) or ip=ADDRESS (or route=NAME with value=V)"
+            "name a client: key=ID or ip=ADDRESS, or a JWT's sub=ID (or route=NAME with value=V)"
                 .into(),
         )),
     };

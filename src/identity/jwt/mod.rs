@@ -18,6 +18,7 @@
 //! read with the config, or from a JWKS endpoint kept fresh by `source`.
 
 mod cache;
+mod check;
 pub mod fetch;
 mod header;
 pub mod keys;
@@ -28,7 +29,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::Validation;
 use serde_json::{Map, Value};
 use sha2::{Digest as _, Sha256};
@@ -37,6 +37,7 @@ use crate::clock::Clock as _;
 use crate::config::{JwtIssuer, JwtKeys, JwtSettings};
 use crate::identity::value::{AttributeError, MAX_VALUE_BYTES};
 use cache::Cache;
+pub use check::Unchecked;
 use keys::{KeySet, Missing};
 use source::{Source, Unusable};
 
@@ -175,73 +176,6 @@ pub enum Outcome<'a> {
     Fetch(Arc<Source>),
     /// Everything but the signature holds up so far: `Unchecked::check`.
     Unchecked(Unchecked<'a>),
-}
-
-/// A token whose header names a trusted issuer, an algorithm it accepts
-/// and a key it holds, not yet checked against that key: the expensive
-/// part, left to the caller so that it can charge for it first.
-pub struct Unchecked<'a> {
-    verifier: &'a Verifier,
-    token: &'a [u8],
-    digest: cache::Digest,
-    issuer: usize,
-    alg: jsonwebtoken::Algorithm,
-    kid: Option<String>,
-    keys: Arc<KeySet>,
-    now_secs: u64,
-}
-
-impl Unchecked<'_> {
-    /// The signature (each key tried counts in
-    /// `gateway_jwt_signature_checks_total`) and the claims; a verified
-    /// token is cached, a refused one counted by its reason.
-    pub fn check(self) -> Result<Arc<Verified>, TokenError> {
-        let result = self.signed_claims();
-        match &result {
-            Ok(v) => {
-                self.verifier
-                    .cache
-                    .insert(self.digest, v.clone(), self.now_secs);
-                // A miss paid a signature check: counting shards is cheap beside it.
-                crate::metrics::jwt_cached(self.verifier.cache.len());
-            }
-            Err(e) => crate::metrics::jwt_refused(e.label()),
-        }
-        result
-    }
-
-    fn signed_claims(&self) -> Result<Arc<Verified>, TokenError> {
-        let v = self.verifier;
-        let issuer = &v.issuers[self.issuer];
-        let validation = issuer
-            .validations
-            .iter()
-            .find(|(a, _)| *a == self.alg)
-            .map(|(_, v)| v)
-            .ok_or_else(|| TokenError::Algorithm(format!("{:?}", self.alg)))?;
-        let candidates = self
-            .keys
-            .candidates(self.kid.as_deref(), self.alg)
-            .map_err(|_| TokenError::UnknownKid)?;
-        let mut last = TokenError::BadSignature;
-        for key in candidates {
-            crate::metrics::jwt_signature_checked();
-            match jsonwebtoken::decode::<Map<String, Value>>(self.token, &key.key, validation) {
-                Ok(data) => {
-                    return v
-                        .verified(self.issuer, key.kid.clone(), data.claims)
-                        .map(Arc::new)
-                }
-                Err(e) => {
-                    last = refusal(e.kind());
-                    if last != TokenError::BadSignature {
-                        break;
-                    }
-                }
-            }
-        }
-        Err(last)
-    }
 }
 
 /// Where an issuer's keys are.
@@ -507,21 +441,6 @@ fn text(v: &Value) -> Result<String, AttributeError> {
         0 => Err(AttributeError::Missing),
         n if n > MAX_VALUE_BYTES => Err(AttributeError::TooLong),
         _ => Ok(s),
-    }
-}
-
-fn refusal(kind: &ErrorKind) -> TokenError {
-    match kind {
-        ErrorKind::InvalidSignature => TokenError::BadSignature,
-        ErrorKind::ExpiredSignature => TokenError::Expired,
-        ErrorKind::ImmatureSignature => TokenError::NotYetValid,
-        ErrorKind::InvalidAudience => TokenError::Audience,
-        ErrorKind::InvalidIssuer => TokenError::Issuer,
-        ErrorKind::InvalidAlgorithm => TokenError::KeyMismatch,
-        ErrorKind::MissingRequiredClaim(c) if c == "aud" => TokenError::Audience,
-        ErrorKind::MissingRequiredClaim(c) => TokenError::MissingClaim(c.clone()),
-        ErrorKind::InvalidClaimFormat(_) => TokenError::Malformed("a time claim is not a number"),
-        _ => TokenError::Malformed("it cannot be decoded"),
     }
 }
 
