@@ -3,6 +3,8 @@
 //! `classify` (this file) runs everything that needs no limiter: deny list,
 //! path, route, CORS preflight, API key or verified JWT. It either refuses
 //! the request or returns a `Plan` with the tier checks to decide.
+//! `token_cost` says what a bearer JWT's signature check costs its client
+//! address first (the per-IP tier's token), asked before the token is.
 //! `conclude` turns the limiter's outcome into the response the client
 //! sees: admitted (with headers and perhaps a shaping delay), 429, or 503
 //! when Redis is down and the operator chose "deny". `policy` is what both

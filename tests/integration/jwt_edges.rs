@@ -12,7 +12,7 @@ use crate::support;
 use jsonwebtoken::{Algorithm, Header};
 use serde_json::{json, Value};
 use support::issuer::{claims, jwks, JwksServer, SigningKey};
-use support::{wait_for, GatewayGuard, UpstreamGuard, SERVER};
+use support::{wait_for, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 const ISS: &str = "https://issuer.test/";
 const AUD: &str = "api.test";
@@ -182,7 +182,21 @@ fn a_flood_of_forged_tokens_is_bounded_by_the_ip_tier() {
     let server = JwksServer::start(jwks(&[&rsa]));
     let ip_tier =
         "[tiers.ip]\nalgorithm = \"token_bucket\"\ncapacity = 10\nrefill_per_sec = 0.001\n";
-    let g = GatewayGuard::start(&config(&server.url(), &up, ip_tier));
+    let local = config(&server.url(), &up, ip_tier);
+    flood(&GatewayGuard::start(&local), &rsa, "local");
+    // On Redis (without leases, so /limits's remaining is all of the bucket).
+    let redis = RedisGuard::start();
+    let on_redis = format!(
+        "{ip_tier}\n[redis]\nurls = [\"{}\"]\n\n[limiter.leases]\nenabled = false\n",
+        redis.url()
+    );
+    let on_redis =
+        config(&server.url(), &up, &on_redis).replace("backend = \"local\"", "backend = \"redis\"");
+    flood(&GatewayGuard::start(&on_redis), &rsa, "redis");
+}
+
+/// A good token, then 40 forged ones, from one address under an ip tier of 10.
+fn flood(g: &GatewayGuard, rsa: &SigningKey, backend: &str) {
     let ip_remaining = |g: &GatewayGuard| {
         let v = g.admin_get("/limits?ip=127.0.0.1").json();
         v["buckets"][0]["remaining"]
@@ -216,7 +230,7 @@ fn a_flood_of_forged_tokens_is_bounded_by_the_ip_tier() {
     let unauthorized = statuses.iter().filter(|s| **s == 401).count();
     let limited = statuses.iter().filter(|s| **s == 429).count();
     println!(
-        "FIGURES flood: 40 forged tokens from one address: {unauthorized} x 401, {limited} x 429; signature checks {} (1 before the flood)",
+        "FIGURES flood ({backend}): 40 forged tokens from one address: {unauthorized} x 401, {limited} x 429; signature checks {} (1 before the flood)",
         signature_checks(&g)
     );
     assert_eq!(
