@@ -207,12 +207,12 @@ fn flood(g: &GatewayGuard, rsa: &SigningKey, backend: &str) {
     // A good token not seen before: its signature check is paid for and
     // given back, so the request costs the ip tier one token, as any other.
     let good = rsa.sign(&claims(ISS, AUD, "ann"));
-    assert_eq!(get(&g, "/r", &good).status, 200);
-    assert_eq!(ip_remaining(&g), 9, "one token for one request");
-    assert_eq!(signature_checks(&g), 1.0);
+    assert_eq!(get(g, "/r", &good).status, 200);
+    assert_eq!(ip_remaining(g), 9, "one token for one request");
+    assert_eq!(signature_checks(g), 1.0);
     // Cached: no check, one token.
-    assert_eq!(get(&g, "/r", &good).status, 200);
-    assert_eq!((ip_remaining(&g), signature_checks(&g)), (8, 1.0));
+    assert_eq!(get(g, "/r", &good).status, 200);
+    assert_eq!((ip_remaining(g), signature_checks(g)), (8, 1.0));
 
     // Forged tokens naming the trusted kid, each different: a check each
     // while the tier has tokens (each 401 costs one), then its 429.
@@ -220,18 +220,18 @@ fn flood(g: &GatewayGuard, rsa: &SigningKey, backend: &str) {
     let mut checks_seen = Vec::new();
     for i in 0..40 {
         let forged = tampered(&rsa.sign(&claims(ISS, AUD, &format!("flood-{i}"))));
-        let r = get(&g, "/r", &forged);
+        let r = get(g, "/r", &forged);
         if r.status == 429 {
             assert!(r.text().contains("\"ip\""), "the ip tier: {}", r.text());
         }
         statuses.push(r.status);
-        checks_seen.push(signature_checks(&g));
+        checks_seen.push(signature_checks(g));
     }
     let unauthorized = statuses.iter().filter(|s| **s == 401).count();
     let limited = statuses.iter().filter(|s| **s == 429).count();
     println!(
         "FIGURES flood ({backend}): 40 forged tokens from one address: {unauthorized} x 401, {limited} x 429; signature checks {} (1 before the flood)",
-        signature_checks(&g)
+        signature_checks(g)
     );
     assert_eq!(
         &statuses[..8],
@@ -239,7 +239,7 @@ fn flood(g: &GatewayGuard, rsa: &SigningKey, backend: &str) {
         "the ip tier's 8 tokens left: {statuses:?}"
     );
     assert!(statuses[8..].iter().all(|s| *s == 429), "{statuses:?}");
-    assert_eq!(signature_checks(&g), 9.0, "1 + one per 401");
+    assert_eq!(signature_checks(g), 9.0, "1 + one per 401");
     assert!(
         checks_seen[8..].iter().all(|c| *c == 9.0),
         "no check once the tier refuses: {checks_seen:?}"
@@ -255,7 +255,7 @@ fn flood(g: &GatewayGuard, rsa: &SigningKey, backend: &str) {
             .then_some(())
     });
     // The good token is of the same address: it waits for the tier too.
-    assert_eq!(get(&g, "/r", &good).status, 429);
+    assert_eq!(get(g, "/r", &good).status, 429);
 }
 
 #[test]
