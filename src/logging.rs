@@ -175,9 +175,17 @@ mod tests {
     }
 }
 
-/// Keeps the access log's refusal lines (the gateway's own 429s and 503s)
-/// to at most a number a second, so a flood of refusals cannot flood the
-/// log: the rest are counted (`gateway_access_log_left_out_total`), and the
+/// Whether the gateway's own answer of `status` is a refusal line, which
+/// `Sampler` keeps to a number a second: a 401 (a bad token or API key),
+/// a 429 and a 503 are what a flood is answered, so what a flood would
+/// write a line for each of. A lone one is still written.
+pub fn sampled(status: u16) -> bool {
+    matches!(status, 401 | 429 | 503)
+}
+
+/// Keeps the access log's refusal lines (the gateway's own 401s, 429s and
+/// 503s: `sampled`) to at most a number a second, so a flood of refusals
+/// cannot flood the log: the rest are counted (`gateway_access_log_left_out_total`), and the
 /// next line written says how many were left out before it. The metrics
 /// count every request; the log explains examples.
 pub struct Sampler {

@@ -143,13 +143,24 @@ enum LimitsAction {
 }
 
 #[derive(clap::Args)]
-#[command(group(clap::ArgGroup::new("who").args(["key", "ip"])))]
+#[command(group(clap::ArgGroup::new("who").args(["key", "sub", "ip"])))]
 struct LimitsArgs {
     #[arg(short, long, default_value = "gateway.toml")]
     config: PathBuf,
     /// An API key, by its id (never its secret).
     #[arg(long)]
     key: Option<String>,
+    /// A JWT's client, by its id claim's value (`sub` unless `id_claim`
+    /// says otherwise), limited as a request carrying its token.
+    #[arg(long)]
+    sub: Option<String>,
+    /// The JWT client's issuer (`iss`): needed when more than one is configured.
+    #[arg(long, requires = "sub")]
+    issuer: Option<String>,
+    /// The plan the JWT client's token names in its plan claim (mapped
+    /// through `plan_map`); without it, the issuer's `default_plan`.
+    #[arg(long, requires = "sub")]
+    plan: Option<String>,
     /// A client address.
     #[arg(long)]
     ip: Option<std::net::IpAddr>,
@@ -159,8 +170,8 @@ struct LimitsArgs {
     /// For a route keyed on a header or query parameter: the value's bucket.
     #[arg(long)]
     value: Option<String>,
-    /// Only this quota of the key: minute, hour, day, week or month.
-    #[arg(long, requires = "key", conflicts_with = "route")]
+    /// Only this quota of the key or JWT client: minute, hour, day, week or month.
+    #[arg(long, conflicts_with_all = ["ip", "route"])]
     quota: Option<String>,
     /// Print the JSON `/limits` answers instead of a table.
     #[arg(long)]
@@ -285,12 +296,19 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let subject = match (args.key, args.ip) {
-                (Some(k), _) => Subject::Key(k),
-                (None, Some(ip)) => Subject::Ip(ip),
-                (None, None) if args.route.is_some() && args.value.is_some() => Subject::Nobody,
-                (None, None) => {
-                    eprintln!("gateway limits: name a client: --key ID or --ip ADDRESS (or a keyed route's bucket: --route NAME --value V)");
+            let subject = match (args.key, args.sub, args.ip) {
+                (Some(k), _, _) => Subject::Key(k),
+                (None, Some(id), _) => Subject::Jwt {
+                    id,
+                    issuer: args.issuer,
+                    plan: args.plan,
+                },
+                (None, None, Some(ip)) => Subject::Ip(ip),
+                (None, None, None) if args.route.is_some() && args.value.is_some() => {
+                    Subject::Nobody
+                }
+                (None, None, None) => {
+                    eprintln!("gateway limits: name a client: --key ID or --ip ADDRESS, or a JWT's --sub ID (or a keyed route's bucket: --route NAME --value V)");
                     return ExitCode::from(2);
                 }
             };

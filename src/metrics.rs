@@ -204,7 +204,7 @@ pub fn install() {
         }
         describe_counter!(
             "gateway_jwt_refusals_total",
-            "Bearer JWTs refused, by reason (malformed, algorithm, issuer, key, signature, expired, not_yet_valid, audience, claim: answered 401; keys_unavailable: the issuer's keys were never fetched or are older than jwks_max_stale_secs, answered 503)"
+            "Bearer JWTs refused, by reason (malformed, algorithm, issuer, key, signature, expired, not_yet_valid, audience, claim, crit: answered 401; keys_unavailable: the issuer's keys were never fetched or are older than jwks_max_stale_secs, answered 503)"
         );
         describe_counter!(
             "gateway_jwks_fetches_total",
@@ -214,6 +214,11 @@ pub fn install() {
             "gateway_jwks_keys",
             "Signing keys held for an issuer's JWKS endpoint"
         );
+        describe_counter!(
+            "gateway_jwt_signature_checks_total",
+            "Signatures of bearer JWTs checked against a key (tokens not verified before; each paid for by its client address's ip tier first)"
+        );
+        counter!("gateway_jwt_signature_checks_total").absolute(0);
         describe_gauge!(
             "gateway_jwt_verified_cached",
             "Verified tokens remembered (each until its exp), so a returning client pays no signature check"
@@ -546,6 +551,10 @@ pub fn jwks_fetched(issuer: &str, ok: bool, keys: usize) {
     counter!("gateway_jwks_fetches_total", "issuer" => issuer.to_string(), "result" => result)
         .increment(1);
     gauge!("gateway_jwks_keys", "issuer" => issuer.to_string()).set(keys as f64);
+}
+
+pub fn jwt_signature_checked() {
+    counter!("gateway_jwt_signature_checks_total").increment(1);
 }
 
 pub fn jwt_cached(n: usize) {

@@ -223,6 +223,15 @@ fn query(ask: &Ask) -> String {
     let mut q = match &ask.subject {
         Subject::Key(id) => format!("?key={}", enc(id)),
         Subject::Ip(ip) => format!("?ip={}", enc(&ip.to_string())),
+        Subject::Jwt { id, issuer, plan } => {
+            let mut q = format!("?sub={}", enc(id));
+            for (name, v) in [("iss", issuer), ("plan", plan)] {
+                if let Some(v) = v {
+                    q.push_str(&format!("&{name}={}", enc(v)));
+                }
+            }
+            q
+        }
         Subject::Nobody => "?".to_string(),
     };
     for (name, v) in [

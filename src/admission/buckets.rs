@@ -1,6 +1,8 @@
 //! Which buckets an operator can see or reset (`/limits`, `gateway
 //! limits`): a subject's own tier bucket, each route's bucket it would be
-//! charged to, a key's quotas, and what a quota has used.
+//! charged to, a key's (or a token's plan's) quotas, and what a quota has
+//! used. A JWT's client is named as its tokens name it (issuer, id claim)
+//! and limited as `classify` limits a request carrying one.
 
 use super::*;
 
@@ -11,6 +13,15 @@ pub enum Subject {
     Key(String),
     /// A client address (IPv6 grouped by `clients.ipv6_prefix_len`).
     Ip(IpAddr),
+    /// The client a verified JWT names: its id claim's value (`sub` by
+    /// default), its `iss` (needed only when more than one issuer is
+    /// configured), and the plan its plan claim names (mapped through
+    /// `plan_map`; without one, the issuer's `default_plan`).
+    Jwt {
+        id: String,
+        issuer: Option<String>,
+        plan: Option<String>,
+    },
     /// No client: only with a route keyed on an attribute, and its value.
     Nobody,
 }
@@ -78,35 +89,51 @@ pub fn buckets(
     value: Option<&str>,
     quota: Option<&str>,
 ) -> Result<Vec<Bucket>, BucketsError> {
-    if let Some(period) = quota {
-        return quota_bucket(policy, subject, route, period).map(|b| vec![b]);
-    }
     let cfg = &policy.config;
-    // The key named, looked up once: its plan's rules and its quotas.
+    // The key (or token's client) named, looked up once: its plan's rules
+    // and its quotas.
     let mut hold = None;
+    let token = match subject {
+        Subject::Jwt { id, issuer, plan } => Some(token_client(
+            policy,
+            id,
+            issuer.as_deref(),
+            plan.as_deref(),
+        )?),
+        _ => None,
+    };
     let key = match subject {
         Subject::Key(id) => Some(
             policy
                 .key_by_id(id, &mut hold)
                 .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?,
         ),
+        _ => token.as_ref().map(TokenClient::key),
+    };
+    // Its own bucket identity, as `classify` names it.
+    let own = match (subject, &token) {
+        (Subject::Key(id), _) => Some(format!("k:{id}")),
+        (_, Some(t)) => Some(t.identity.clone()),
         _ => None,
     };
-    let client = match subject {
-        Subject::Key(id) => Some((format!("k:{id}"), key.and_then(|k| policy.key_rule(&k)))),
-        Subject::Ip(ip) => {
+    if let Some(period) = quota {
+        return quota_bucket(policy, subject, key.zip(own.as_deref()), route, period)
+            .map(|b| vec![b]);
+    }
+    let client = match (subject, own) {
+        (_, Some(identity)) => Some((identity, key.and_then(|k| policy.key_rule(&k)))),
+        (Subject::Ip(ip), _) => {
             let addr = ClientAddr::new(*ip, cfg.clients.ipv6_prefix_len);
             Some((
                 format!("ip:{addr}"),
                 policy.ip_rule.as_ref().map(Cow::Borrowed),
             ))
         }
-        Subject::Nobody if route.is_some() && value.is_some() => None,
-        Subject::Nobody => {
-            return Err(BucketsError::Missing(
-                "name a client: key=ID or ip=ADDRESS (or route=NAME with value=V)".into(),
-            ))
-        }
+        _ if route.is_some() && value.is_some() => None,
+        _ => return Err(BucketsError::Missing(
+            "name a client: key=ID or ip=ADDRESS, or a JWT's sub=ID (or route=NAME with value=V)"
+                .into(),
+        )),
     };
     let routes: Vec<usize> = match route {
         Some(name) => vec![cfg
@@ -178,29 +205,27 @@ pub fn buckets(
     Ok(out)
 }
 
-/// One quota of a key (`quota=PERIOD`): the count of the period under way.
-pub(super) fn quota_bucket(
+/// One quota of a key or a token's client (`quota=PERIOD`): the count of
+/// the period under way.
+fn quota_bucket(
     policy: &Policy,
     subject: &Subject,
+    client: Option<(KeyRef<'_>, &str)>,
     route: Option<&str>,
     period: &str,
 ) -> Result<Bucket, BucketsError> {
-    let Subject::Key(id) = subject else {
+    let Some((key, identity)) = client else {
         return Err(BucketsError::Missing(
-            "a quota is an API key's: name it, key=ID (from the shell, --key ID)".into(),
+            "a quota is an API key's or a JWT client's: name it, key=ID or sub=ID (from the shell, --key ID or --sub ID)".into(),
         ));
     };
     if route.is_some() {
         return Err(BucketsError::Invalid(
-            "a quota is the key's on every route: give quota or route, not both".into(),
+            "a quota is the client's on every route: give quota or route, not both".into(),
         ));
     }
-    let mut hold = None;
-    let key = policy
-        .key_by_id(id, &mut hold)
-        .ok_or_else(|| BucketsError::Unknown(format!("no API key has id \"{id}\"")))?;
     let mut checks = Vec::new();
-    policy.quota_checks(&key, &format!("k:{id}"), SystemClock.now_us(), &mut checks);
+    policy.quota_checks(&key, identity, SystemClock.now_us(), &mut checks);
     let periods: Vec<&str> = checks
         .iter()
         .filter_map(|c| match c.algorithm {
@@ -209,8 +234,12 @@ pub(super) fn quota_bucket(
         })
         .collect();
     let Some(i) = periods.iter().position(|p| *p == period) else {
+        let whose = match subject {
+            Subject::Jwt { .. } => format!("JWT client \"{}\" (plan {})", key.id, key.plan),
+            _ => format!("API key \"{}\"", key.id),
+        };
         return Err(BucketsError::Unknown(format!(
-            "API key \"{id}\" has no {period} quota; its quotas: [{}]",
+            "{whose} has no {period} quota; its quotas: [{}]",
             periods.join(", ")
         )));
     };
@@ -218,6 +247,76 @@ pub(super) fn quota_bucket(
         check: checks.swap_remove(i),
         route: None,
         shard: None,
+    })
+}
+
+/// A JWT's client as a request carrying its token is limited: its bucket
+/// identity, its id and its plan.
+struct TokenClient {
+    identity: String,
+    id: String,
+    plan: String,
+}
+
+impl TokenClient {
+    /// The key its requests are charged as (`classify` makes the same).
+    fn key(&self) -> KeyRef<'_> {
+        KeyRef {
+            id: &self.id,
+            plan: &self.plan,
+            quotas: None,
+            burst: None,
+        }
+    }
+}
+
+/// The client `id` of `issuer` (the only one configured, if not named),
+/// on the plan a token whose plan claim says `plan` would have.
+fn token_client(
+    policy: &Policy,
+    id: &str,
+    issuer: Option<&str>,
+    plan: Option<&str>,
+) -> Result<TokenClient, BucketsError> {
+    let cfg = &policy.config;
+    let issuers = cfg.jwt.as_ref().map_or(&[][..], |j| &j.issuers[..]);
+    let named: Vec<&str> = issuers.iter().map(|i| i.issuer.as_str()).collect();
+    let settings = match issuer {
+        Some(iss) => issuers.iter().find(|i| i.issuer == iss).ok_or_else(|| {
+            BucketsError::Unknown(format!(
+                "no [[auth.jwt.issuers]] has issuer \"{iss}\"; configured: [{}]",
+                named.join(", ")
+            ))
+        })?,
+        None => match issuers {
+            [only] => only,
+            [] => {
+                return Err(BucketsError::Unknown(
+                    "no JWT issuer is configured ([[auth.jwt.issuers]])".into(),
+                ))
+            }
+            _ => {
+                return Err(BucketsError::Missing(format!(
+                    "more than one JWT issuer is configured: name it, iss=ISSUER (from the shell, --issuer ISSUER); configured: [{}]",
+                    named.join(", ")
+                )))
+            }
+        },
+    };
+    let plan = match plan {
+        None => settings.default_plan.clone(),
+        Some(p) => crate::identity::jwt::plan_named(settings, p, |p| cfg.plans.contains_key(p))
+            .ok_or_else(|| {
+                BucketsError::Unknown(format!(
+                    "plan \"{p}\" is neither a plan of the config nor in issuer \"{}\"'s plan_map (a token naming it has default_plan \"{}\": ask without plan)",
+                    settings.issuer, settings.default_plan
+                ))
+            })?,
+    };
+    Ok(TokenClient {
+        identity: crate::identity::jwt::client_identity(&settings.issuer, id),
+        id: id.to_string(),
+        plan,
     })
 }
 

@@ -3,6 +3,8 @@
 //! `classify` (this file) runs everything that needs no limiter: deny list,
 //! path, route, CORS preflight, API key or verified JWT. It either refuses
 //! the request or returns a `Plan` with the tier checks to decide.
+//! `token_cost` says what a bearer JWT's signature check costs its client
+//! address first (the per-IP tier's token), asked before the token is.
 //! `conclude` turns the limiter's outcome into the response the client
 //! sees: admitted (with headers and perhaps a shaping delay), 429, or 503
 //! when Redis is down and the operator chose "deny". `policy` is what both
@@ -164,6 +166,47 @@ pub fn refused(policy: &Policy, req: &RequestView<'_>) -> Refused {
     }
 }
 
+/// What a request's client address pays before its bearer JWT's signature
+/// is checked. A check is the expensive part of a token, and the `kid` that
+/// buys one is public in the issuer's JWKS: without a price, a flood of
+/// forged tokens costs the gateway a check each.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenCost {
+    /// A deny-listed address: refused (403) whatever its token says, so
+    /// the token is not checked at all.
+    Refused,
+    /// Nothing: no `[ip_tier]`, or an allow-listed address (which no tier
+    /// limits).
+    Free,
+    /// One token of the per-IP tier, as `classify` names its bucket.
+    Ip(Check),
+}
+
+pub fn token_cost(policy: &Policy, req: &RequestView<'_>) -> TokenCost {
+    let cfg = &policy.config;
+    let client_ip = identity::client_ip(
+        req.peer,
+        req.xff.iter().copied(),
+        &cfg.clients.trusted_proxies,
+    );
+    if cfg.clients.deny.iter().any(|n| n.contains(&client_ip)) {
+        return TokenCost::Refused;
+    }
+    let allowed = cfg.clients.allow.iter().any(|n| n.contains(&client_ip));
+    match &policy.ip_rule {
+        Some(rule) if !allowed => {
+            let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
+            TokenCost::Ip(rule.check(&ip_identity_of(&client)))
+        }
+        _ => TokenCost::Free,
+    }
+}
+
+/// The per-IP tier's bucket identity of a client address.
+fn ip_identity_of(client: &ClientAddr) -> String {
+    format!("ip:{client}")
+}
+
 pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal> {
     let cfg = &policy.config;
     let client_ip = identity::client_ip(
@@ -245,7 +288,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         },
     };
     let client = ClientAddr::new(client_ip, cfg.clients.ipv6_prefix_len);
-    let ip_identity = format!("ip:{client}");
+    let ip_identity = ip_identity_of(&client);
     let key_identity = match token {
         Some(t) => Some(t.identity.clone()),
         None => key.map(|k| format!("k:{}", k.id)),

@@ -111,3 +111,45 @@ fn a_turn_that_spent_nothing_is_given_back() {
     settle(&d, vec![ip.clone(), d.clone()], &[true, true]);
     assert_ne!(rr.check("global").key, d.key);
 }
+
+#[test]
+fn a_tokens_signature_check_costs_the_ip_bucket_classify_charges() {
+    let policy = |tiers: &str| {
+        let cfg = crate::config::parse(&format!(
+            "[server]\nlisten = [\"127.0.0.1:8080\"]\n\
+             [clients]\nallow = [\"10.0.0.1\"]\ndeny = [\"10.0.0.2\"]\n{tiers}\n\
+             [[upstreams]]\nname = \"a\"\nservers = [\"127.0.0.1:1\"]\n\
+             [[routes]]\nname = \"r\"\npath_prefix = \"/\"\nupstream = \"a\"\n"
+        ))
+        .expect("config");
+        Policy::new(Arc::new(cfg), &Credentials::default())
+    };
+    let headers = http::HeaderMap::new();
+    let view = |peer: &str| RequestView {
+        method: "GET",
+        path: "/x",
+        peer: peer.parse().unwrap(),
+        xff: Vec::new(),
+        api_key: Vec::new(),
+        authorization: Vec::new(),
+        host: None,
+        content_length: None,
+        query: None,
+        headers: &headers,
+        jwt: None,
+    };
+    let ip = "[tiers.ip]\nalgorithm = \"token_bucket\"\ncapacity = 5\nrefill_per_sec = 1\n";
+    let with_ip = policy(ip);
+    let TokenCost::Ip(check) = token_cost(&with_ip, &view("192.0.2.7")) else {
+        panic!("an address under the ip tier pays it");
+    };
+    let plan = classify(&with_ip, &view("192.0.2.7")).expect("admitted");
+    assert_eq!(plan.checks.len(), 1);
+    assert_eq!(check.key, plan.checks[0].key, "the bucket classify charges");
+    assert_eq!(check.tier, Tier::Ip);
+    assert_eq!(token_cost(&with_ip, &view("10.0.0.1")), TokenCost::Free);
+    assert_eq!(token_cost(&with_ip, &view("10.0.0.2")), TokenCost::Refused);
+    let without = policy("");
+    assert_eq!(token_cost(&without, &view("192.0.2.7")), TokenCost::Free);
+    assert_eq!(token_cost(&without, &view("10.0.0.2")), TokenCost::Refused);
+}

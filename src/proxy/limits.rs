@@ -1,10 +1,12 @@
 //! `/limits` on the admin listener: an operator's view of a client's
 //! buckets (`GET`) and their reset (`DELETE`), on whichever backend decides.
 //!
-//! `GET /limits?key=ID` or `?ip=ADDRESS`, optionally `&route=NAME` (only
-//! that route's bucket) and `&value=V` (a route keyed on a header or query
-//! parameter: the bucket of that value), or `&quota=PERIOD` (only that quota
-//! of the key). `DELETE` with the same query resets exactly the buckets
+//! `GET /limits?key=ID`, `?sub=ID` (a JWT's client: its id claim's value,
+//! with `&iss=ISSUER` when more than one issuer is configured and
+//! `&plan=P` when its token's plan claim names one) or `?ip=ADDRESS`,
+//! optionally `&route=NAME` (only that route's bucket) and `&value=V` (a
+//! route keyed on a header, query parameter or claim: the bucket of that
+//! value), or `&quota=PERIOD` (only that quota of the key or JWT client). `DELETE` with the same query resets exactly the buckets
 //! `GET` shows. A quota's entry says what was `used` of it this period.
 //!
 //! Reading changes nothing and is open, like `/metrics`. A reset changes
@@ -205,18 +207,22 @@ fn bearer(value: &[u8]) -> Option<&[u8]> {
 
 fn parse(query: &str) -> Result<Ask, String> {
     let (mut key, mut ip, mut route, mut value, mut quota) = (None, None, None, None, None);
+    let (mut sub, mut iss, mut plan) = (None, None, None);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let v = attributes::decode(v).map_err(|e| format!("query parameter {k} {e}"))?;
         let slot = match k {
             "key" => &mut key,
+            "sub" => &mut sub,
+            "iss" => &mut iss,
+            "plan" => &mut plan,
             "ip" => &mut ip,
             "route" => &mut route,
             "value" => &mut value,
             "quota" => &mut quota,
             other => {
                 return Err(format!(
-                    "unknown query parameter \"{other}\"; expected key, ip, route, value, quota"
+                    "unknown query parameter \"{other}\"; expected key, sub, iss, plan, ip, route, value, quota"
                 ))
             }
         };
@@ -224,14 +230,22 @@ fn parse(query: &str) -> Result<Ask, String> {
             return Err(format!("query parameter {k} is given twice"));
         }
     }
-    let subject = match (key, ip) {
-        (Some(_), Some(_)) => return Err("give key=ID or ip=ADDRESS, not both".into()),
-        (Some(k), None) => Subject::Key(k),
-        (None, Some(a)) => Subject::Ip(
+    if sub.is_none() && (iss.is_some() || plan.is_some()) {
+        return Err("iss and plan describe a JWT's client: give sub=ID with them".into());
+    }
+    let subject = match (key, sub, ip) {
+        (Some(k), None, None) => Subject::Key(k),
+        (None, Some(id), None) => Subject::Jwt {
+            id,
+            issuer: iss,
+            plan,
+        },
+        (None, None, Some(a)) => Subject::Ip(
             a.parse::<IpAddr>()
                 .map_err(|_| format!("ip=\"{a}\" is not an IP address"))?,
         ),
-        (None, None) => Subject::Nobody,
+        (None, None, None) => Subject::Nobody,
+        _ => return Err("give one of key=ID, sub=ID or ip=ADDRESS, not more".into()),
     };
     Ok(Ask {
         subject,
@@ -314,7 +328,25 @@ mod tests {
                 Some("a b".into())
             ))
         );
-        assert!(parse("key=a&ip=1.2.3.4").unwrap_err().contains("not both"));
+        assert!(parse("key=a&ip=1.2.3.4").unwrap_err().contains("not more"));
+        assert!(parse("key=a&sub=b").unwrap_err().contains("not more"));
+        assert_eq!(
+            parse("sub=u%401&iss=https%3A%2F%2Fid.test%2F&plan=gold").map(|a| a.subject),
+            Ok(Subject::Jwt {
+                id: "u@1".into(),
+                issuer: Some("https://id.test/".into()),
+                plan: Some("gold".into()),
+            })
+        );
+        assert_eq!(
+            parse("sub=u1").map(|a| a.subject),
+            Ok(Subject::Jwt {
+                id: "u1".into(),
+                issuer: None,
+                plan: None,
+            })
+        );
+        assert!(parse("iss=x").unwrap_err().contains("give sub=ID"));
         assert!(parse("ip=nope").unwrap_err().contains("not an IP address"));
         assert!(parse("key=a&key=b").unwrap_err().contains("twice"));
         assert!(parse("user=a")

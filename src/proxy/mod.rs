@@ -2,8 +2,10 @@
 //! a few lines calling into admission, the limiter and the upstream pools.
 //!
 //! A request's life, top to bottom:
-//! 1. `request_filter`: one config snapshot; header size; `admission::classify`
-//!    (deny list, path, route, API key); the limiter decides every tier at once;
+//! 1. `request_filter`: one config snapshot; header size; a bearer JWT's
+//!    verdict (`verify_token`: a signature is checked only once the client's
+//!    address paid the per-IP tier for it); `admission::classify` (deny
+//!    list, path, route, API key); the limiter decides every tier at once;
 //!    `admission::conclude` says admit (maybe after a shaping delay), 429 or 503;
 //!    a CORS preflight is answered here, never upstream; an admitted request
 //!    then takes its in-flight slots (`take_slots`: per client 429, the
@@ -196,23 +198,16 @@ impl ProxyHttp for Gateway {
                 .map(|v| v.as_bytes())
                 .collect::<Vec<_>>()
         };
-        // A bearer JWT is verified here (its issuer's keys fetched first if
-        // it names one not yet seen); the verdict is the client's identity.
         let mut authorization = all("authorization");
-        let token = match &policy.jwt {
-            Some(verifier) => match identity::bearer_jwt(&authorization) {
-                Some((i, token)) => {
-                    authorization.remove(i);
-                    Some(crate::identity::jwt::verdict(verifier, token).await)
-                }
-                None => None,
-            },
-            None => None,
-        };
-        if let Some(Err(e)) = &token {
-            ctx.token_refusal = Some(e.label());
+        let bearer = policy
+            .jwt
+            .as_ref()
+            .and_then(|v| identity::bearer_jwt(&authorization).map(|(i, token)| (v, i, token)));
+        if let Some((_, i, _)) = bearer {
+            authorization.remove(i);
         }
-        let view = RequestView {
+        let verdict;
+        let mut view = RequestView {
             method: req.method.as_str(),
             path: req.uri.path(),
             peer,
@@ -224,7 +219,7 @@ impl ProxyHttp for Gateway {
                 .collect(),
             api_key: all(&cfg.clients.api_key_header),
             authorization,
-            jwt: token.as_ref(),
+            jwt: None,
             // HTTP/2 carries the host in `:authority`, which Pingora keeps in the URI.
             host: req
                 .uri
@@ -238,6 +233,16 @@ impl ProxyHttp for Gateway {
             query: req.uri.query(),
             headers: &req.headers,
         };
+        // A bearer JWT's verdict is the client's identity. One not seen
+        // before is checked only once its address has paid the per-IP tier
+        // for the check: a flood of forged tokens meets that tier's 429.
+        if let Some((verifier, _, token)) = bearer {
+            verdict = match self.verify_token(ctx, policy, &view, verifier, token).await {
+                Ok(v) => v,
+                Err(refused) => return self.reply(session, ctx, refused).await,
+            };
+            view.jwt = verdict.as_ref();
+        }
         let mut plan = match admission::classify(policy, &view) {
             Ok(plan) => plan,
             Err(refusal) => {
@@ -266,11 +271,7 @@ impl ProxyHttp for Gateway {
         ctx.plan = Some(plan);
         ctx.backend = admission::backend_of(&outcome);
         ctx.tiers = admission::tier_labels(&outcome);
-        let jitter_us = match cfg.limiter.retry_after_jitter_ms {
-            0 => 0,
-            ms => fastrand::u64(..=ms * 1000),
-        };
-        match admission::conclude(&outcome, cfg.limiter.headers, jitter_us) {
+        match admission::conclude(&outcome, cfg.limiter.headers, steps::jitter_us(cfg)) {
             Conclusion::Admit { .. } if preflight.is_some() => {
                 let h = preflight.unwrap_or_default();
                 self.send(session, ctx, responses::preflight(h)).await
@@ -626,7 +627,7 @@ impl ProxyHttp for Gateway {
             .as_ref()
             .map(|l| l.policy.config.log)
             .unwrap_or_default();
-        let refusal = matches!(ctx.replied, Some(429 | 503));
+        let refusal = ctx.replied.is_some_and(crate::logging::sampled);
         let failed = !refusal && (e.is_some() || status == 0 || status >= 500);
         let mut left_out = 0;
         if !failed {

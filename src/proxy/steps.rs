@@ -1,6 +1,7 @@
 //! The request path's steps, called from the phases in `mod.rs`: the
-//! gateway's own answers (`reply`, `send`), admission through the limiter
-//! (`admit`), the in-flight slots a request takes (`take_slots`, and
+//! gateway's own answers (`reply`, `send`), a bearer JWT's verdict and what
+//! its client address pays for it (`verify_token`), admission through the
+//! limiter (`admit`), the in-flight slots a request takes (`take_slots`, and
 //! noticing a client that left while it queued), what the context says
 //! (its route, CORS rules and metric handles), and the request's id.
 
@@ -28,6 +29,84 @@ impl Gateway {
         ctx.replied = Some(reply.status);
         responses::send(session, reply, &ctx.request_id).await?;
         Ok(true)
+    }
+
+    /// A bearer JWT's verdict (`None`: its address is deny-listed, so the
+    /// request is refused whatever the token says and it is not looked at).
+    ///
+    /// A token verified before, or refused on its face, costs nothing
+    /// here. One whose signature is still to be checked is checked only
+    /// once its client address has paid one token of the per-IP tier
+    /// (`admission::token_cost`); with the tier spent, the answer is its 429
+    /// (`Err`) and nothing is checked, so a flood of forged tokens costs at
+    /// most the tier's rate in checks. The token is given back when the
+    /// signature holds: the request is then decided on every tier together,
+    /// like any other. A refused token keeps it: a 401 after a signature
+    /// check costs its address one token of the IP tier.
+    pub(super) async fn verify_token(
+        &self,
+        ctx: &mut Ctx,
+        policy: &Policy,
+        view: &RequestView<'_>,
+        verifier: &crate::identity::jwt::Verifier,
+        token: &[u8],
+    ) -> std::result::Result<Option<TokenVerdict>, Reply> {
+        use crate::identity::jwt::{self, Verdict};
+        let cost = admission::token_cost(policy, view);
+        if cost == admission::TokenCost::Refused {
+            return Ok(None);
+        }
+        let verdict = match jwt::verdict(verifier, token).await {
+            Verdict::Known(known) => known,
+            Verdict::Unchecked(unchecked) => {
+                let paid = match cost {
+                    admission::TokenCost::Ip(check) => {
+                        Some(self.pay_ip_tier(ctx, policy, view, check).await?)
+                    }
+                    _ => None,
+                };
+                let verdict = unchecked.check();
+                match (&verdict, paid) {
+                    (Ok(_), Some(paid)) => self.limiter.refund(&paid),
+                    (Err(_), Some(paid)) => ctx.tiers = admission::tier_labels(&paid),
+                    (_, None) => {}
+                }
+                verdict
+            }
+        };
+        if let Err(e) = &verdict {
+            ctx.token_refusal = Some(e.label());
+        }
+        Ok(Some(verdict))
+    }
+
+    /// The per-IP tier's token for a signature check: the limiter's
+    /// outcome when the tier admits, else the answer (429, or 503 when
+    /// Redis is down and the operator chose "deny").
+    async fn pay_ip_tier(
+        &self,
+        ctx: &mut Ctx,
+        policy: &Policy,
+        view: &RequestView<'_>,
+        check: crate::limiter::Check,
+    ) -> std::result::Result<crate::limiter::Outcome, Reply> {
+        let cfg = &policy.config;
+        let outcome = self.limiter.decide(&Arc::from([check])).await;
+        let refused = match admission::conclude(&outcome, cfg.limiter.headers, jitter_us(cfg)) {
+            Conclusion::Admit { .. } => return Ok(outcome),
+            Conclusion::Reject {
+                headers,
+                retry_after_ms,
+                violated,
+            } => responses::too_many_requests(headers, retry_after_ms, &violated),
+            Conclusion::Unavailable => responses::reduced_capacity(),
+        };
+        let counted = admission::refused(policy, view);
+        ctx.refused_route = counted.route;
+        ctx.refused_client = Some(counted.client.to_string());
+        ctx.backend = admission::backend_of(&outcome);
+        ctx.tiers = admission::tier_labels(&outcome);
+        Err(refused)
     }
 
     /// A request the rate tiers admitted goes upstream once it holds its
@@ -207,6 +286,18 @@ pub(super) async fn client_gone(session: &mut Session) {
     match session.downstream_session.read_body_or_idle(true).await {
         Err(_) => {}
         Ok(_) => std::future::pending().await,
+    }
+}
+
+/// A bearer JWT's verdict: who it names, or why it is refused.
+pub(super) type TokenVerdict =
+    std::result::Result<Arc<crate::identity::jwt::Verified>, crate::identity::jwt::TokenError>;
+
+/// The random spread added to a Retry-After (`retry_after_jitter_ms`).
+pub(super) fn jitter_us(cfg: &crate::config::Config) -> u64 {
+    match cfg.limiter.retry_after_jitter_ms {
+        0 => 0,
+        ms => fastrand::u64(..=ms * 1000),
     }
 }
 

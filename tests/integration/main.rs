@@ -15,6 +15,7 @@ mod grpc;
 mod hostile;
 mod inflight;
 mod jwt;
+mod jwt_edges;
 mod key_files;
 mod keys;
 mod leases;

@@ -8,12 +8,19 @@
 //! (`plan_claim`, through `plan_map`, else `default_plan`) and the values
 //! route limits key on (`key = "claim:NAME"`).
 //!
+//! A header with `crit` is refused before anything else (`header`): the
+//! gateway understands no JWS extension.
+//!
 //! Signature checks are the expensive part, so a verified token is kept by
-//! its hash until it expires (`cache`). Keys come from files read with the
-//! config, or from a JWKS endpoint kept fresh by `source`.
+//! its hash until it expires (`cache`), and one that needs a check comes
+//! back `Unchecked` for the caller to check when it will pay for it (the
+//! request path charges the client's address first). Keys come from files
+//! read with the config, or from a JWKS endpoint kept fresh by `source`.
 
 mod cache;
+mod check;
 pub mod fetch;
+mod header;
 pub mod keys;
 pub mod source;
 
@@ -22,7 +29,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::Validation;
 use serde_json::{Map, Value};
 use sha2::{Digest as _, Sha256};
@@ -31,6 +37,7 @@ use crate::clock::Clock as _;
 use crate::config::{JwtIssuer, JwtKeys, JwtSettings};
 use crate::identity::value::{AttributeError, MAX_VALUE_BYTES};
 use cache::Cache;
+pub use check::Unchecked;
 use keys::{KeySet, Missing};
 use source::{Source, Unusable};
 
@@ -84,6 +91,10 @@ pub enum TokenError {
     Audience,
     Issuer,
     MissingClaim(String),
+    /// The header lists critical extensions (`crit`), which the gateway
+    /// never understands; the text says which rule of RFC 7515 §4.1.11
+    /// the list broke.
+    Critical(&'static str),
     /// The issuer's keys are not there to check with (never fetched, or
     /// older than `jwks_max_stale_secs`): the token is not known bad.
     KeysUnavailable,
@@ -110,6 +121,7 @@ impl TokenError {
             TokenError::NotYetValid => "not_yet_valid",
             TokenError::Audience => "audience",
             TokenError::MissingClaim(_) => "claim",
+            TokenError::Critical(_) => "crit",
             TokenError::KeysUnavailable => "keys_unavailable",
         }
     }
@@ -124,6 +136,7 @@ impl TokenError {
         "not_yet_valid",
         "audience",
         "claim",
+        "crit",
         "keys_unavailable",
     ];
 }
@@ -143,6 +156,10 @@ impl fmt::Display for TokenError {
             TokenError::Audience => f.write_str("the token is not meant for this audience"),
             TokenError::Issuer => f.write_str("the token's iss does not match"),
             TokenError::MissingClaim(c) => write!(f, "the token has no usable {c} claim"),
+            TokenError::Critical(what) => write!(
+                f,
+                "the header's crit {what}: the gateway understands no JWS extension"
+            ),
             TokenError::KeysUnavailable => {
                 f.write_str("the issuer's keys are unavailable; the token cannot be checked")
             }
@@ -151,12 +168,14 @@ impl fmt::Display for TokenError {
 }
 
 /// What `verify` came to.
-pub enum Outcome {
+pub enum Outcome<'a> {
     Verified(Arc<Verified>),
     Refused(TokenError),
     /// The issuer's keys lack what the token needs: fetch them
     /// (`Source::refetch`), then verify again with `fetched = true`.
     Fetch(Arc<Source>),
+    /// Everything but the signature holds up so far: `Unchecked::check`.
+    Unchecked(Unchecked<'a>),
 }
 
 /// Where an issuer's keys are.
@@ -193,9 +212,8 @@ fn validation(settings: &JwtIssuer, alg: jsonwebtoken::Algorithm) -> Validation 
 impl Issuer {
     /// `files`: the keys read from its `key_files` (`Credentials`).
     fn new(settings: &JwtIssuer, files: Option<Arc<KeySet>>) -> Issuer {
-        let digest = Sha256::digest(settings.issuer.as_bytes());
         Issuer {
-            tag: hex::encode(&digest[..4]),
+            tag: issuer_tag(&settings.issuer),
             validations: settings
                 .algorithms
                 .iter()
@@ -261,9 +279,12 @@ impl Verifier {
         self.cache.len()
     }
 
-    /// Checks `token` at `now_secs` (Unix seconds). `fetched`: the issuer's
-    /// keys were just fetched for it, so a key still missing is final.
-    pub fn verify(&self, token: &[u8], now_secs: u64, fetched: bool) -> Outcome {
+    /// Checks `token` at `now_secs` (Unix seconds) as far as it can
+    /// without its signature: a token verified before comes from the
+    /// cache, one that needs a signature check comes back `Unchecked`.
+    /// `fetched`: the issuer's keys were just fetched for it, so a key
+    /// still missing is final.
+    pub fn verify<'a>(&'a self, token: &'a [u8], now_secs: u64, fetched: bool) -> Outcome<'a> {
         let digest = cache::Digest(Sha256::digest(token).into());
         let now = Instant::now();
         if let Some(v) = self.cache.get(&digest) {
@@ -274,28 +295,27 @@ impl Verifier {
             }
             self.cache.remove(&digest);
         }
-        match self.check(token, now, fetched) {
-            Ok(v) => {
-                let v = Arc::new(v);
-                self.cache.insert(digest, v.clone(), now_secs);
-                // A miss paid a signature check: counting shards is cheap beside it.
-                crate::metrics::jwt_cached(self.cache.len());
-                Outcome::Verified(v)
-            }
+        match self.unchecked(token, digest, now, now_secs, fetched) {
+            Ok(u) => Outcome::Unchecked(u),
             Err(Err(source)) => Outcome::Fetch(source),
             Err(Ok(e)) => Outcome::Refused(e),
         }
     }
 
-    /// The signature and claims of an uncached token: `Err(Err(source))`
+    /// An uncached token as far as its header goes: its issuer,
+    /// algorithm and a key of the issuer's that fits it. `Err(Err(source))`
     /// when its issuer's keys must be fetched first.
-    fn check(
-        &self,
-        token: &[u8],
+    fn unchecked<'a>(
+        &'a self,
+        token: &'a [u8],
+        digest: cache::Digest,
         now: Instant,
+        now_secs: u64,
         fetched: bool,
-    ) -> Result<Verified, Result<TokenError, Arc<Source>>> {
-        let header = jsonwebtoken::decode_header(token).map_err(|_| Ok(bad_header(token)))?;
+    ) -> Result<Unchecked<'a>, Result<TokenError, Arc<Source>>> {
+        header::critical(token).map_err(Ok)?;
+        let header =
+            jsonwebtoken::decode_header(token).map_err(|_| Ok(header::bad_header(token)))?;
         #[derive(serde::Deserialize)]
         struct Iss {
             iss: Option<Value>,
@@ -308,10 +328,9 @@ impl Verifier {
             _ => return Err(Ok(TokenError::NoIssuer)),
         };
         let issuer = &self.issuers[i];
-        let Some((_, validation)) = issuer.validations.iter().find(|(a, _)| *a == header.alg)
-        else {
+        if !issuer.validations.iter().any(|(a, _)| *a == header.alg) {
             return Err(Ok(TokenError::Algorithm(format!("{:?}", header.alg))));
-        };
+        }
         let fetch = |e: TokenError| match (&issuer.keys, fetched) {
             (Keys::Fetched(s), false) => Err(s.clone()),
             _ => Ok(e),
@@ -319,26 +338,22 @@ impl Verifier {
         let keys = issuer
             .keys(now)
             .map_err(|_| fetch(TokenError::KeysUnavailable))?;
-        let candidates =
-            keys.candidates(header.kid.as_deref(), header.alg)
-                .map_err(|m| match m {
-                    Missing::Kid => fetch(TokenError::UnknownKid),
-                    Missing::Mismatch => Ok(TokenError::KeyMismatch),
-                    Missing::NoKey => Ok(TokenError::UnknownKid),
-                })?;
-        let mut last = TokenError::BadSignature;
-        for key in candidates {
-            match jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, validation) {
-                Ok(data) => return self.verified(i, key.kid.clone(), data.claims).map_err(Ok),
-                Err(e) => {
-                    last = refusal(e.kind());
-                    if last != TokenError::BadSignature {
-                        break;
-                    }
-                }
-            }
-        }
-        Err(Ok(last))
+        keys.candidates(header.kid.as_deref(), header.alg)
+            .map_err(|m| match m {
+                Missing::Kid => fetch(TokenError::UnknownKid),
+                Missing::Mismatch => Ok(TokenError::KeyMismatch),
+                Missing::NoKey => Ok(TokenError::UnknownKid),
+            })?;
+        Ok(Unchecked {
+            verifier: self,
+            token,
+            digest,
+            issuer: i,
+            alg: header.alg,
+            kid: header.kid,
+            keys,
+            now_secs,
+        })
     }
 
     fn verified(
@@ -358,17 +373,12 @@ impl Verifier {
             .as_ref()
             .and_then(|c| claims.get(c))
             .and_then(|v| v.as_str());
-        let plan = match named {
-            Some(p) => match s.plan_map.get(p) {
-                Some(mapped) => mapped.clone(),
-                None if self.plans.contains(p) => p.to_string(),
-                None => s.default_plan.clone(),
-            },
-            None => s.default_plan.clone(),
-        };
+        let plan = named
+            .and_then(|p| plan_named(s, p, |p| self.plans.contains(p)))
+            .unwrap_or_else(|| s.default_plan.clone());
         let exp = claims.get("exp").and_then(Value::as_u64).unwrap_or(0);
         Ok(Verified {
-            identity: format!("j:{}:{id}", issuer.tag),
+            identity: identity(&issuer.tag, &id),
             id,
             plan,
             claims: self
@@ -384,6 +394,36 @@ impl Verifier {
             issuer: i,
             kid,
         })
+    }
+}
+
+/// An issuer's tag in its clients' bucket identities: the first four bytes
+/// of its `iss`'s SHA-256, so two issuers' ids never share a bucket.
+fn issuer_tag(iss: &str) -> String {
+    hex::encode(&Sha256::digest(iss.as_bytes())[..4])
+}
+
+fn identity(tag: &str, id: &str) -> String {
+    format!("j:{tag}:{id}")
+}
+
+/// The key tier's bucket identity of the client that issuer `iss`'s tokens
+/// name `id` (`Verified::identity`): how `/limits` names it.
+pub fn client_identity(iss: &str, id: &str) -> String {
+    identity(&issuer_tag(iss), id)
+}
+
+/// The plan a token whose plan claim says `named` is held to: `plan_map`'s,
+/// else the config's plan of that name (`is_plan`); `None` for neither
+/// (the token then has the issuer's `default_plan`).
+pub fn plan_named(
+    settings: &JwtIssuer,
+    named: &str,
+    is_plan: impl Fn(&str) -> bool,
+) -> Option<String> {
+    match settings.plan_map.get(named) {
+        Some(mapped) => Some(mapped.clone()),
+        None => is_plan(named).then(|| named.to_string()),
     }
 }
 
@@ -404,50 +444,19 @@ fn text(v: &Value) -> Result<String, AttributeError> {
     }
 }
 
-/// A header `jsonwebtoken` would not read: say `none` (or another unknown
-/// algorithm) by name, else that the token is malformed.
-fn bad_header(token: &[u8]) -> TokenError {
-    use base64::Engine as _;
-    let alg = token
-        .split(|b| *b == b'.')
-        .next()
-        .and_then(|h| {
-            base64::engine::general_purpose::URL_SAFE_NO_PAD
-                .decode(h)
-                .ok()
-        })
-        .and_then(|h| serde_json::from_slice::<Map<String, Value>>(&h).ok())
-        .and_then(|h| h.get("alg")?.as_str().map(str::to_string));
-    match alg {
-        // Named back only if it reads as an algorithm: never echo a header.
-        Some(a) if a.len() <= 12 && a.bytes().all(|b| b.is_ascii_alphanumeric()) => {
-            TokenError::Algorithm(a)
-        }
-        Some(_) => TokenError::Algorithm("(unreadable)".into()),
-        None => TokenError::Malformed("the header is not a JOSE header"),
-    }
+/// A bearer token's verdict as far as it goes without a signature check.
+pub enum Verdict<'a> {
+    /// Verified before (from the cache), or refused on its face.
+    Known(Result<Arc<Verified>, TokenError>),
+    /// Its signature is still to be checked: `Unchecked::check`.
+    Unchecked(Unchecked<'a>),
 }
 
-fn refusal(kind: &ErrorKind) -> TokenError {
-    match kind {
-        ErrorKind::InvalidSignature => TokenError::BadSignature,
-        ErrorKind::ExpiredSignature => TokenError::Expired,
-        ErrorKind::ImmatureSignature => TokenError::NotYetValid,
-        ErrorKind::InvalidAudience => TokenError::Audience,
-        ErrorKind::InvalidIssuer => TokenError::Issuer,
-        ErrorKind::InvalidAlgorithm => TokenError::KeyMismatch,
-        ErrorKind::MissingRequiredClaim(c) if c == "aud" => TokenError::Audience,
-        ErrorKind::MissingRequiredClaim(c) => TokenError::MissingClaim(c.clone()),
-        ErrorKind::InvalidClaimFormat(_) => TokenError::Malformed("a time claim is not a number"),
-        _ => TokenError::Malformed("it cannot be decoded"),
-    }
-}
-
-/// The verdict on a bearer token: verified (from the cache, or checked
-/// now), or why not. A token whose issuer's keys lack its `kid` (or were
-/// never fetched, or are too old) waits for one fetch of them, shared with
-/// every request waiting on the same endpoint.
-pub async fn verdict(verifier: &Verifier, token: &[u8]) -> Result<Arc<Verified>, TokenError> {
+/// The verdict on a bearer token short of a signature check. A token whose
+/// issuer's keys lack its `kid` (or were never fetched, or are too old)
+/// waits for one fetch of them, shared with every request waiting on the
+/// same endpoint.
+pub async fn verdict<'a>(verifier: &'a Verifier, token: &'a [u8]) -> Verdict<'a> {
     let now = || (crate::clock::SystemClock.now_us() / 1_000_000).max(0) as u64;
     let outcome = match verifier.verify(token, now(), false) {
         Outcome::Fetch(source) => {
@@ -456,15 +465,16 @@ pub async fn verdict(verifier: &Verifier, token: &[u8]) -> Result<Arc<Verified>,
         }
         done => done,
     };
-    let result = match outcome {
+    let known = match outcome {
+        Outcome::Unchecked(u) => return Verdict::Unchecked(u),
         Outcome::Verified(v) => Ok(v),
         Outcome::Refused(e) => Err(e),
         Outcome::Fetch(_) => Err(TokenError::KeysUnavailable),
     };
-    if let Err(e) = &result {
+    if let Err(e) = &known {
         crate::metrics::jwt_refused(e.label());
     }
-    result
+    Verdict::Known(known)
 }
 
 /// Whether a bearer credential is a JWT rather than an API key: three
@@ -548,20 +558,22 @@ mod tests {
         String::from_utf8(b).unwrap()
     }
 
-    fn refused(v: &Verifier, t: &str) -> TokenError {
+    /// The verdict, its signature checked if it needs one.
+    fn verdict(v: &Verifier, t: &str) -> Result<Arc<Verified>, TokenError> {
         match v.verify(t.as_bytes(), now(), false) {
-            Outcome::Refused(e) => e,
-            Outcome::Verified(x) => panic!("verified {x:?}"),
+            Outcome::Verified(x) => Ok(x),
+            Outcome::Refused(e) => Err(e),
+            Outcome::Unchecked(u) => u.check(),
             Outcome::Fetch(_) => panic!("asked for a fetch"),
         }
     }
 
+    fn refused(v: &Verifier, t: &str) -> TokenError {
+        verdict(v, t).map_or_else(|e| e, |x| panic!("verified {x:?}"))
+    }
+
     fn verified(v: &Verifier, t: &str) -> Arc<Verified> {
-        match v.verify(t.as_bytes(), now(), false) {
-            Outcome::Verified(x) => x,
-            Outcome::Refused(e) => panic!("refused: {e}"),
-            Outcome::Fetch(_) => panic!("asked for a fetch"),
-        }
+        verdict(v, t).unwrap_or_else(|e| panic!("refused: {e}"))
     }
 
     #[test]
@@ -571,6 +583,10 @@ mod tests {
             good(json!({"tier": "gold", "tenant": "acme", "n": 7})),
             Some("h1"),
         );
+        assert!(
+            matches!(v.verify(t.as_bytes(), now(), false), Outcome::Unchecked(_)),
+            "a token not seen before waits for its signature check"
+        );
         let a = verified(&v, &t);
         assert!(
             a.identity.starts_with("j:") && a.identity.ends_with(":u1"),
@@ -578,6 +594,11 @@ mod tests {
             a.identity
         );
         assert_eq!((a.id.as_str(), a.plan.as_str()), ("u1", "pro"));
+        assert_eq!(
+            a.identity,
+            client_identity("iss-a", "u1"),
+            "as /limits names it"
+        );
         assert_eq!(a.claim("tenant"), Ok("acme".into()));
         assert_eq!(a.claim("n"), Ok("7".into()), "a number as JSON writes it");
         assert_eq!(a.claim("other"), Err(AttributeError::Missing));
@@ -675,6 +696,15 @@ mod tests {
             TokenError::Algorithm("HS256".into())
         );
         assert!(matches!(refused(&v, "eyJ.e30.x"), TokenError::Malformed(_)));
+        // A validly signed token whose header lists a critical extension.
+        let mut h = Header::new(Algorithm::HS256);
+        h.crit = Some(vec!["exp2".into()]);
+        let crit = encode(&h, &good(json!({})), &EncodingKey::from_secret(SECRET)).unwrap();
+        assert_eq!(
+            refused(&v, &crit),
+            TokenError::Critical("names an extension")
+        );
+        assert_eq!(TokenError::Critical("is empty").label(), "crit");
         // Nothing refused was cached.
         assert_eq!(v.cached(), 1, "only the token within the leeway");
     }
