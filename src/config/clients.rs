@@ -5,9 +5,19 @@
 
 use toml::de::DeTable;
 
-use super::model::{Clients, KeySnapshot};
+use super::model::Clients;
 use super::reader::Reader;
 use super::reader::{cidrs, opt};
+
+/// `clients.runtime_keys_snapshot`: `true` (the default: a file in the
+/// system's temporary directory named for the Redis it mirrors), `false`,
+/// or a path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySnapshot {
+    Auto,
+    Off,
+    At(std::path::PathBuf),
+}
 
 pub const CLIENTS_KEYS: &[&str] = &[
     "trusted_proxies",

@@ -27,6 +27,7 @@ mod url;
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
+pub use clients::KeySnapshot;
 pub use model::*;
 pub use url::HttpUrl;
 

@@ -332,17 +332,7 @@ pub struct Clients {
     /// the key, are taken off the request sent upstream.
     pub hide_credentials: bool,
     /// Where a replica keeps the last runtime key set it read from Redis.
-    pub runtime_keys_snapshot: KeySnapshot,
-}
-
-/// `clients.runtime_keys_snapshot`: `true` (the default: a file in the
-/// system's temporary directory named for the Redis it mirrors), `false`,
-/// or a path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySnapshot {
-    Auto,
-    Off,
-    At(std::path::PathBuf),
+    pub runtime_keys_snapshot: super::clients::KeySnapshot,
 }
 
 /// One limiting algorithm with its parameters.

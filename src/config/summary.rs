@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use super::model::*;
-use super::{admin_loopback_only, HttpUrl, KeyFacts};
+use super::{admin_loopback_only, HttpUrl, KeyFacts, KeySnapshot};
 
 impl Config {
     /// What loads but may not do what its author meant: `check` prints
