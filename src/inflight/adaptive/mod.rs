@@ -61,7 +61,11 @@
 //! did not fall with it, or at half the workers it knew its round trip is
 //! half again the unloaded one): what is measured then becomes the
 //! unloaded round trip at once, and a slow start climbs back to the
-//! workers it knew. At `min` no queue forms, so what is measured there is
+//! workers it knew. That verdict is on trial during the climb: a server
+//! that lost workers looks the same for an interval taken partly before
+//! the loss, and if the round trips sent well above the verdict's
+//! concurrency rise at least half as much as a queue's would, the means
+//! known before it are the unloaded round trip again. At `min` no queue forms, so what is measured there is
 //! the unloaded round trip too. And, from Gradient2, the limit does not
 //! grow while the upstream is given less than half of it (the traffic, not
 //! the server, is what limits then): an idle night does not leave a limit

@@ -38,7 +38,8 @@ impl Above {
         let n = inside().count();
         let per = |f: &dyn Fn(&Sample) -> f64| inside().map(f).sum::<f64>() / n.max(1) as f64;
         let rtt_us = per(&|s| s.rtt_us as f64);
-        let var = per(&|s| (s.rtt_us as f64 - rtt_us).powi(2)) * n as f64 / (n as f64 - 1.0).max(1.0);
+        let var =
+            per(&|s| (s.rtt_us as f64 - rtt_us).powi(2)) * n as f64 / (n as f64 - 1.0).max(1.0);
         Above {
             n,
             sent_at: per(&|s| s.in_flight as f64),

@@ -500,7 +500,9 @@ fn a_server_that_loses_half_its_workers_has_the_rest_within_three_seconds() {
             cases += 1;
             if late.is_empty()
                 || !band.contains(&median)
-                || !late.iter().all(|l| (*band.start()..=band.end() + slack).contains(l))
+                || !late
+                    .iter()
+                    .all(|l| (*band.start()..=band.end() + slack).contains(l))
                 || min_rtt > service + service / 10
             {
                 failed.push(format!(
@@ -518,4 +520,3 @@ fn a_server_that_loses_half_its_workers_has_the_rest_within_three_seconds() {
         failed.join("\n")
     );
 }
-
