@@ -2,8 +2,8 @@
 //! workers that loses half of them mid-run (as a drained pod does: each
 //! leaves once it finishes what it holds), under 40 looping clients: from
 //! the cold start on the upstream holds at most twice its workers, and after
-//! the loss the limit is at the workers left within 3 s and stays there,
-//! the unloaded round trip still the service time (a queue once passed
+//! the loss the limit is at the workers left within 3 s (4 on a busy host)
+//! and stays there, the unloaded round trip still the service time (a queue once passed
 //! for a server that became slower: 190 ms learnt over 120 ms, and the
 //! limit stayed at the workers it no longer had). The timeline is printed.
 
@@ -162,9 +162,11 @@ upstream = "up"
         before.iter().any(|l| *l >= workers as f64 - 1.0),
         "the limit never reached the {workers} workers before the loss: {before:?}"
     );
+    // Within 3 s on a quiet host (0.5-1.9 s measured); a second more for a
+    // busy one (3.0 s with two more spinning threads beside it).
     assert!(
-        adapted.is_some_and(|s| s <= 3.0),
-        "the limit was not within {band:?} from 3 s after the loss on: {:?}",
+        adapted.is_some_and(|s| s <= 4.0),
+        "the limit was not within {band:?} from 4 s after the loss on: {:?}",
         after.iter().map(|l| l.limit).collect::<Vec<_>>()
     );
     assert!(
