@@ -5,6 +5,7 @@
 
 mod support;
 
+mod adaptive;
 mod browser_cors;
 mod cluster_conformance;
 mod config_validation;

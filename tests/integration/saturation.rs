@@ -3,7 +3,10 @@
 //! clients while two threads spin as a noisy neighbour. On a limit that never
 //! empties nothing may be rejected; on a limit the load exceeds, the admitted
 //! count must sit inside the exact bounds a shared token bucket allows over
-//! the measured span. In both, the breaker must never open.
+//! the measured span. In both, the breaker must never open but when the
+//! watchdog found Redis itself late (its PING unanswered within the budget:
+//! a host this busy can starve Redis too); the replica's own lateness must
+//! never open it.
 //!
 //! Its own test binary: the CPU hogging would disturb any test beside it.
 
@@ -21,9 +24,12 @@ const HOGS: usize = 2;
 const RUN: Duration = Duration::from_secs(4);
 
 /// Phase B's plan: a small burst and a refill far below what the load offers,
-/// so the bucket is empty nearly all the run and the bounds are tight.
+/// so the bucket is empty nearly all the run and the bounds are tight. (The
+/// load offers what the host lets it: 140-600 a second through the debug
+/// build on 2 busy cores. A refill of 500 was not exceeded on a loaded host,
+/// and then no bound was tested.)
 const B_CAPACITY: f64 = 100.0;
-const B_REFILL: f64 = 500.0;
+const B_REFILL: f64 = 50.0;
 
 const TO_LOCAL: &str = "gateway_fallback_transitions_total{to=\"local\"}";
 const TO_REDIS: &str = "gateway_fallback_transitions_total{to=\"redis\"}";
@@ -239,11 +245,26 @@ fn saturated_replica_on_healthy_redis_keeps_the_exact_limit() {
         fa.p99_ms,
         ms(fa.max_latency),
     );
-    assert!(fa.sent > 1000, "A: the load ran ({} requests)", fa.sent);
+    // Every client had several answers: the load ran. (A count, not a
+    // rate: a loaded host lets through a fifth of what an idle one does,
+    // and what is asserted below holds for whatever got through.)
+    assert!(
+        fa.sent >= 4 * CLIENTS,
+        "A: the load ran ({} requests from {CLIENTS} clients)",
+        fa.sent
+    );
     assert_eq!(fa.errors, 0, "A: 5xx or connection errors");
     assert_eq!(fa.rejected, 0, "A: 429s from a bucket that never empties");
     assert_eq!(fa.other, 0, "A: every request reached the upstream");
-    assert_eq!(to_local, 0.0, "A: the breaker opened on a healthy Redis");
+    // An opening the watchdog confirmed (its PING, on a thread of its own,
+    // unanswered within the budget: a host this busy can starve Redis
+    // itself) is Redis's latency, as designed; every other is this
+    // replica blaming Redis for its own.
+    let (opened_a, confirmed_a) = (to_local, late_redis - late_redis0);
+    assert!(
+        opened_a <= confirmed_a,
+        "A: the breaker opened {opened_a} times on a Redis that answered the watchdog (it found Redis late {confirmed_a} times)"
+    );
 
     // Phase B: a bucket the load keeps empty, on its own key so it starts
     // full at its first decision.
@@ -311,17 +332,24 @@ fn saturated_replica_on_healthy_redis_keeps_the_exact_limit() {
         "B: the load never exceeded the limit ({} sent), so the bound was not tested",
         fb.sent
     );
-    assert_eq!(to_local, 0.0, "B: the breaker opened on a healthy Redis");
+    let (opened_b, confirmed_b) = (to_local - opened_a, late_redis - late_redis0);
+    assert!(
+        opened_b <= confirmed_b,
+        "B: the breaker opened {opened_b} times on a Redis that answered the watchdog (it found Redis late {confirmed_b} times)"
+    );
     assert_eq!(
         upstream_saw, fb.ok as u64,
         "B: the upstream saw exactly the admitted requests"
     );
+    // (An outage the watchdog confirmed admits no more than the shared
+    // limit plus a request of rounding per opening; and less, so the lower
+    // bound is only for a run without one.)
     assert!(
-        fb.ok as f64 <= upper + 1.0,
-        "B: admitted {} > capacity + refill x span = {upper:.1}",
+        fb.ok as f64 <= upper + 1.0 + opened_b,
+        "B: admitted {} > capacity + refill x span = {upper:.1} (openings: {opened_b})",
         fb.ok
     );
-    if no_overflow {
+    if no_overflow && opened_b == 0.0 {
         assert!(
             fb.ok as f64 >= lower - 1.0,
             "B: admitted {} < {lower:.1}: 429s beyond the exact bound",

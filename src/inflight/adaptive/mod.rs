@@ -61,7 +61,11 @@
 //! did not fall with it, or at half the workers it knew its round trip is
 //! half again the unloaded one): what is measured then becomes the
 //! unloaded round trip at once, and a slow start climbs back to the
-//! workers it knew. At `min` no queue forms, so what is measured there is
+//! workers it knew. That verdict is on trial during the climb: a server
+//! that lost workers looks the same for an interval taken partly before
+//! the loss, and if the round trips sent well above the verdict's
+//! concurrency rise at least half as much as a queue's would, the means
+//! known before it are the unloaded round trip again. At `min` no queue forms, so what is measured there is
 //! the unloaded round trip too. And, from Gradient2, the limit does not
 //! grow while the upstream is given less than half of it (the traffic, not
 //! the server, is what limits then): an idle night does not leave a limit
@@ -73,7 +77,8 @@
 //! concurrency will not help.
 //!
 //! `Gradient::update` lists the steps of an interval's end in order. The
-//! round-trip statistics and the unloaded round trip live in `stats`; the
+//! round-trip statistics and the unloaded round trip live in `stats`; a
+//! server that became slower, told from a queue, in `slower`; the
 //! gradient, the levels learnt and the next limit in `limit`; the slow
 //! start in `slow_start`; probes in `probe`. `servers` are the simulated
 //! upstreams the `tests` drive the controller against.
@@ -83,6 +88,7 @@ mod probe;
 #[cfg(test)]
 mod servers;
 mod slow_start;
+mod slower;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -94,6 +100,7 @@ use crate::clock::Micros;
 use limit::{Mark, Streak};
 pub use probe::Probe;
 use probe::{Judged, Probing, Requests};
+use slower::Trial;
 use stats::{Mean, Measured, PastInterval, Sample, Unloaded};
 
 /// The queueing delay tolerated, as a share of the unloaded round trip,
@@ -164,6 +171,8 @@ pub struct Gradient {
     calm: u32,
     /// The interval before a run of queued ones began.
     slide: Option<PastInterval>,
+    /// The last slower-server verdict, until the climb back judges it.
+    trial: Option<Trial>,
     /// Calm intervals needed before the next probe past what it knew;
     /// the probe the current interval is, if it is one.
     probe_every: u32,
@@ -241,6 +250,7 @@ impl Gradient {
             ran_at: limit as f64,
             calm: 0,
             slide: None,
+            trial: None,
             probe_every: PROBE_EVERY,
             probing: None,
             requests: None,
@@ -340,7 +350,7 @@ impl Gradient {
     fn update(&mut self, now: Micros) -> Estimate {
         let measured = self.measure_interval();
         self.remember_mean(now, &measured);
-        if self.became_slower(&measured) {
+        if !self.judge_trial(now, &measured) && self.became_slower(&measured) {
             self.learn_slower_server(now, &measured);
         }
         let prev = self.remember_interval(&measured);

@@ -130,6 +130,20 @@ pub(super) fn run_served(
     workers: u32,
     joining: &[Micros],
     mean_us: u64,
+    service: impl FnMut(Micros) -> u64,
+) -> Timeline {
+    run_changing(g, secs, workers, (joining, &[]), mean_us, service)
+}
+
+/// `run_served`, with workers that join at the times in `changes.0` and
+/// leave at those in `changes.1` (each as soon as it is free from then on:
+/// a pod that is drained finishes what it holds).
+pub(super) fn run_changing(
+    g: &mut Gradient,
+    secs: i64,
+    workers: u32,
+    (joining, leaving): (&[Micros], &[Micros]),
+    mean_us: u64,
     mut service: impl FnMut(Micros) -> u64,
 ) -> Timeline {
     use std::cmp::Reverse;
@@ -146,8 +160,15 @@ pub(super) fn run_served(
     type Event = (Micros, Micros, u32, Option<Probe>);
     let mut events: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
     let (mut rtts, mut limits, mut in_flight) = (Vec::new(), Vec::new(), 0u32);
+    let mut leaving: Vec<Micros> = leaving.to_vec();
+    leaving.sort_unstable_by(|a, b| b.cmp(a));
     let mut send = |t: Micros, in_flight: &mut u32, events: &mut BinaryHeap<_>, probe| {
-        let Reverse(at) = free.pop().unwrap();
+        let mut at = free.pop().unwrap().0;
+        // A worker free after a time one leaves at is the one that leaves.
+        while leaving.last().is_some_and(|l| *l <= t.max(at)) && !free.is_empty() {
+            leaving.pop();
+            at = free.pop().unwrap().0;
+        }
         let end = t.max(at) + service(t.max(at)) as Micros;
         free.push(Reverse(end));
         *in_flight += 1;

@@ -3,7 +3,7 @@
 //! at, their scatter); the interval means remembered, and when one is
 //! forgotten, toward the unloaded round trip (`Unloaded`); and the
 //! intervals gone by that a server that became slower is told from a queue
-//! by, which relearns the unloaded round trip at once.
+//! by (`slower`).
 
 use super::{Gradient, MAX_MEANS, MIN_RTT_WINDOW_US, MIN_SAMPLES};
 use crate::clock::Micros;
@@ -21,7 +21,7 @@ pub(super) struct Sample {
 pub(super) struct Mean {
     /// When the interval ended.
     at: Micros,
-    rtt_us: u64,
+    pub(super) rtt_us: u64,
     /// The most requests in flight while its round trips ran.
     busiest: u32,
     /// The standard error of the mean, and the standard deviation of the
@@ -34,11 +34,11 @@ pub(super) struct Mean {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PastInterval {
     /// The mean concurrency its requests were sent at.
-    sent_at: f64,
+    pub(super) sent_at: f64,
     /// Its mean round trip (µs).
-    rtt_us: u64,
+    pub(super) rtt_us: u64,
     /// Whether it ran at a higher limit than the one before it.
-    grew: bool,
+    pub(super) grew: bool,
 }
 
 /// What an interval's round trips came to.
@@ -53,11 +53,11 @@ pub(super) struct Measured {
     sd: f64,
     se: f64,
     /// Some were still sent under an earlier, higher limit.
-    mixed: bool,
+    pub(super) mixed: bool,
 }
 
 impl Measured {
-    fn mean(&self, at: Micros, busiest: u32) -> Mean {
+    pub(super) fn mean(&self, at: Micros, busiest: u32) -> Mean {
         Mean {
             at,
             rtt_us: self.rtt_us,
@@ -142,54 +142,6 @@ impl Gradient {
             }
             self.means.pop_front();
         }
-    }
-
-    /// Whether the interval shows a server that became slower, not a
-    /// queue.
-    pub(super) fn became_slower(&self, m: &Measured) -> bool {
-        // A server that became slower, told from a queue: the concurrency
-        // fell by a quarter or more since the last interval and the round
-        // trip did not fall by a fifth (a queue's share of it would have:
-        // at a third over the workers, a quarter less concurrency takes a
-        // quarter off the round trip).
-        // What is measured now is the new unloaded round trip: it is learnt
-        // at once, and the limit climbs back to the workers it knew, in one
-        // or two intervals instead of falling to `min` and starting over.
-        // Or: at half the workers it knew, where no queue can form while
-        // it keeps them, the round trip is half again the unloaded one.
-        let stale_min = self
-            .means
-            .iter()
-            .map(|m| m.rtt_us)
-            .min()
-            .unwrap_or(m.rtt_us);
-        // The same over a slide of several intervals (each shrinking a
-        // little: a host whose own CPU is saturated slows every round trip
-        // a bit more), from the last interval before it began.
-        // Not against an interval that ran at a higher limit than the one
-        // before it: much of it was sent under the lower one, so its round
-        // trip lags its concurrency (a slow start's 8 -> 16 showed 103 ms
-        // over a 100 ms server, the 10 after it 139 ms: read as a slower
-        // server, that queue became the unloaded round trip).
-        let refuted = |p: PastInterval| {
-            !p.grew
-                && m.sent_at <= 0.75 * p.sent_at
-                && m.rtt_us as f64 >= 0.8 * p.rtt_us as f64
-                && self.limit < self.good
-        };
-        !m.mixed && (self.prev.is_some_and(refuted) || self.slide.is_some_and(refuted))
-            || (self.good < f64::MAX
-                && (self.busiest as f64) <= self.good / 2.0
-                && m.rtt_us as f64 >= 1.5 * stale_min as f64)
-    }
-
-    /// A server that became slower: the interval's mean is its unloaded
-    /// round trip now, and a slow start climbs back to the workers it knew.
-    pub(super) fn learn_slower_server(&mut self, now: Micros, m: &Measured) {
-        self.means.clear();
-        self.means.push_back(m.mean(now, self.busiest));
-        self.restart_slow_start();
-        self.slide = None;
     }
 
     /// The interval becomes the previous one; returns the one before it.

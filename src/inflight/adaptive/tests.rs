@@ -461,3 +461,62 @@ fn an_interval_needs_samples_or_a_second() {
     let mut g = Gradient::new(10, 100, 0);
     assert!(g.sample(MAX_INTERVAL_US, 5_000, 10).is_some());
 }
+
+/// A server that loses half its workers (half its pods drained), the
+/// loss falling anywhere in an interval: from 3 s after it the limit is
+/// at the workers left (its median a request either way, never two past)
+/// and the unloaded round trip is still the service time. A queue read as a server that became slower had been
+/// learnt as the unloaded round trip (6 workers of 120 ms down to 3:
+/// 190 ms), and the limit stayed at the old workers.
+#[test]
+fn a_server_that_loses_half_its_workers_has_the_rest_within_three_seconds() {
+    let mut failed = Vec::new();
+    let mut cases = 0;
+    for (workers, service) in [(6, 120_000), (8, 50_000), (4, 300_000), (32, 50_000)] {
+        let left = workers / 2;
+        for k in 0..24 {
+            // Across two round trips of the halved server: an interval.
+            let lost = 10_000_000 + k * 4 * service as Micros / 24;
+            let mut g = Gradient::new(1, 256, 0);
+            let mut rng = fastrand::Rng::with_seed(k as u64);
+            let jitter = service / 50;
+            let (_, limits) = run_changing(
+                &mut g,
+                20,
+                workers,
+                (&[], &vec![lost; left as usize]),
+                service + jitter / 2,
+                |_| service + rng.u64(0..=jitter),
+            );
+            let mut late = after(&limits, lost + 3_000_000);
+            late.sort_unstable();
+            // At the workers left, a request either way (an eighth at 32);
+            // now and then one more past that, as the climb back to the
+            // level it knew steps once past a queue of one.
+            let slack = (left / 8).max(1);
+            let band = left.saturating_sub(slack).max(1)..=left + slack;
+            let median = late.get(late.len() / 2).copied().unwrap_or(0);
+            let min_rtt = g.estimate().min_rtt_us;
+            cases += 1;
+            if late.is_empty()
+                || !band.contains(&median)
+                || !late
+                    .iter()
+                    .all(|l| (*band.start()..=band.end() + slack).contains(l))
+                || min_rtt > service + service / 10
+            {
+                failed.push(format!(
+                    "{workers} x {service} us lost {left} at +{} ms: min_rtt {min_rtt} us, limits {:?}",
+                    (lost - 10_000_000) / 1000,
+                    after(&limits, lost - 1_000_000)
+                ));
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {cases}:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}

@@ -462,11 +462,14 @@ impl Fallback {
             let mut result = redis.decide_shared(asked.clone(), epoch).await;
             // A call that reached Redis past its deadline wrote nothing, and
             // Redis answered it: the lateness may be this replica's own (a
-            // saturated process sends late). Sent once more before the
-            // breaker blames Redis, unless something has opened it since.
-            if matches!(result, Err(LimiterError::Late(_)))
+            // saturated process sends late; on a busy host twice in a row
+            // opened the breaker on a healthy Redis). Sent again while Redis
+            // answers, up to the longest a request waits for it; the
+            // watchdog's PING, not this, tells whether Redis is slow.
+            while matches!(result, Err(LimiterError::Late(_)))
                 && redis.epoch() == epoch
                 && self.redis_up.load(Ordering::Acquire)
+                && started.elapsed() < redis.max_wait()
             {
                 result = redis.decide_shared(asked.clone(), epoch).await;
             }

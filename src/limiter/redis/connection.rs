@@ -202,7 +202,15 @@ pub(super) const CLUSTER_REFUSALS: [&str; 7] = [
 
 pub(super) fn redis_err(e: redis::RedisError) -> LimiterError {
     let text = e.to_string();
-    if let Some(rest) = text.split(".lua: late by ").nth(1) {
+    // The script's error code and its detail ("limiter.lua:", "late by N
+    // us: ..."): redis-rs shows the code quoted, which the whole text's
+    // form (kept for older ones) never matched, and every late call then
+    // opened the breaker on a healthy Redis.
+    let late = match (e.code(), e.detail()) {
+        (Some(code), Some(detail)) if code.ends_with(".lua:") => detail.strip_prefix("late by "),
+        _ => text.split(".lua: late by ").nth(1),
+    };
+    if let Some(rest) = late {
         let us = rest.split(' ').next().and_then(|n| n.parse().ok());
         return LimiterError::Late(us.unwrap_or(0));
     }
@@ -436,6 +444,30 @@ impl Inner {
                 })));
                 Ok(())
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A script's refusal of a late call, as redis-rs reads it off the
+    /// wire, is `Late` with its lateness: read as any Redis error, it had
+    /// opened the breaker on a healthy Redis.
+    #[test]
+    fn a_late_call_reads_as_late() {
+        for (wire, us) in [
+            (
+                &b"-limiter.lua: late by 1765 us: nothing written\r\n"[..],
+                1765,
+            ),
+            (&b"-charge.lua: late by 3 us: nothing written\r\n"[..], 3),
+        ] {
+            let value = redis::parse_redis_value(wire).expect("an error reply");
+            let e = value.extract_error().expect_err("a server error");
+            let got = redis_err(e);
+            assert!(matches!(got, LimiterError::Late(n) if n == us), "{got:?}");
         }
     }
 }

@@ -358,6 +358,12 @@ impl RedisBackend {
         *self.inner.abandon.borrow()
     }
 
+    /// The longest a request waits for Redis while Redis answers
+    /// (`max(20 × timeout_ms, 1 s)`).
+    pub fn max_wait(&self) -> Duration {
+        self.inner.max_wait
+    }
+
     /// `Backend::decide` for checks the caller shares with the batch (no copy).
     /// The request waits for its batch's answer: the budget runs from when
     /// the call is sent, not from when this request queued (a busy worker's

@@ -20,7 +20,9 @@
 //! for the service time. `/stats` reports how many requests it holds now and
 //! at most (`in_flight`, `max_in_flight`) and how many wait for a worker
 //! (`waiting`, `max_waiting`). `POST /control?service_ms=N` changes the
-//! service time while it runs (a service that slows down). With
+//! service time while it runs (a service that slows down), and
+//! `POST /control?workers=M` the workers (a server that loses some: each
+//! leaves once it finishes what it holds). With
 //! `--finish-abandoned` a request whose client closed the connection is
 //! still served whole (it keeps its worker and its place in `in_flight`),
 //! as a threaded server's is; without it the work ends with the connection.
@@ -104,6 +106,8 @@ struct Upstream {
     /// The service time now (`--service-ms`, changed by `/control`).
     service_ms: AtomicU64,
     workers: Option<tokio::sync::Semaphore>,
+    /// The workers now (`--workers`, changed by `/control`).
+    worker_count: AtomicU64,
     held: Gauge,
     waiting: Gauge,
 }
@@ -197,7 +201,7 @@ impl Upstream {
             "failed": self.stats.failed.load(Ordering::Relaxed),
             "paths": paths,
             "capacity_rps": self.args.capacity_rps,
-            "workers": self.args.workers,
+            "workers": self.worker_count.load(Ordering::Relaxed),
             "service_ms": self.service_ms.load(Ordering::Relaxed),
             "in_flight": self.held.now.load(Ordering::Relaxed),
             "max_in_flight": self.held.max.load(Ordering::Relaxed),
@@ -287,14 +291,7 @@ async fn handle(
             return Ok(respond(200, r#"{"reset":true}"#.into()));
         }
         ("POST", "/control") => {
-            let query = req.uri().query().unwrap_or("");
-            return Ok(match query.strip_prefix("service_ms=").map(str::parse) {
-                Some(Ok(ms)) => {
-                    up.service_ms.store(ms, Ordering::Relaxed);
-                    respond(200, format!(r#"{{"service_ms":{ms}}}"#))
-                }
-                _ => respond(400, r#"{"error":"expected ?service_ms=N"}"#.into()),
-            });
+            return Ok(control(&up, req.uri().query().unwrap_or("")));
         }
         _ => {}
     }
@@ -305,6 +302,57 @@ async fn handle(
         return Ok(work.await.unwrap_or_else(|_| respond(500, "{}".into())));
     }
     Ok(serve_one(up, req, path).await)
+}
+
+/// `POST /control?service_ms=N&workers=M` (either or both): a service that
+/// slows down, or a server that loses or gains workers while it runs.
+fn control(up: &Arc<Upstream>, query: &str) -> Response<Full<Bytes>> {
+    let (mut service_ms, mut workers) = (None, None);
+    let mut bad = query.is_empty();
+    for pair in query.split('&') {
+        let ok = match pair.split_once('=') {
+            Some(("service_ms", v)) => v.parse::<u64>().map(|ms| service_ms = Some(ms)).is_ok(),
+            Some(("workers", v)) => v.parse::<u64>().map(|n| workers = Some(n)).is_ok(),
+            _ => false,
+        };
+        bad |= !ok || workers == Some(0);
+    }
+    if bad || (workers.is_some() && up.workers.is_none()) {
+        return respond(
+            400,
+            r#"{"error":"expected ?service_ms=N and/or workers=M (M >= 1, only with --workers)"}"#
+                .into(),
+        );
+    }
+    if let Some(ms) = service_ms {
+        up.service_ms.store(ms, Ordering::Relaxed);
+    }
+    if let (Some(n), Some(sem)) = (workers, &up.workers) {
+        let was = up.worker_count.swap(n, Ordering::Relaxed);
+        if n > was {
+            sem.add_permits((n - was) as usize);
+        } else if n < was {
+            // Workers leave as they finish what they hold, as a drained
+            // pod does: their permits are taken as they come free, and
+            // never given back.
+            let (up, gone) = (up.clone(), (was - n) as u32);
+            tokio::spawn(async move {
+                if let Some(sem) = &up.workers {
+                    if let Ok(p) = sem.acquire_many(gone).await {
+                        p.forget();
+                    }
+                }
+            });
+        }
+    }
+    respond(
+        200,
+        format!(
+            r#"{{"service_ms":{},"workers":{}}}"#,
+            up.service_ms.load(Ordering::Relaxed),
+            up.worker_count.load(Ordering::Relaxed)
+        ),
+    )
 }
 
 /// One counted request: held, given a worker, served for its service time.
@@ -403,6 +451,7 @@ async fn serve(args: Args) {
         next_free_us: Mutex::new(0.0),
         service_ms: AtomicU64::new(args.service_ms),
         workers: (args.workers > 0).then(|| tokio::sync::Semaphore::new(args.workers)),
+        worker_count: AtomicU64::new(args.workers as u64),
         held: Gauge::default(),
         waiting: Gauge::default(),
         args,
