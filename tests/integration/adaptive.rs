@@ -150,7 +150,7 @@ upstream = "up"
     // The cold start's last doubling passes the workers once, by at most
     // as many again; on a loaded host the queue that doubling makes can go
     // unseen for an interval, and one more doubling passes (16 over 6
-    // workers, in 1 of 6 full-suite runs). Never a second one.
+    // workers, in 1 of 10 full-suite runs). Never a second one.
     assert!(
         cold <= 3 * workers,
         "the upstream held {cold} at once from the cold start on, past three times its {workers} workers"
