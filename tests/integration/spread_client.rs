@@ -8,6 +8,7 @@
 //! pool can hold is admitted as without shares.
 
 use crate::leases::worst_interval;
+use crate::standing_shares::wait_usable;
 use crate::support;
 
 use std::collections::HashMap;
@@ -79,12 +80,16 @@ limit = {{ algorithm = "token_bucket", capacity = 100, refill_per_sec = 1, scope
     )
 }
 
-fn wait_usable(g: &GatewayGuard) {
-    support::wait_for(
-        "the replica to use its shares",
-        Duration::from_secs(15),
-        || (g.metric("gateway_shares_usable") == 1.0).then_some(()),
-    );
+/// One request for `path` from client address `ip`: its status.
+fn status(c: &mut Client, path: &str, ip: &str) -> u16 {
+    c.request(
+        "GET",
+        path,
+        &[("x-api-key", "k-secret"), ("x-forwarded-for", ip)],
+        b"",
+    )
+    .expect("request")
+    .status
 }
 
 /// One client (one address) sending `per_sec` requests a second to each
@@ -225,21 +230,13 @@ fn a_cost_no_pool_can_hold_is_admitted_as_without_shares() {
     let gw = GatewayGuard::start(&config(&redis.url(), &up, 80));
     wait_usable(&gw);
     let mut c = gw.client();
-    let mut status = || {
-        c.request(
-            "GET",
-            "/costly",
-            &[
-                ("x-api-key", "k-secret"),
-                ("x-forwarded-for", "198.51.100.7"),
-            ],
-            b"",
-        )
-        .expect("request")
-        .status
-    };
-    assert_eq!(status(), 200, "a full bucket of 100 holds a cost of 80");
-    assert_eq!(status(), 429, "20 left do not");
+    let ip = "198.51.100.7";
+    assert_eq!(
+        status(&mut c, "/costly", ip),
+        200,
+        "a full bucket of 100 holds a cost of 80"
+    );
+    assert_eq!(status(&mut c, "/costly", ip), 429, "20 left do not");
 }
 
 /// While Redis is out of reach (stopped: SIGSTOP, silence), a replica on
@@ -257,15 +254,7 @@ fn limits_on_the_fallback_show_what_is_enforced() {
     let mut c = gw.client();
     let mut admitted = 0;
     support::wait_for("the fallback", Duration::from_secs(10), || {
-        let r = c
-            .request(
-                "GET",
-                "/r",
-                &[("x-api-key", "k-secret"), ("x-forwarded-for", ip)],
-                b"",
-            )
-            .expect("request");
-        admitted += u64::from(r.status == 200);
+        admitted += u64::from(status(&mut c, "/r", ip) == 200);
         (gw.metric("gateway_fallback_transitions_total{to=\"local\"}") >= 1.0).then_some(())
     });
     let v = gw.admin_get(&format!("/limits?ip={ip}")).json();
@@ -279,16 +268,9 @@ fn limits_on_the_fallback_show_what_is_enforced() {
     let started = Instant::now();
     let mut after = 0;
     loop {
-        let r = c
-            .request(
-                "GET",
-                "/r",
-                &[("x-api-key", "k-secret"), ("x-forwarded-for", ip)],
-                b"",
-            )
-            .expect("request");
-        if r.status != 200 {
-            assert_eq!(r.status, 429);
+        let code = status(&mut c, "/r", ip);
+        if code != 200 {
+            assert_eq!(code, 429);
             break;
         }
         after += 1;

@@ -68,7 +68,7 @@ upstream = "up"
 
 /// Waits until the replica decides on its shares (it has been counted in
 /// the replica set for an announcement's life).
-fn wait_usable(g: &GatewayGuard) {
+pub(crate) fn wait_usable(g: &GatewayGuard) {
     support::wait_for(
         "the replica to use its shares",
         Duration::from_secs(15),
