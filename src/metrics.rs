@@ -107,6 +107,10 @@ pub fn install() {
             "Buckets whose local admissions during an outage were charged to Redis on failback"
         );
         describe_counter!(
+            "gateway_redis_lost_answers_total",
+            "Redis calls whose answers were lost, settled at failback, by whether they had run (yes, no)"
+        );
+        describe_counter!(
             "gateway_redis_probes_total",
             "Failback probes sent while on the fallback, by result (ok, failed)"
         );
@@ -481,6 +485,12 @@ pub enum LeaseEvent {
 
 pub fn replicas(n: u32) {
     gauge!("gateway_limiter_replicas").set(n as f64);
+}
+
+/// A call whose answer was lost, settled at failback: whether it had run.
+pub fn lost_answer(ran: bool) {
+    counter!("gateway_redis_lost_answers_total", "ran" => if ran { "yes" } else { "no" })
+        .increment(1);
 }
 
 pub fn debts_charged(buckets: usize) {

@@ -15,9 +15,9 @@
 //! busy worker is never blamed on Redis. When a call fails (an error, or the
 //! breaker opened while it was out) the requests queued behind it fail with
 //! it at once, and fall back together. A request that stopped waiting before
-//! its batch left is dropped from it, so a request is charged twice only if
-//! its own call left and then ran after it was abandoned (as any abandoned
-//! call may still run).
+//! its batch left is dropped from it. A request whose own call left and
+//! then failed may have been charged by it; its place in that call (`Sent`)
+//! goes with the error, so the fallback charges it once (`Ledger::doubt`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,6 +37,45 @@ const MAX_YIELDS: usize = 4;
 /// After this long the task starts no new round of gathering.
 const MAX_GATHER: Duration = Duration::from_micros(200);
 
+/// A call that failed, and the marker it carried when it may still have
+/// run (`limiter.lua`'s ARGV[1]): where Redis says, for a minute, which of
+/// its requests it admitted.
+#[derive(Debug, Clone)]
+pub struct Failed {
+    pub error: LimiterError,
+    pub marker: Option<Arc<str>>,
+}
+
+impl From<LimiterError> for Failed {
+    fn from(error: LimiterError) -> Self {
+        Failed {
+            error,
+            marker: None,
+        }
+    }
+}
+
+/// A request whose call failed, and where it was in that call when the
+/// call may have run (the fallback then charges it once: `Ledger::doubt`).
+#[derive(Debug, Clone)]
+pub struct Lost {
+    pub error: LimiterError,
+    pub sent: Option<Sent>,
+}
+
+/// A request's place in a call that carried a marker.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub marker: Arc<str>,
+    pub index: usize,
+}
+
+impl From<LimiterError> for Lost {
+    fn from(error: LimiterError) -> Self {
+        Lost { error, sent: None }
+    }
+}
+
 /// Decides a batch: one verdict per request, in order, or an error (at the
 /// latest when `abandon` changes).
 pub trait Decider: Send + Sync + 'static {
@@ -44,7 +83,7 @@ pub trait Decider: Send + Sync + 'static {
         &self,
         requests: &[&[Check]],
         abandon: &mut watch::Receiver<u64>,
-    ) -> impl std::future::Future<Output = Result<Vec<Verdict>, LimiterError>> + Send;
+    ) -> impl std::future::Future<Output = Result<Vec<Verdict>, Failed>> + Send;
 
     /// Changes whenever calls are to be abandoned (the breaker opened); its
     /// value counts the times.
@@ -56,7 +95,7 @@ struct Pending {
     /// before the breaker opened is not sent to the Redis it gave up on.
     epoch: u64,
     checks: Arc<[Check]>,
-    reply: oneshot::Sender<Result<Verdict, LimiterError>>,
+    reply: oneshot::Sender<Result<Verdict, Lost>>,
 }
 
 pub struct Batcher {
@@ -81,7 +120,7 @@ impl Batcher {
         decider: &Arc<D>,
         checks: Arc<[Check]>,
         epoch: u64,
-    ) -> oneshot::Receiver<Result<Verdict, LimiterError>> {
+    ) -> oneshot::Receiver<Result<Verdict, Lost>> {
         let (reply, rx) = oneshot::channel();
         let mut pending = Pending {
             epoch,
@@ -146,7 +185,7 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
         let epoch = *abandon.borrow_and_update();
         batch.retain(|p| !p.reply.is_closed());
         for p in batch.extract_if(.., |p| p.epoch < epoch) {
-            let _ = p.reply.send(Err(LimiterError::Abandoned));
+            let _ = p.reply.send(Err(LimiterError::Abandoned.into()));
         }
         if batch.is_empty() {
             continue;
@@ -161,16 +200,20 @@ async fn run<D: Decider>(decider: Arc<D>, mut queue: mpsc::UnboundedReceiver<Pen
                     let _ = p.reply.send(Ok(v));
                 }
             }
-            Err(e) => {
-                for p in batch.drain(..) {
-                    let _ = p.reply.send(Err(e.clone()));
+            Err(Failed { error: e, marker }) => {
+                for (index, p) in batch.drain(..).enumerate() {
+                    let sent = marker.clone().map(|marker| Sent { marker, index });
+                    let _ = p.reply.send(Err(Lost {
+                        error: e.clone(),
+                        sent,
+                    }));
                 }
                 // The requests queued behind a failed call fail with it, at
                 // once: they fall back now instead of waiting out their budget,
                 // and a Redis that just failed (or is holding calls) is not
                 // sent work that could be charged after they gave up.
                 while let Ok(p) = queue.try_recv() {
-                    let _ = p.reply.send(Err(e.clone()));
+                    let _ = p.reply.send(Err(e.clone().into()));
                 }
             }
         }

@@ -6,24 +6,97 @@
 //! has passed); a dropped debt only means a client is charged less than it
 //! spent. Debts put back after a failed charge are merged with what was
 //! recorded since, never dropped for room.
+//!
+//! Beside the debts, the doubts: admissions of requests whose Redis call
+//! failed in a way that may have run it (its answer was lost). Redis may
+//! have charged them already; failback asks the call's marker and takes
+//! back from the debts what Redis did charge (`Fallback::settle_doubts`).
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use super::algorithms::outage::{self, Debt};
 use super::algorithms::{Decision, Micros};
-use super::Check;
+use super::{Check, Sent};
 use crate::shard_map::{Room, ShardMap};
 
 const SHARDS: usize = 16;
 
+/// The most doubts kept: one outage leaves the requests of the calls in
+/// flight when it struck (a batch each, at most 64). Past it a doubt is
+/// not kept, and its request may be charged twice (never over a limit).
+const DOUBTS_CAP: usize = 4096;
+
+/// An admission recorded in the debts whose Redis call may also have
+/// charged it: the tiers that call decided, with the fallback's answers.
+#[derive(Debug, Clone)]
+pub struct Doubt {
+    pub sent: Sent,
+    pub checks: Vec<Check>,
+    pub decisions: Vec<Decision>,
+    pub now: Micros,
+}
+
 pub struct Ledger {
     /// Bucket name -> the shared rule's check and what was admitted against it.
     debts: ShardMap<String, (Check, Option<Debt>)>,
+    doubts: Mutex<Vec<Doubt>>,
 }
 
 impl Ledger {
     pub fn new(cap: usize) -> Self {
         Ledger {
             debts: ShardMap::new(SHARDS, cap),
+            doubts: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Keeps a doubt about an admission `record` recorded.
+    pub fn doubt(&self, doubt: Doubt) {
+        let mut doubts = self.doubts.lock();
+        if doubts.len() < DOUBTS_CAP {
+            doubts.push(doubt);
+        }
+    }
+
+    pub fn take_doubts(&self) -> Vec<Doubt> {
+        std::mem::take(&mut *self.doubts.lock())
+    }
+
+    pub fn restore_doubts(&self, mut back: Vec<Doubt>) {
+        let mut doubts = self.doubts.lock();
+        back.append(&mut doubts);
+        *doubts = back;
+    }
+
+    /// Redis ran the doubt's call and said `said` of its request ('1':
+    /// admitted, every tier charged; '2': admitted, a shadow tier not):
+    /// what Redis charged is taken off the debts.
+    pub fn settle(&self, doubt: &Doubt, said: u8) {
+        let charged: Vec<bool> = doubt
+            .checks
+            .iter()
+            .zip(&doubt.decisions)
+            .map(|(c, d)| d.allowed && (said == b'1' || (said == b'2' && !c.shadow)))
+            .collect();
+        let (checks, decisions): (Vec<Check>, Vec<Decision>) = doubt
+            .checks
+            .iter()
+            .zip(&doubt.decisions)
+            .zip(charged)
+            .filter(|(_, charged)| *charged)
+            .map(|((c, d), _)| (c.clone(), *d))
+            .unzip();
+        self.unrecord(&checks, &decisions, doubt.now);
+    }
+
+    /// The markers the doubts wait on, each once.
+    pub fn markers(doubts: &[Doubt]) -> Vec<Arc<str>> {
+        let mut markers: Vec<Arc<str>> = doubts.iter().map(|d| d.sent.marker.clone()).collect();
+        markers.sort();
+        markers.dedup();
+        markers
     }
 
     /// Records one admission of every tier that admitted it. `shared` are the
@@ -81,7 +154,7 @@ impl Ledger {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.debts.is_empty()
+        self.debts.is_empty() && self.doubts.lock().is_empty()
     }
 
     /// Puts back debts whose charge failed, merged with anything recorded
@@ -149,5 +222,60 @@ mod tests {
             Debt::Gcra { count, .. } => assert_eq!(*count, 51),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A doubt that Redis admitted is taken off the debts ('1'); a shadow
+    /// tier Redis did not charge ('2') stays; a refusal ('0') takes nothing.
+    #[test]
+    fn settled_doubts_leave_what_redis_did_not_charge() {
+        let alg = Algorithm::TokenBucket {
+            capacity: 100,
+            refill_per_sec: 1.0,
+        };
+        let check = |key: &str, shadow: bool| Check {
+            tier: Tier::Key,
+            key: key.into(),
+            algorithm: alg,
+            shadow,
+            cost: 1,
+            shards: 1,
+            pool: false,
+        };
+        let checks = [check("a", false), check("s", true)];
+        let ok = Decision {
+            allowed: true,
+            limit: 100,
+            remaining: 99,
+            retry_after_us: 0,
+            reset_after_us: 0,
+            delay_us: 0,
+        };
+        let ledger = Ledger::new(16);
+        let t0 = 1_700_000_000_000_000;
+        for i in 0..4 {
+            ledger.record(&checks, &checks, &[ok, ok], t0 + i);
+        }
+        let doubt = |index| Doubt {
+            sent: Sent {
+                marker: "m".into(),
+                index,
+            },
+            checks: checks.to_vec(),
+            decisions: vec![ok, ok],
+            now: t0,
+        };
+        ledger.settle(&doubt(0), b'1');
+        ledger.settle(&doubt(1), b'2');
+        ledger.settle(&doubt(2), b'0');
+        let mut counts: Vec<(String, u64)> = ledger
+            .take()
+            .into_iter()
+            .map(|(c, d)| match d {
+                Debt::Gcra { count, .. } => (c.key, count),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        counts.sort();
+        assert_eq!(counts, vec![("a".into(), 2), ("s".into(), 3)]);
     }
 }

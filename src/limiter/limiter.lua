@@ -14,6 +14,14 @@ ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME,
          Redis's clock) the call writes nothing and fails with "late": its
          caller may have given up on it and decided it elsewhere (a Redis
          that stalled runs the calls queued meanwhile: redis/script.rs)
+         Either may be followed by "|<marker>": the call's own name
+         (redis/script.rs, `Marks`), under which a call deciding requests
+         leaves, for a minute, one character per request: 1 admitted (every
+         tier charged), 2 admitted with a shadow tier not charged, 0 refused.
+         A replica whose answer was lost reads it at failback, so the
+         requests it then also decided on its fallback are charged once.
+         A marker already there (a replica that gave up on the call wrote
+         "void") makes the call late: it writes nothing.
 ARGV[2]  m, the number of requests
 ARGV[3]  s, the number of request shapes
 ARGV[4]  x, the number of further buckets named in ARGV[5 .. 4 + x]: in
@@ -263,16 +271,23 @@ local now
 -- needs. (A state kept past its time reads as an empty bucket: no decision
 -- changes.)
 local min_px = 1
-if ARGV[1] ~= '' and string.sub(ARGV[1], 1, 1) ~= 'd' then
-  now = tonum(ARGV[1])
+local when, marker = ARGV[1], nil
+if string.find(when, '|', 1, true) then
+  when, marker = match(when, '^([^|]*)|(.+)$')
+end
+if when ~= '' and string.sub(when, 1, 1) ~= 'd' then
+  now = tonum(when)
   min_px = 60000
 else
   local t = call('TIME')
   now = tonum(t[1]) * 1000000 + tonum(t[2])
-  local deadline = tonum(string.sub(ARGV[1], 2))
+  local deadline = tonum(string.sub(when, 2))
   if deadline and now > deadline then
     return redis.error_reply(format('limiter.lua: late by %d us: nothing written', now - deadline))
   end
+end
+if marker and call('EXISTS', marker) == 1 then
+  return redis.error_reply('limiter.lua: late by 0 us: its caller gave it up (' .. marker .. '): nothing written')
 end
 
 local function bad(why)
@@ -549,10 +564,13 @@ end
 local t_key, t_ok, t_new, t_ttl, t_cost = {}, {}, {}, {}, {}
 
 local out, no = {}, 0
+-- Per request, what the marker says of it.
+local ran = {}
 for r = 1, m do
   local q = shape[r]
   local n, j = len[q], start[q]
   local admit = true
+  local full = true
   for i = 1, n do
     local k, c = refs[j + i], costs[j + i]
     local shadow = k < 0
@@ -570,7 +588,9 @@ for r = 1, m do
     else
       ok, remaining, reset, delay, new, ttl = sliding_log(names[k], p1s[k], ws[k], now, c)
     end
-    if not ok and not shadow then admit = false end
+    if not ok then
+      if shadow then full = false else admit = false end
+    end
     t_key[i], t_ok[i], t_new[i], t_ttl[i], t_cost[i] = k, ok, new, ttl, c
     if not ok then
       -- What the bucket holds: what a request of cost 1 would be told, plus it.
@@ -599,6 +619,7 @@ for r = 1, m do
       out[no] = delay
     end
   end
+  ran[r] = admit and (full and '1' or '2') or '0'
   if admit then
     for i = 1, n do
       if t_ok[i] then
@@ -707,6 +728,9 @@ for k, _ in pairs(lchanged) do
     call('HSET', key, unpack(args))
     call('PEXPIRE', key, max(min_px, ceil((max(0, ws[k] - now) + QUOTA_KEEP_US) / 1000)))
   end
+end
+if marker and m > 0 then
+  call('SET', marker, table.concat(ran), 'PX', 60000)
 end
 out[no + 1] = now
 return out

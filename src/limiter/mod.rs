@@ -20,6 +20,7 @@ use std::fmt;
 use async_trait::async_trait;
 
 pub use algorithms::{Decision, Micros};
+pub(crate) use batch::{Lost, Sent};
 pub use fallback::{share, Fallback, FallbackState, OnShares, Outcome, Reset};
 pub use local::LocalBackend;
 pub use redis::{slot, AdminConnection, RedisBackend};

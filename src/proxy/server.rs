@@ -347,7 +347,8 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
         (Backend::Redis, Some(r)) => {
             let backend = RedisBackend::from_settings(r, None)
                 .map_err(|e| format!("[redis]: {e}"))?
-                .with_quota_retention(config.limiter.quota_retention_days);
+                .with_quota_retention(config.limiter.quota_retention_days)
+                .with_call_marks(config.key_prefix());
             let leases = config.limiter.leases;
             Some(if leases.enabled {
                 backend.with_leases(

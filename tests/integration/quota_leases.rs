@@ -285,8 +285,8 @@ fn a_killed_replicas_lease_comes_back_when_it_expires() {
 /// is the one case left, when the stop strikes between a call's run and its
 /// answer. Its lease reports are numbered, and told again with their number
 /// count once: `a_lost_answer_tells_no_lease_spending_twice`; one loaded run
-/// had billed them twice, +17. Its requests, if it decided any, are still
-/// charged twice: Redis admitted them and so did the fallback.)
+/// had billed them twice, +17. Its requests, if it decided any, are charged
+/// once: `a_lost_answer_charges_its_requests_once`.)
 #[test]
 fn a_redis_stall_bills_nothing_twice() {
     for leases in [false, true] {
@@ -359,13 +359,12 @@ fn bill_through_three(gw: &GatewayGuard, up: &UpstreamGuard, disturb: impl Fn())
 struct AnswerHold {
     addr: std::net::SocketAddr,
     hold: Arc<AtomicBool>,
-    /// Set: the next call that only carries a quota's lease reports (no
-    /// request) starts a hold as it reaches Redis.
+    /// Set: the next call `trigger` picks starts a hold as it reaches Redis.
     arm: Arc<AtomicBool>,
 }
 
 impl AnswerHold {
-    fn start(redis_port: u16) -> Self {
+    fn start(redis_port: u16, trigger: fn(&[u8]) -> bool) -> Self {
         use std::io::{Read, Write};
         use std::net::{TcpListener, TcpStream};
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind the relay");
@@ -394,7 +393,7 @@ impl AnswerHold {
                             };
                             let trigger = a.as_ref().is_some_and(|a| {
                                 a.load(Ordering::Acquire)
-                                    && lease_report_only(&buf[..n])
+                                    && trigger(&buf[..n])
                                     && a.swap(false, Ordering::AcqRel)
                             });
                             if trigger {
@@ -455,18 +454,27 @@ fn lease_report_only(bytes: &[u8]) -> bool {
         && parts.iter().any(|p| p.contains("q-month"))
 }
 
+/// Whether `bytes` hold a `limiter.lua` call deciding requests (ARGV[2]
+/// is not 0).
+fn deciding_requests(bytes: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(bytes);
+    let parts: Vec<&str> = text.split("\r\n").skip(2).step_by(2).collect();
+    let Some(keys) = parts.get(2).and_then(|k| k.parse::<usize>().ok()) else {
+        return false;
+    };
+    parts.first() == Some(&"EVALSHA") && parts.get(4 + keys).is_some_and(|m| *m != "0")
+}
+
 /// `a_redis_stall_bills_nothing_twice`'s one case left, made certain for a
 /// quota's lease reports: the call that carries them is in flight when the
 /// stall strikes, has run in Redis in time, and its answer is lost (held
 /// 1.5 s, three times; the gateway fails over and back each time). The
 /// spending it reported is told again, with its number, and counted once
-/// (with the numbers ignored: +52..60, what those calls reported). (A lost
-/// answer to a call deciding requests still charges them twice, Redis's
-/// admission and the fallback's: without leases, +1 a hold here.)
+/// (with the numbers ignored: +52..60, what those calls reported).
 #[test]
 fn a_lost_answer_tells_no_lease_spending_twice() {
     let redis = RedisGuard::start();
-    let relay = AnswerHold::start(redis.port);
+    let relay = AnswerHold::start(redis.port, lease_report_only);
     let up = UpstreamGuard::start();
     let gw = GatewayGuard::start(&config(&relay.url(), &up, 100, ""));
     let (served, billed) = bill_through_three(&gw, &up, || {
@@ -486,6 +494,40 @@ fn a_lost_answer_tells_no_lease_spending_twice() {
         billed.abs_diff(served) <= 2,
         "billed once for each request served: {billed} for {served}"
     );
+}
+
+/// A call deciding requests whose answer is lost charges them once. The
+/// call runs in Redis in time and its answer is held 1.5 s, three times,
+/// with leases off: every request goes to Redis. The gateway decides the
+/// call's requests on its fallback too; at failback the call's marker says
+/// which of them Redis admitted, and those are not charged again: `used`
+/// is exactly what the upstream received.
+#[test]
+fn a_lost_answer_charges_its_requests_once() {
+    let redis = RedisGuard::start();
+    let relay = AnswerHold::start(redis.port, deciding_requests);
+    let up = UpstreamGuard::start();
+    let cfg = config(&relay.url(), &up, 100, "").replace("enabled = true", "enabled = false");
+    let gw = GatewayGuard::start(&cfg);
+    let (served, billed) = bill_through_three(&gw, &up, || {
+        relay.arm.store(true, Ordering::Release);
+        wait_for("a deciding call to hold", Duration::from_secs(5), || {
+            relay.hold.load(Ordering::Acquire).then_some(())
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        relay.hold.store(false, Ordering::Release);
+    });
+    let ran = gw.metric("gateway_redis_lost_answers_total{ran=\"yes\"}");
+    println!(
+        "FIGURES lost-decision-answer: three 1.5 s holds of a deciding call's answer under 4 clients: upstream received {served}, used {billed} ({:+}); lost answers that had run: {ran}",
+        billed as i64 - served as i64
+    );
+    assert!(served > 100, "traffic flowed: {served}");
+    assert!(
+        ran >= 3.0,
+        "each hold lost the answer of a call that ran: {ran}"
+    );
+    assert_eq!(billed, served, "billed once for each request served");
 }
 
 /// Six threads spraying a key over both replicas in turn for `secs`: the

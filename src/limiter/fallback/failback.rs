@@ -78,6 +78,7 @@ impl Fallback {
     /// Charges the ledger to Redis; what a failure leaves uncharged is put
     /// back for the next attempt (merged with what was recorded since).
     pub(super) async fn settle_debts(&self, redis: &RedisBackend) -> Result<(), LimiterError> {
+        self.settle_doubts(redis).await?;
         let mut debts = self.ledger.take();
         if debts.is_empty() {
             return Ok(());
@@ -98,6 +99,46 @@ impl Fallback {
                 Err(e)
             }
         }
+    }
+
+    /// Admissions whose Redis call failed after it may have run: each
+    /// call's marker says whether it ran and what it admitted, and what
+    /// Redis charged then is taken off the debts, so a request is charged
+    /// once. A call that did not run is voided: it never will.
+    async fn settle_doubts(&self, redis: &RedisBackend) -> Result<(), LimiterError> {
+        let doubts = self.ledger.take_doubts();
+        if doubts.is_empty() {
+            return Ok(());
+        }
+        let mut said = std::collections::HashMap::new();
+        for marker in Ledger::markers(&doubts) {
+            match redis.what_ran(&marker).await {
+                Ok(flags) => {
+                    metrics::lost_answer(flags.is_some());
+                    said.insert(marker, flags);
+                }
+                Err(e) => {
+                    self.ledger.restore_doubts(doubts);
+                    return Err(e);
+                }
+            }
+        }
+        let mut once = 0;
+        for d in &doubts {
+            let flags = said.get(&d.sent.marker).and_then(Option::as_deref);
+            if let Some(&f @ (b'1' | b'2')) = flags.and_then(|f| f.as_bytes().get(d.sent.index)) {
+                self.ledger.settle(d, f);
+                once += 1;
+            }
+        }
+        tracing::info!(
+            calls = said.len(),
+            ran = said.values().filter(|f| f.is_some()).count(),
+            requests = doubts.len(),
+            charged_by_redis = once,
+            "limiter: calls whose answers were lost, settled: what they admitted in redis is not charged again"
+        );
+        Ok(())
     }
 
     /// A charge while Redis decides (stragglers after failback, or a charge

@@ -61,10 +61,12 @@ use super::algorithms::lease::leasable;
 use super::algorithms::{outage, Snapshot};
 use super::deny_cache::{Denial, DenyCache};
 use super::leases::Leases;
-use super::ledger::Ledger;
+use super::ledger::{Doubt, Ledger};
 use super::redis::Persistence;
 use super::standing::Standing;
-use super::{Backend, Check, Decision, LimiterError, LocalBackend, Micros, RedisBackend, Verdict};
+use super::{
+    Backend, Check, Decision, LimiterError, LocalBackend, Lost, Micros, RedisBackend, Sent, Verdict,
+};
 use crate::clock::{Clock, SystemClock};
 use crate::config::OnRedisFailure;
 use crate::metrics::{self, DecidedBy};
@@ -454,6 +456,9 @@ impl Fallback {
             }
         }
         let taken = taken.filter(|t| t.any());
+        // A call that failed after it may have run in Redis: the request's
+        // place in it, and the tiers it asked (`Ledger::doubt`).
+        let mut lost_call: Option<(Sent, Arc<[Check]>)> = None;
         if up {
             let asked: Arc<[Check]> = match &taken {
                 Some(t) => Covered::leases(&t.decisions).rest(checks, Check::clone),
@@ -466,8 +471,13 @@ impl Fallback {
             // opened the breaker on a healthy Redis). Sent again while Redis
             // answers, up to the longest a request waits for it; the
             // watchdog's PING, not this, tells whether Redis is slow.
-            while matches!(result, Err(LimiterError::Late(_)))
-                && redis.epoch() == epoch
+            while matches!(
+                &result,
+                Err(Lost {
+                    error: LimiterError::Late(_),
+                    ..
+                })
+            ) && redis.epoch() == epoch
                 && self.redis_up.load(Ordering::Acquire)
                 && started.elapsed() < redis.max_wait()
             {
@@ -553,7 +563,8 @@ impl Fallback {
                         _ => outcome,
                     };
                 }
-                Err(e) => {
+                Err(Lost { error: e, sent }) => {
+                    lost_call = sent.map(|s| (s, asked));
                     // Abandoned: the breaker has just opened on Redis's account.
                     // A failure of a call from before an earlier opening says
                     // nothing of the Redis failed back to since.
@@ -566,7 +577,7 @@ impl Fallback {
                             leases.give_back(checks, t);
                         }
                         metrics::decided_by(DecidedBy::Fallback);
-                        return self.fallback_outcome(checks).await;
+                        return self.fallback_outcome(checks, None).await;
                     }
                 }
             }
@@ -579,7 +590,7 @@ impl Fallback {
         match self.on_failure {
             OnRedisFailure::Local => {
                 metrics::decided_by(DecidedBy::Fallback);
-                self.fallback_outcome(checks).await
+                self.fallback_outcome(checks, lost_call).await
             }
             OnRedisFailure::Allow => {
                 metrics::decided_by(DecidedBy::FailOpen);
@@ -696,8 +707,13 @@ impl Fallback {
     }
 
     /// Redis failed: this replica's share, locally, with the admissions
-    /// recorded for failback.
-    async fn fallback_outcome(&self, checks: &[Check]) -> Outcome {
+    /// recorded for failback. `lost_call`: the request's call may have run
+    /// in Redis, deciding the tiers it asked; failback settles that doubt.
+    async fn fallback_outcome(
+        &self,
+        checks: &[Check],
+        lost_call: Option<(Sent, Arc<[Check]>)>,
+    ) -> Outcome {
         let n = self.fallback_replicas();
         let shares: Arc<[Check]> = checks
             .iter()
@@ -714,6 +730,24 @@ impl Fallback {
             if verdict.admitted(s) {
                 self.ledger
                     .record(checks, s, &verdict.decisions, verdict.now_us);
+                if let Some((sent, asked)) = lost_call {
+                    // The asked tiers with the fallback's answers for them.
+                    let (asked, decisions) = asked
+                        .iter()
+                        .filter_map(|a| {
+                            let i = checks
+                                .iter()
+                                .position(|c| c.tier == a.tier && c.key == a.key)?;
+                            Some((a.clone(), verdict.decisions[i]))
+                        })
+                        .unzip();
+                    self.ledger.doubt(Doubt {
+                        sent,
+                        checks: asked,
+                        decisions,
+                        now: verdict.now_us,
+                    });
+                }
             }
         }
         outcome

@@ -211,21 +211,24 @@ impl Inner {
                         // dropped when the batch is abandoned).
                         let settle = self.leases.as_ref().map(|l| l.settle(asks));
                         let mut conn = conn?;
-                        let result = match run_script(self, &mut conn, &parts, asks, *spans, false)
-                            .await
-                        {
-                            // A master's own connection redirected: follow it
-                            // once, as the cluster client would (ASK: on the
-                            // node importing the slot, this call only).
-                            Err(LimiterError::Misplaced(code @ ("ASK" | "MOVED"), Some(to)))
-                                if matches!(conn, Conn::Single(_)) =>
+                        let result =
+                            match run_script(self, &mut conn, &parts, asks, *spans, false, None)
+                                .await
                             {
-                                let mut there = self.node_connection(&to)?;
-                                let asking = code == "ASK";
-                                run_script(self, &mut there, &parts, asks, *spans, asking).await
-                            }
-                            other => other,
-                        };
+                                // A master's own connection redirected: follow it
+                                // once, as the cluster client would (ASK: on the
+                                // node importing the slot, this call only).
+                                Err(LimiterError::Misplaced(
+                                    code @ ("ASK" | "MOVED"),
+                                    Some(to),
+                                )) if matches!(conn, Conn::Single(_)) => {
+                                    let mut there = self.node_connection(&to)?;
+                                    let asking = code == "ASK";
+                                    run_script(self, &mut there, &parts, asks, *spans, asking, None)
+                                        .await
+                                }
+                                other => other,
+                            };
                         // A call that ran took its grants, whatever the batch's
                         // other calls did.
                         match (result, settle) {

@@ -49,7 +49,7 @@ use redis::cluster_async::ClusterConnection;
 use super::algorithms::lease::Grant;
 use super::algorithms::outage::Debt;
 use super::algorithms::quota;
-use super::batch::{Batcher, Decider};
+use super::batch::{Batcher, Decider, Failed, Lost};
 use super::leases::{debit, Asks, Leases};
 use super::{Backend, Check, Decision, LimiterError, Micros, Verdict};
 use crate::clock::Clock;
@@ -147,7 +147,30 @@ struct Inner {
     refund_conn: ArcSwapOption<ClusterConnection>,
     /// This replica's leases (`None`: disabled).
     leases: Option<Leases>,
+    /// Names the calls that decide requests (`None`: they carry none).
+    marks: Option<Marks>,
 }
+
+/// Call markers (`limiter.lua`'s ARGV[1]): `<prefix>:ran:<random>:<n>`,
+/// n counting this replica's calls. A call deciding requests leaves under
+/// its marker, for a minute, which of them it admitted, so that a replica
+/// whose answer was lost charges at failback only what Redis did not.
+struct Marks {
+    name: String,
+    next: std::sync::atomic::AtomicU64,
+}
+
+/// How long a call's marker lives: a lost answer is settled by the
+/// failback after it, if Redis answers within this long; after that its
+/// requests are charged twice (the old way, never over a limit).
+const MARK_LIFE_MS: u64 = 60_000;
+
+/// Reads a call's marker, or voids it (the call, should it run later,
+/// writes nothing): '' or "void" when the call did not run.
+static WHAT_RAN_LUA: &str = "local v = redis.call('GET', KEYS[1]) \
+if v then return v end \
+redis.call('SET', KEYS[1], 'void', 'PX', ARGV[1]) \
+return ''";
 
 pub struct RedisBackend {
     inner: Arc<Inner>,
@@ -248,6 +271,7 @@ impl RedisBackend {
             secrets: ArcSwap::from_pointee(secrets),
             rotation: parking_lot::Mutex::new(None),
             leases: None,
+            marks: None,
         };
         RedisBackend {
             inner: Arc::new(inner),
@@ -273,6 +297,41 @@ impl RedisBackend {
             inner.leases = Some(Leases::new(period, max_entries));
         }
         self
+    }
+
+    /// Marks each call that decides requests (`Marks`), under `prefix`.
+    /// Standalone and Sentinel only: a cluster's calls carry none. Before
+    /// the backend is shared.
+    pub fn with_call_marks(mut self, prefix: &str) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.marks = Some(Marks {
+                name: format!("{prefix}:ran:{:016x}", fastrand::u64(..)),
+                next: std::sync::atomic::AtomicU64::new(0),
+            });
+        }
+        self
+    }
+
+    /// What a call marked `marker` admitted, by request ('1' or '2':
+    /// admitted; '0' refused); `None` if it did not run, and then it never
+    /// will (the marker is voided).
+    pub async fn what_ran(&self, marker: &str) -> Result<Option<String>, LimiterError> {
+        let mut conn = self.inner.probe_connection()?;
+        let script = redis::Script::new(WHAT_RAN_LUA);
+        let mut inv = script.prepare_invoke();
+        inv.key(marker).arg(MARK_LIFE_MS);
+        let work = async {
+            match &mut conn {
+                Conn::Single(c) => inv.invoke_async::<String>(c).await,
+                Conn::Cluster(c) => inv.invoke_async::<String>(c).await,
+            }
+            .map_err(redis_err)
+        };
+        let said = self
+            .inner
+            .by(Instant::now() + self.inner.upkeep_budget(), work)
+            .await?;
+        Ok((!said.is_empty() && said != "void").then_some(said))
     }
 
     pub fn leases(&self) -> Option<&Leases> {
@@ -307,6 +366,7 @@ impl RedisBackend {
             .decide_asking(&[], asks, &mut abandon)
             .await
             .map(|_| ())
+            .map_err(|f| f.error)
     }
 
     /// Decides several requests in one call with lease requests: the
@@ -335,7 +395,7 @@ impl RedisBackend {
         asks: &Asks,
     ) -> Result<(Vec<Verdict>, Vec<Grant>, Micros), LimiterError> {
         let mut conn = self.inner.connection()?;
-        run_script(&self.inner, &mut conn, requests, asks, false, false).await
+        run_script(&self.inner, &mut conn, requests, asks, false, false, None).await
     }
 
     /// Checks that Redis takes writes and has the scripts: see `Inner::probe`.
@@ -347,7 +407,10 @@ impl RedisBackend {
     /// sends; public so the conformance suite can hold it to one-by-one).
     pub async fn decide_many(&self, requests: &[&[Check]]) -> Result<Vec<Verdict>, LimiterError> {
         let mut abandon = self.inner.abandon.subscribe();
-        self.inner.decide_batch(requests, &mut abandon).await
+        self.inner
+            .decide_batch(requests, &mut abandon)
+            .await
+            .map_err(|f| f.error)
     }
 
     /// How many times calls have been abandoned (the breaker opened). A
@@ -368,15 +431,11 @@ impl RedisBackend {
     /// The request waits for its batch's answer: the budget runs from when
     /// the call is sent, not from when this request queued (a busy worker's
     /// queue is not Redis's latency).
-    pub async fn decide_shared(
-        &self,
-        checks: Arc<[Check]>,
-        epoch: u64,
-    ) -> Result<Verdict, LimiterError> {
+    pub async fn decide_shared(&self, checks: Arc<[Check]>, epoch: u64) -> Result<Verdict, Lost> {
         self.batcher
             .submit(&self.inner, checks, epoch)
             .await
-            .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into())))
+            .unwrap_or_else(|_| Err(LimiterError::Redis("the batching task ended".into()).into()))
     }
 
     /// Drops the request path's connection, so the next request opens a new
@@ -528,7 +587,7 @@ impl Decider for Inner {
         &self,
         requests: &[&[Check]],
         abandon: &mut tokio::sync::watch::Receiver<u64>,
-    ) -> Result<Vec<Verdict>, LimiterError> {
+    ) -> Result<Vec<Verdict>, Failed> {
         let asks = match &self.leases {
             Some(leases) => leases.asks(requests, Instant::now()),
             None => Asks::default(),
@@ -549,7 +608,7 @@ impl Inner {
         requests: &[&[Check]],
         asks: Asks,
         abandon: &mut tokio::sync::watch::Receiver<u64>,
-    ) -> Result<Vec<Verdict>, LimiterError> {
+    ) -> Result<Vec<Verdict>, Failed> {
         let conn = self.connection();
         let mut conn = match conn {
             Ok(c) => c,
@@ -557,7 +616,7 @@ impl Inner {
                 if let Some(leases) = &self.leases {
                     leases.failed(&asks, e.may_have_run());
                 }
-                return Err(e);
+                return Err(e.into());
             }
         };
         let sent = Instant::now();
@@ -568,14 +627,35 @@ impl Inner {
         if let Conn::Cluster(_) = conn {
             // Each master's call applies its own grants (`decide_grouped`).
             let call = self.decide_clustered(&conn, requests, &asks);
-            return self.answer(call, abandon).await;
+            return self.answer(call, abandon).await.map_err(Failed::from);
         }
+        let marker: Option<Arc<str>> = self
+            .marks
+            .as_ref()
+            .filter(|_| requests.iter().any(|r| !r.is_empty()))
+            .map(|m| {
+                let n = m.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                format!("{}:{n}", m.name).into()
+            });
+        // A call that may have run hands its marker to its requests.
+        let failed = |e: LimiterError| Failed {
+            marker: marker.clone().filter(|_| e.may_have_run()),
+            error: e,
+        };
         // Settled however this call ends (this future may be dropped).
         let settle = self.leases.as_ref().map(|l| l.settle(&asks));
-        let call = run_script(self, &mut conn, requests, &asks, false, false);
+        let call = run_script(
+            self,
+            &mut conn,
+            requests,
+            &asks,
+            false,
+            false,
+            marker.as_deref(),
+        );
         let result = self.answer(call, abandon).await;
         let Some(settle) = settle else {
-            return result.map(|(verdicts, ..)| verdicts);
+            return result.map(|(verdicts, ..)| verdicts).map_err(failed);
         };
         match result {
             Ok((mut verdicts, grants, now_us)) => {
@@ -585,7 +665,7 @@ impl Inner {
             }
             Err(e) => {
                 settle.failed(e.may_have_run());
-                Err(e)
+                Err(failed(e))
             }
         }
     }
@@ -594,7 +674,9 @@ impl Inner {
 #[async_trait]
 impl Backend for RedisBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
-        self.decide_shared(checks.into(), self.epoch()).await
+        self.decide_shared(checks.into(), self.epoch())
+            .await
+            .map_err(|l| l.error)
     }
 }
 

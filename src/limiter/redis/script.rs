@@ -70,6 +70,7 @@ pub(super) async fn run_script(
     asks: &Asks,
     across_slots: bool,
     asking: bool,
+    marker: Option<&str>,
 ) -> Result<(Vec<Verdict>, Vec<Grant>, Micros), LimiterError> {
     // Each bucket is named once, with its rule's parameters (a bucket's name
     // carries them, so they are the same for every tier naming it); tiers
@@ -140,10 +141,14 @@ pub(super) async fn run_script(
     for c in &buckets[..declared] {
         cmd.arg(c.key.as_str());
     }
-    match (clock, fence.deadline()) {
-        (Some(clock), _) => cmd.arg(clock.now_us()),
-        (None, Some(deadline)) => cmd.arg(format!("d{deadline}")),
-        (None, None) => cmd.arg(""),
+    let when = match (clock, fence.deadline()) {
+        (Some(clock), _) => clock.now_us().to_string(),
+        (None, Some(deadline)) => format!("d{deadline}"),
+        (None, None) => String::new(),
+    };
+    match marker {
+        Some(m) => cmd.arg(format!("{when}|{m}")),
+        None => cmd.arg(when),
     };
     cmd.arg(requests.len())
         .arg(shapes.len())
