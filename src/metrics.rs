@@ -107,6 +107,10 @@ pub fn install() {
             "Buckets whose local admissions during an outage were charged to Redis on failback"
         );
         describe_counter!(
+            "gateway_shares_pulled_tokens_total",
+            "Tokens the pull round asked of pools for standing shares that ran dry (asked), and got (granted)"
+        );
+        describe_counter!(
             "gateway_redis_lost_answers_total",
             "Redis calls whose answers were lost, settled at failback, by whether they had run (yes, no)"
         );
@@ -485,6 +489,12 @@ pub enum LeaseEvent {
 
 pub fn replicas(n: u32) {
     gauge!("gateway_limiter_replicas").set(n as f64);
+}
+
+/// One pull call: tokens asked of the pools for dry shares, and granted.
+pub fn share_pull(asked: u64, granted: u64) {
+    counter!("gateway_shares_pulled_tokens_total", "result" => "asked").increment(asked);
+    counter!("gateway_shares_pulled_tokens_total", "result" => "granted").increment(granted);
 }
 
 /// A call whose answer was lost, settled at failback: whether it had run.

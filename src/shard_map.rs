@@ -283,6 +283,18 @@ impl<K: Hash + Eq, V, S: BuildHasher, M> Locked<'_, K, V, S, M> {
         self.shard.map.clear();
     }
 
+    /// Keeps the entries `keep` says to.
+    pub fn retain(&mut self, mut keep: impl FnMut(&K, &mut V) -> bool) {
+        let before = self.shard.map.len();
+        self.shard.map.retain(|k, v| keep(k, v));
+        self.len
+            .fetch_sub(before - self.shard.map.len(), Ordering::Relaxed);
+    }
+
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.shard.map.values_mut()
+    }
+
     /// Takes every entry of this shard out.
     pub fn drain(&mut self) -> Vec<(K, V)> {
         let out: Vec<(K, V)> = self.shard.map.drain(..).collect();

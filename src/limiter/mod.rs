@@ -12,6 +12,7 @@ pub mod keys;
 pub mod leases;
 mod ledger;
 mod local;
+mod pulls;
 mod redis;
 pub mod standing;
 

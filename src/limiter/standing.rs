@@ -27,6 +27,7 @@ use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use super::algorithms::standing::{pool, share, Heard, Membership, Share};
+use super::pulls::Wanting;
 use super::{Check, Decision, Micros, Tier};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Algorithm;
@@ -62,6 +63,17 @@ pub struct Standing {
     /// shares belong to (`Members::generation`): a request that read an
     /// older one (a rejoin cleared the table meanwhile) inserts nothing.
     shares: ShardMap<Box<str>, Share, std::hash::RandomState, u64>,
+    /// Shares that could not cover a request lately, topped up from their
+    /// pools each round (`pulls`).
+    wanting: Wanting,
+}
+
+/// A top-up to ask a pool for: the request's check (the bucket's rule),
+/// its pool's, and the tokens wanted.
+pub struct Pull {
+    pub check: Check,
+    pub pool: Check,
+    pub want: u64,
 }
 
 /// The membership as a request reads it (µs since `base`).
@@ -157,6 +169,7 @@ impl Standing {
             membership: Mutex::new(Members::default()),
             view: ArcSwapOption::empty(),
             shares: ShardMap::new(SHARDS, max_entries),
+            wanting: Wanting::default(),
         }
     }
 
@@ -282,7 +295,11 @@ impl Standing {
         let mut decisions = Vec::with_capacity(checks.len());
         for c in checks {
             let d = if self.cuts(c) {
-                self.take_one(c, &cut)
+                let d = self.take_one(c, &cut);
+                if d.is_none() && !frozen {
+                    self.wanting.missed(c);
+                }
+                d
             } else {
                 None
             };
@@ -353,6 +370,52 @@ impl Standing {
         }
         if let Some(s) = shard.get_mut(key) {
             *s = s.give_back(c.cost, now);
+        }
+    }
+
+    /// This round's top-ups (`pulls`): each share that missed tokens since
+    /// the last round, filled to full; and the membership they are for.
+    /// None while the shares are not usable.
+    pub fn pulls(&self) -> Option<(Vec<Pull>, u64)> {
+        let cut = self.usable(false)?;
+        let due = self.wanting.due(Instant::now());
+        let pulls = due
+            .into_iter()
+            .filter_map(|c| {
+                let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
+                let key = c.key.as_str();
+                let held = self.shares.lock(key).get(key).copied()?;
+                let level = held.rescale(cap, rate, cut.now).level(cut.now);
+                // Filled whole: a share that ran dry this round will
+                // again (and a pool that cannot give it all is drained).
+                let want = (cap as f64 - level).floor() as u64;
+                (want > 0).then(|| Pull {
+                    pool: self.pool_check(&c),
+                    check: c,
+                    want,
+                })
+            })
+            .collect();
+        Some((pulls, cut.generation))
+    }
+
+    /// A drained pool is not asked again before `until` (its next token).
+    pub fn hold_off(&self, c: &Check, until: Instant) {
+        self.wanting.hold_off(c, until);
+    }
+
+    /// Tokens a pool gave for `c`'s share, into it (never past full), if
+    /// the share is still of the membership (`generation`) they were asked
+    /// for: a rejoin since has emptied it, and they are lost (never more).
+    pub fn credit(&self, c: &Check, tokens: u64, generation: u64) {
+        let now = self.mono(Instant::now());
+        let key = c.key.as_str();
+        let mut shard = self.shares.lock(key);
+        if *shard.meta() != generation {
+            return;
+        }
+        if let Some(s) = shard.get_mut(key) {
+            *s = s.give_back(tokens, now);
         }
     }
 

@@ -46,6 +46,7 @@
 mod failback;
 mod merge;
 mod operator;
+mod pulls;
 mod shares;
 mod upkeep;
 

@@ -1,7 +1,7 @@
 //! The limiter's background work: the start-up attempt, the watchdog that
 //! decides whether Redis is hung, the upkeep beside it (heartbeats, resets
-//! from other replicas, the persistence check), the lease sweeper, and the
-//! release of every lease at a stop or reload.
+//! from other replicas, the persistence check), the lease sweeper, the
+//! shares' pull round, and the release of every lease at a stop or reload.
 
 use super::*;
 
@@ -151,7 +151,8 @@ impl Fallback {
         tokio::join!(
             self.watchdog(redis),
             self.upkeep(redis, interval),
-            self.sweep(redis)
+            self.sweep(redis),
+            self.pull(redis)
         );
     }
 
