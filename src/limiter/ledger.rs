@@ -182,6 +182,16 @@ mod tests {
     use crate::config::Algorithm;
     use crate::limiter::Tier;
 
+    /// An admission of cost 1 in a bucket of 100.
+    const ADMITTED: Decision = Decision {
+        allowed: true,
+        limit: 100,
+        remaining: 99,
+        retry_after_us: 0,
+        reset_after_us: 0,
+        delay_us: 0,
+    };
+
     /// A debt put back after a failed charge keeps what was recorded for the
     /// same bucket meanwhile: 50 before the charge + 1 during it = 51.
     #[test]
@@ -202,14 +212,7 @@ mod tests {
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
         let one = std::slice::from_ref(&c);
-        let full = [Decision {
-            allowed: true,
-            limit: 100,
-            remaining: 99,
-            retry_after_us: 0,
-            reset_after_us: 0,
-            delay_us: 0,
-        }];
+        let full = [ADMITTED];
         for i in 0..50 {
             ledger.record(one, one, &full, t0 + i);
         }
@@ -242,14 +245,7 @@ mod tests {
             pool: false,
         };
         let checks = [check("a", false), check("s", true)];
-        let ok = Decision {
-            allowed: true,
-            limit: 100,
-            remaining: 99,
-            retry_after_us: 0,
-            reset_after_us: 0,
-            delay_us: 0,
-        };
+        let ok = ADMITTED;
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
         for i in 0..4 {

@@ -362,15 +362,7 @@ impl Standing {
     /// membership (`generation`) they were taken in: a rejoin since has
     /// emptied it, and the new share owes them nothing.
     pub fn give_back_one(&self, c: &Check, generation: u64) {
-        let now = self.mono(Instant::now());
-        let key = c.key.as_str();
-        let mut shard = self.shares.lock(key);
-        if *shard.meta() != generation {
-            return;
-        }
-        if let Some(s) = shard.get_mut(key) {
-            *s = s.give_back(c.cost, now);
-        }
+        self.credit(c, c.cost, generation);
     }
 
     /// This round's top-ups (`pulls`): each share that missed tokens since

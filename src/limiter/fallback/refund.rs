@@ -1,0 +1,68 @@
+//! Refunds: an admission whose request never reached the upstream (the
+//! in-flight caps refused it, or its client left while it was queued) goes
+//! back where it was decided.
+
+use super::*;
+
+impl Fallback {
+    /// Gives back an admission (`Outcome::Decided`) whose request then
+    /// never reached the upstream: the in-flight caps refused it, or its
+    /// client left while it was queued. Where it was decided says how: in
+    /// Redis (`refund.lua`), in the local backend, or on the fallback's
+    /// shares, whose debt is then not charged at failback either.
+    pub fn refund(&self, outcome: &Outcome) {
+        let Outcome::Decided {
+            verdict,
+            backend,
+            checks,
+            standing: covered,
+        } = outcome
+        else {
+            return;
+        };
+        metrics::refunded();
+        if covered.tiers != 0 {
+            // The tiers its shares decided go back to them; the others as
+            // where they were decided.
+            let on_share = |i: usize| covered.tiers & (1 << i) != 0;
+            if let Some(standing) = &self.standing {
+                for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
+                    if on_share(i) && d.allowed {
+                        standing.give_back_one(c, covered.generation);
+                    }
+                }
+            }
+            let (rest, decisions): (Vec<Check>, Vec<Decision>) = checks
+                .iter()
+                .zip(&verdict.decisions)
+                .enumerate()
+                .filter(|(i, _)| !on_share(*i))
+                .map(|(_, (c, d))| (c.clone(), *d))
+                .unzip();
+            if !rest.is_empty() {
+                self.refund(&Outcome::Decided {
+                    verdict: Verdict {
+                        decisions,
+                        now_us: verdict.now_us,
+                    },
+                    backend: *backend,
+                    checks: rest.into(),
+                    standing: OnShares::NONE,
+                });
+            }
+            return;
+        }
+        match (backend, &self.redis) {
+            (FallbackState::Redis, Some(redis)) => redis.refund(checks, verdict),
+            (FallbackState::Redis, None) => {}
+            (FallbackState::Local, redis) => {
+                self.local
+                    .refund_at(checks, &verdict.decisions, verdict.now_us);
+                if redis.is_some() {
+                    self.ledger
+                        .unrecord(checks, &verdict.decisions, verdict.now_us);
+                }
+            }
+        }
+    }
+}
