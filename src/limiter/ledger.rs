@@ -74,19 +74,13 @@ impl Ledger {
     /// admitted, every tier charged; '2': admitted, a shadow tier not):
     /// what Redis charged is taken off the debts.
     pub fn settle(&self, doubt: &Doubt, said: u8) {
-        let charged: Vec<bool> = doubt
-            .checks
-            .iter()
-            .zip(&doubt.decisions)
-            .map(|(c, d)| d.allowed && (said == b'1' || (said == b'2' && !c.shadow)))
-            .collect();
+        // `unrecord` passes over what the fallback did not admit.
         let (checks, decisions): (Vec<Check>, Vec<Decision>) = doubt
             .checks
             .iter()
             .zip(&doubt.decisions)
-            .zip(charged)
-            .filter(|(_, charged)| *charged)
-            .map(|((c, d), _)| (c.clone(), *d))
+            .filter(|(c, _)| said == b'1' || (said == b'2' && !c.shadow))
+            .map(|(c, d)| (c.clone(), *d))
             .unzip();
         self.unrecord(&checks, &decisions, doubt.now);
     }

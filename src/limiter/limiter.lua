@@ -115,6 +115,10 @@ local QUOTA_KEEP_US = 60000000
 -- grant or report's hold (algorithms/lease.rs's TOLD_KEEP_US).
 local TOLD_KEEP_US = 86400000000
 
+-- How long a call's marker (ARGV[1]) says what it admitted, in ms: the
+-- gateway's MARK_LIFE_MS (redis/mod.rs).
+local MARK_LIFE_MS = 60000
+
 -- Locals: a global lookup per math call adds up at tens of thousands of calls a second.
 local floor, ceil, max, fmod, huge = math.floor, math.ceil, math.max, math.fmod, math.huge
 local format, match = string.format, string.match
@@ -730,7 +734,7 @@ for k, _ in pairs(lchanged) do
   end
 end
 if marker and m > 0 then
-  call('SET', marker, table.concat(ran), 'PX', 60000)
+  call('SET', marker, table.concat(ran), 'PX', MARK_LIFE_MS)
 end
 out[no + 1] = now
 return out

@@ -374,10 +374,7 @@ impl Standing {
         let pulls = due
             .into_iter()
             .filter_map(|c| {
-                let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
-                let key = c.key.as_str();
-                let held = self.shares.lock(key).get(key).copied()?;
-                let level = held.rescale(cap, rate, cut.now).level(cut.now);
+                let (level, cap) = self.level_under(&c, &cut)?;
                 // Filled whole: a share that ran dry this round will
                 // again (and a pool that cannot give it all is drained).
                 let want = (cap as f64 - level).floor() as u64;
@@ -425,11 +422,17 @@ impl Standing {
             return None;
         }
         let cut = self.usable(frozen)?;
+        let (level, cap) = self.level_under(c, &cut)?;
+        Some((level.floor() as u64, cap))
+    }
+
+    /// `c`'s share under `cut`: its tokens (fractional) and capacity. An
+    /// absent share is a full one.
+    fn level_under(&self, c: &Check, cut: &Cut) -> Option<(f64, u64)> {
         let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
         let key = c.key.as_str();
         let held = self.shares.lock(key).get(key).copied();
-        let s = self.current(held, c, cap, rate, &cut);
-        Some((s.level(cut.now).floor() as u64, cap))
+        Some((self.current(held, c, cap, rate, cut).level(cut.now), cap))
     }
 
     pub fn len(&self) -> usize {

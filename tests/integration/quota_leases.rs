@@ -424,6 +424,17 @@ impl AnswerHold {
     fn url(&self) -> String {
         format!("redis://{}", self.addr)
     }
+
+    /// Holds the next call the trigger picks (`what`, for the wait's
+    /// message) for 1.5 s after Redis received it.
+    fn hold_next(&self, what: &str) {
+        self.arm.store(true, Ordering::Release);
+        wait_for(&format!("{what} to hold"), Duration::from_secs(5), || {
+            self.hold.load(Ordering::Acquire).then_some(())
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        self.hold.store(false, Ordering::Release);
+    }
 }
 
 /// Whether `bytes` hold a `limiter.lua` call deciding no request and
@@ -477,14 +488,7 @@ fn a_lost_answer_tells_no_lease_spending_twice() {
     let relay = AnswerHold::start(redis.port, lease_report_only);
     let up = UpstreamGuard::start();
     let gw = GatewayGuard::start(&config(&relay.url(), &up, 100, ""));
-    let (served, billed) = bill_through_three(&gw, &up, || {
-        relay.arm.store(true, Ordering::Release);
-        wait_for("a lease call to hold", Duration::from_secs(5), || {
-            relay.hold.load(Ordering::Acquire).then_some(())
-        });
-        std::thread::sleep(Duration::from_millis(1500));
-        relay.hold.store(false, Ordering::Release);
-    });
+    let (served, billed) = bill_through_three(&gw, &up, || relay.hold_next("a lease call"));
     println!(
         "FIGURES quota-lost-answer: three 1.5 s holds of a lease call's answer under 4 clients: upstream received {served}, used {billed} ({:+})",
         billed as i64 - served as i64
@@ -509,14 +513,7 @@ fn a_lost_answer_charges_its_requests_once() {
     let up = UpstreamGuard::start();
     let cfg = config(&relay.url(), &up, 100, "").replace("enabled = true", "enabled = false");
     let gw = GatewayGuard::start(&cfg);
-    let (served, billed) = bill_through_three(&gw, &up, || {
-        relay.arm.store(true, Ordering::Release);
-        wait_for("a deciding call to hold", Duration::from_secs(5), || {
-            relay.hold.load(Ordering::Acquire).then_some(())
-        });
-        std::thread::sleep(Duration::from_millis(1500));
-        relay.hold.store(false, Ordering::Release);
-    });
+    let (served, billed) = bill_through_three(&gw, &up, || relay.hold_next("a deciding call"));
     let ran = gw.metric("gateway_redis_lost_answers_total{ran=\"yes\"}");
     println!(
         "FIGURES lost-decision-answer: three 1.5 s holds of a deciding call's answer under 4 clients: upstream received {served}, used {billed} ({:+}); lost answers that had run: {ran}",

@@ -316,21 +316,10 @@ impl RedisBackend {
     /// admitted; '0' refused); `None` if it did not run, and then it never
     /// will (the marker is voided).
     pub async fn what_ran(&self, marker: &str) -> Result<Option<String>, LimiterError> {
-        let mut conn = self.inner.probe_connection()?;
         let script = redis::Script::new(WHAT_RAN_LUA);
         let mut inv = script.prepare_invoke();
         inv.key(marker).arg(MARK_LIFE_MS);
-        let work = async {
-            match &mut conn {
-                Conn::Single(c) => inv.invoke_async::<String>(c).await,
-                Conn::Cluster(c) => inv.invoke_async::<String>(c).await,
-            }
-            .map_err(redis_err)
-        };
-        let said = self
-            .inner
-            .by(Instant::now() + self.inner.upkeep_budget(), work)
-            .await?;
+        let said: String = self.inner.upkeep_invoke(&inv).await?;
         Ok((!said.is_empty() && said != "void").then_some(said))
     }
 
@@ -489,19 +478,9 @@ impl RedisBackend {
 
     /// Announces this replica (`heartbeat.lua`) and returns how many are live.
     pub async fn heartbeat(&self, key: &str, id: &str, ttl: Duration) -> Result<u32, LimiterError> {
-        let mut conn = self.inner.probe_connection()?;
         let mut inv = self.inner.heartbeat.prepare_invoke();
         inv.key(key).arg(id).arg(ttl.as_millis() as u64);
-        let work = async {
-            match &mut conn {
-                Conn::Single(c) => inv.invoke_async::<u32>(c).await,
-                Conn::Cluster(c) => inv.invoke_async::<u32>(c).await,
-            }
-            .map_err(redis_err)
-        };
-        self.inner
-            .by(Instant::now() + self.inner.upkeep_budget(), work)
-            .await
+        self.inner.upkeep_invoke(&inv).await
     }
 
     /// Adds what was admitted locally during an outage to the shared buckets
@@ -554,13 +533,7 @@ impl RedisBackend {
                     inv.arg(v);
                 }
             }
-            let call = async {
-                match &mut conn {
-                    Conn::Single(c) => inv.invoke_async::<usize>(c).await,
-                    Conn::Cluster(c) => inv.invoke_async::<usize>(c).await,
-                }
-                .map_err(redis_err)
-            };
+            let call = invoke::<usize>(&mut conn, &inv);
             written += self
                 .inner
                 .by(Instant::now() + budget, call)
@@ -601,6 +574,20 @@ impl Decider for Inner {
 }
 
 impl Inner {
+    /// A script of the upkeep's (heartbeat, marker reads) on the probe's
+    /// connection, within the upkeep's budget.
+    async fn upkeep_invoke<T: redis::FromRedisValue>(
+        &self,
+        inv: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, LimiterError> {
+        let mut conn = self.probe_connection()?;
+        self.by(
+            Instant::now() + self.upkeep_budget(),
+            invoke(&mut conn, inv),
+        )
+        .await
+    }
+
     /// A batch's call with these lease asks: grants and returns applied,
     /// then the verdicts.
     async fn decide_asking(
@@ -683,6 +670,13 @@ impl Backend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::slot;
+
+    /// limiter.lua keeps a marker as long as failback may read it.
+    #[test]
+    fn the_script_keeps_markers_as_long_as_failback_reads_them() {
+        let line = format!("local MARK_LIFE_MS = {}\n", super::MARK_LIFE_MS);
+        assert!(super::LIMITER_LUA.contains(&line));
+    }
 
     #[test]
     fn cluster_slots_match_redis() {

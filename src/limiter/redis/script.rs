@@ -274,6 +274,18 @@ pub(super) async fn query<T: redis::FromRedisValue>(
     }
 }
 
+/// `inv` on `conn`, as `query` sends a command.
+pub(super) async fn invoke<T: redis::FromRedisValue>(
+    conn: &mut Conn,
+    inv: &redis::ScriptInvocation<'_>,
+) -> Result<T, LimiterError> {
+    match conn {
+        Conn::Single(c) => inv.invoke_async(c).await,
+        Conn::Cluster(c) => inv.invoke_async(c).await,
+    }
+    .map_err(redis_err)
+}
+
 /// The script's numeric code for an algorithm and its two parameters, written
 /// so Lua's `tonumber` reads back exactly the f64 Rust holds.
 pub(super) fn script_args(alg: &Algorithm) -> (u8, String, String) {
