@@ -240,7 +240,9 @@ mod tests {
         };
         let checks = [check("a", false), check("s", true)];
         let ok = ADMITTED;
-        let ledger = Ledger::new(16);
+        // Room for both keys in any one shard (16 shards of one each would
+        // evict one when they hash together).
+        let ledger = Ledger::new(16 * 2);
         let t0 = 1_700_000_000_000_000;
         for i in 0..4 {
             ledger.record(&checks, &checks, &[ok, ok], t0 + i);
