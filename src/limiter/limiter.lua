@@ -52,7 +52,9 @@ then, optionally, leases (leases/): l, the number of them, r, the replicas
          holder (the calling replica's random id, [0-9a-z] only) and hold,
          how long after a quota grant Redis takes its unspent tokens back
          itself (µs); per lease six values: k (a token bucket, fixed or
-         sliding window, quota), want (tokens asked for), ret (unspent
+         sliding window, quota), want (tokens asked for; negative: a
+         standing share's top-up of -want from its pool, granted from all
+         the pool holds, with no fair share and no smallest grant), ret (unspent
          tokens of an expired lease, given back), until (what its grant
          answered: see below), spent (a quota's leased tokens spent since
          the holder last said so; 0 elsewhere) and report (a quota's: the
@@ -388,7 +390,7 @@ if lease_at <= na then
     local b = lease_at + 6 * i - 1
     local k, want, ret, til = tonum(ARGV[b]), tonum(ARGV[b + 1]), tonum(ARGV[b + 2]), tonum(ARGV[b + 3])
     local spent, report = tonum(ARGV[b + 4]), tonum(ARGV[b + 5])
-    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, 0, 2 ^ 40)
+    if not whole(k, 1, nk) or kinds[k] == 2 or kinds[k] == 5 or not whole(want, -2 ^ 40, 2 ^ 40)
         or not whole(ret, 0, 2 ^ 40) or not whole(til, -2 ^ 53, 2 ^ 53)
         or not whole(spent, 0, 2 ^ 40) or not whole(report, 0, 2 ^ 53) then
       return bad('lease ' .. i .. ' is not a token bucket, window or quota with want, ret, until, spent, report')
@@ -672,10 +674,11 @@ for i = 1, nl do
       avail = floor(p1s[k] - cur - prev * (n * w + w - now) / w)
     end
   end
-  local g = floor(avail / reps)
+  local g, least = floor(avail / reps), g0
+  if want < 0 then g, want, least = avail, -want, 1 end
   if g > want then g = want end
   local granted, til = 0, 0
-  if g >= g0 then
+  if g >= least then
     local ok, new, ttl, _
     if kind == 1 then
       ok, _, _, _, new, ttl = gcra(s, ts[k], taus[k], lims[k], false, now, g)

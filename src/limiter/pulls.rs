@@ -13,6 +13,13 @@
 //! into the share, so capacities and rates still add up to the bucket's:
 //! what the replicas admit stays within C + r·T.
 //!
+//! A request sent to the pool because its share missed carries its
+//! share's top-up in that same call (`TopUps`, asked by the batch): the
+//! share is full again when the answer comes, so the client's next requests
+//! are decided here instead of each going to the pool until the round. The
+//! round is left with what a call did not carry (a drained pool's share, a
+//! bucket the call's top-up could not fill).
+//!
 //! A pool that could not give all that was asked is drained: it is not
 //! asked again before its next token (or the next round, if later), and
 //! until then the requests its share cannot cover are refused from memory
@@ -30,6 +37,10 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use super::algorithms::lease::Grant;
+use super::leases::{Ask, Asks};
 use super::Check;
 use crate::shard_map::{Room, ShardMap, StillFull};
 
@@ -47,6 +58,56 @@ const CAP: usize = 4096;
 const QUIET: Duration = Duration::from_secs(1);
 
 const SHARDS: usize = 16;
+
+/// A top-up to ask a pool for: the request's check (the bucket's rule),
+/// its pool's, and the tokens wanted.
+pub struct Pull {
+    pub check: Check,
+    pub pool: Check,
+    pub want: u64,
+}
+
+/// Top-ups for the shares of a membership (`generation`).
+pub struct Pulls {
+    pub pulls: Vec<Pull>,
+    pub generation: u64,
+}
+
+/// What a call deciding requests asks for the shares whose misses sent
+/// them to their pools, and where their grants go (the fallback's shares
+/// and refusals remembered). Redis Cluster calls carry none.
+pub trait TopUps: Send + Sync + 'static {
+    /// The top-ups for the pools `requests` ask; None: none due.
+    fn asks(&self, requests: &[&[Check]]) -> Option<Pulls>;
+    /// What their pools gave, one grant per pull, in order.
+    fn granted(&self, pulls: &Pulls, grants: &[Grant]);
+}
+
+/// `pulls` appended to a call's `asks` as top-ups (`limiter.lua`: a
+/// negative want; granted from all the pool holds). `holder` names this
+/// replica when the call carries no lease of its own.
+pub fn ask_pulls(asks: &mut Asks, pulls: &[Pull], holder: &Arc<str>) {
+    if pulls.is_empty() {
+        return;
+    }
+    if asks.asks.is_empty() {
+        // What the script requires of a call with leases; top-ups use
+        // neither the fair share nor the smallest grant.
+        asks.replicas = 1;
+        asks.min = 1;
+        asks.holder = holder.clone();
+        asks.hold_us = 0;
+    }
+    asks.asks.extend(pulls.iter().map(|p| Ask {
+        check: p.pool.clone(),
+        want: p.want,
+        ret: 0,
+        until: 0,
+        spent: 0,
+        report: 0,
+    }));
+    asks.pulls += pulls.len();
+}
 
 struct Want {
     /// The request's check (the whole bucket's rule).
@@ -114,6 +175,18 @@ impl Wanting {
             }
         }
         out
+    }
+
+    /// A call is about to carry `key`'s top-up: its check, if its share
+    /// missed lately and its pool is not drained; its misses start again.
+    pub fn take(&self, key: &str, now: Instant) -> Option<Check> {
+        let mut shard = self.map.lock(key);
+        let w = shard.get_mut(key)?;
+        if w.missed == 0 || now < w.not_before {
+            return None;
+        }
+        w.missed = 0;
+        Some(w.check.clone())
     }
 
     /// `c`'s pool was drained: not asked before `until`.

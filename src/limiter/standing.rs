@@ -27,7 +27,7 @@ use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use super::algorithms::standing::{pool, share, Heard, Membership, Share};
-use super::pulls::Wanting;
+use super::pulls::{Pull, Pulls, Wanting};
 use super::{Check, Decision, Micros, Tier};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Algorithm;
@@ -66,14 +66,6 @@ pub struct Standing {
     /// Shares that could not cover a request lately, topped up from their
     /// pools each round (`pulls`).
     wanting: Wanting,
-}
-
-/// A top-up to ask a pool for: the request's check (the bucket's rule),
-/// its pool's, and the tokens wanted.
-pub struct Pull {
-    pub check: Check,
-    pub pool: Check,
-    pub want: u64,
 }
 
 /// The membership as a request reads it (µs since `base`).
@@ -368,24 +360,52 @@ impl Standing {
     /// This round's top-ups (`pulls`): each share that missed tokens since
     /// the last round, filled to full; and the membership they are for.
     /// None while the shares are not usable.
-    pub fn pulls(&self) -> Option<(Vec<Pull>, u64)> {
+    pub fn pulls(&self) -> Option<Pulls> {
         let cut = self.usable(false)?;
         let due = self.wanting.due(Instant::now());
-        let pulls = due
-            .into_iter()
-            .filter_map(|c| {
-                let (level, cap) = self.level_under(&c, &cut)?;
-                // Filled whole: a share that ran dry this round will
-                // again (and a pool that cannot give it all is drained).
-                let want = (cap as f64 - level).floor() as u64;
-                (want > 0).then(|| Pull {
-                    pool: self.pool_check(&c),
-                    check: c,
-                    want,
-                })
-            })
-            .collect();
-        Some((pulls, cut.generation))
+        let pulls = due.into_iter().filter_map(|c| self.pull(c, &cut)).collect();
+        Some(Pulls {
+            pulls,
+            generation: cut.generation,
+        })
+    }
+
+    /// The top-ups a call deciding `requests` carries: one for each pool
+    /// they ask whose share missed (and whose pool is not drained).
+    pub fn top_ups(&self, requests: &[&[Check]]) -> Option<Pulls> {
+        let mut pools = requests.iter().flat_map(|r| r.iter()).filter(|c| c.pool);
+        let first = pools.next()?;
+        let cut = self.usable(false)?;
+        let now = Instant::now();
+        let mut pulls: Vec<Pull> = Vec::new();
+        for p in std::iter::once(first).chain(pools) {
+            if pulls.iter().any(|q| q.pool.key == p.key) {
+                continue;
+            }
+            if let Some(pull) = self
+                .wanting
+                .take(&p.key, now)
+                .and_then(|c| self.pull(c, &cut))
+            {
+                pulls.push(pull);
+            }
+        }
+        (!pulls.is_empty()).then_some(Pulls {
+            pulls,
+            generation: cut.generation,
+        })
+    }
+
+    /// `c`'s share filled whole: a share that ran dry will again (and a
+    /// pool that cannot give it all is drained).
+    fn pull(&self, c: Check, cut: &Cut) -> Option<Pull> {
+        let (level, cap) = self.level_under(&c, cut)?;
+        let want = (cap as f64 - level).floor() as u64;
+        (want > 0).then(|| Pull {
+            pool: self.pool_check(&c),
+            check: c,
+            want,
+        })
     }
 
     /// A drained pool is not asked again before `until` (its next token).
@@ -396,6 +416,9 @@ impl Standing {
     /// Tokens a pool gave for `c`'s share, into it (never past full), if
     /// the share is still of the membership (`generation`) they were asked
     /// for: a rejoin since has emptied it, and they are lost (never more).
+    /// A share this replica holds no entry for (one still filling after a
+    /// join, never taken from) is entered, with the tokens, if there is
+    /// room: else they are lost.
     pub fn credit(&self, c: &Check, tokens: u64, generation: u64) {
         let now = self.mono(Instant::now());
         let key = c.key.as_str();
@@ -405,6 +428,26 @@ impl Standing {
         }
         if let Some(s) = shard.get_mut(key) {
             *s = s.give_back(tokens, now);
+            return;
+        }
+        // Frozen or not: the tokens are here either way.
+        let Some(cut) = self.usable(true) else {
+            return;
+        };
+        let Some((cap, rate)) = share(&c.algorithm, self.fraction, cut.n) else {
+            return;
+        };
+        let credited = self
+            .current(None, c, cap, rate, &cut)
+            .give_back(tokens, now);
+        let full = |s: &Share| s.full(now);
+        let room = Room::Sweep {
+            stale: &full,
+            every: SWEEP_EVERY,
+            then: StillFull::Refuse,
+        };
+        if !credited.full(now) && shard.make_room(&room) {
+            shard.force_insert(key.into(), credited);
         }
     }
 
@@ -549,6 +592,39 @@ mod tests {
             .get(big.key.as_str())
             .copied();
         assert_eq!(held, Some(empty), "the old generation's token went nowhere");
+    }
+
+    /// A request sent to its pool because its share missed carries that
+    /// share's top-up, once per miss, and none while the pool is drained.
+    /// Just after the join its share is still filling and held nowhere: the
+    /// top-up enters it (tokens pulled into nothing were lost).
+    #[test]
+    fn a_miss_carries_its_share_top_up() {
+        let s = usable(100);
+        // A share of 25 (a quarter, one replica) refilling 2.5/s.
+        let c = check("rl:ip:x:head".into(), 100, 10.0);
+        let one = std::slice::from_ref(&c);
+        let mut covered = 0;
+        while s.take(one, false).is_some() {
+            covered += 1;
+            assert!(covered <= 30, "a share of 25 runs dry");
+        }
+        let pool = s.pool_check(&c);
+        let nothing: &[&[Check]] = &[one];
+        assert!(s.top_ups(nothing).is_none(), "no pool asked, no top-up");
+        let sent: &[&[Check]] = &[std::slice::from_ref(&pool), std::slice::from_ref(&pool)];
+        let pulls = s.top_ups(sent).expect("the miss's top-up");
+        assert_eq!(pulls.pulls.len(), 1, "one per bucket however many ask");
+        let p = &pulls.pulls[0];
+        assert!((24..=25).contains(&p.want), "filled whole: {}", p.want);
+        assert_eq!((p.pool.key.as_str(), p.check.pool), (c.key.as_str(), false));
+        assert!(s.top_ups(sent).is_none(), "asked once per miss");
+        s.credit(&c, p.want, pulls.generation);
+        assert!(s.take(one, false).is_some(), "the share serves again");
+        // Dry again, its pool drained: no top-up until its next token.
+        while s.take(one, false).is_some() {}
+        s.hold_off(&c, Instant::now() + Duration::from_secs(60));
+        assert!(s.top_ups(sent).is_none(), "a drained pool is not asked");
     }
 
     #[test]

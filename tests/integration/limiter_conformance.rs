@@ -718,9 +718,15 @@ fn model_call(
         .asks
         .iter()
         .zip(back.into_iter().zip(told))
-        .map(|(a, (taken_back, told))| {
+        .enumerate()
+        .map(|(i, (a, (taken_back, told)))| {
             let s = state.entry(a.check.key.clone()).or_default();
-            let g = lease::grant(&a.check.algorithm, s, now, a.want, asks.replicas, asks.min).0;
+            // A share's top-up: all the bucket holds, up to what it wants.
+            let (replicas, min) = match i >= asks.asks.len() - asks.pulls {
+                true => (1, 1),
+                false => (asks.replicas, asks.min),
+            };
+            let g = lease::grant(&a.check.algorithm, s, now, a.want, replicas, min).0;
             if matches!(a.check.algorithm, Algorithm::Calendar { .. }) {
                 let l = ledgers.entry(a.check.key.clone()).or_default();
                 lease::hold(l, &asks.holder, g.tokens, now, asks.hold_us);
@@ -753,6 +759,8 @@ async fn lease_grants_and_returns_agree_with_the_model() {
     let mut quota = [0u64; 3];
     // Reports told again (their numbers already counted) and skipped.
     let (mut reports, mut retold, mut skipped) = (std::collections::HashMap::new(), 0, 0);
+    // Tokens granted to top-ups (the plan's ask, when it is one).
+    let mut pulled = 0;
     for round in 0..60 {
         // A token bucket, the two windows, and a quota (a minute's count:
         // its rounds run long enough to cross into the next minute).
@@ -808,6 +816,7 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                 // holding that outlives `hold` is reclaimed.
                 holder: ["conformance", "other"][rng.usize(0..2)].into(),
                 hold_us: 2_000_000,
+                pulls: 0,
             };
             if rng.bool() {
                 asks.asks.push(Ask {
@@ -818,6 +827,8 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                     spent: 0,
                     report: 0,
                 });
+                // Sometimes a standing share's top-up (`limiter::pulls`).
+                asks.pulls = rng.bool() as usize;
             }
             // A quota's report is numbered by its holder: a new number, or
             // the last one told again (its answer lost), counted once.
@@ -850,6 +861,9 @@ async fn lease_grants_and_returns_agree_with_the_model() {
                 quota[2] += (ret > 0 && grants[0].taken_back == 0) as u64;
             }
             skipped += grants.iter().filter(|g| g.told).count();
+            if asks.pulls == 1 {
+                pulled += grants[1].tokens;
+            }
             last = grants[0];
             nothing += grants.iter().filter(|g| g.tokens == 0).count();
             rejected += expected.iter().flatten().filter(|d| !d.allowed).count();
@@ -865,6 +879,7 @@ async fn lease_grants_and_returns_agree_with_the_model() {
         retold > 10 && skipped > 5,
         "reports told again {retold}, skipped as counted {skipped}"
     );
+    assert!(pulled > 100, "top-ups granted {pulled}");
     assert!(
         quota[0] > 100 && quota[1] > 20 && quota[2] > 5 && reclaimed > 20,
         "quotas: granted {}, taken back {}, returns refused {}, reclaimed {reclaimed}",

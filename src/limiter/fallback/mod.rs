@@ -289,6 +289,10 @@ impl Fallback {
         if let Some(leases) = f.redis.as_ref().and_then(RedisBackend::leases) {
             leases.set_replicas(f.instances);
         }
+        if let (Some(redis), Some(_)) = (&f.redis, &f.standing) {
+            let top_ups = pulls::MissTopUps(Arc::downgrade(&f));
+            redis.set_top_ups(Arc::new(top_ups), &f.replica_id);
+        }
         f
     }
 

@@ -59,6 +59,9 @@ pub struct Asks {
     /// takes the unspent tokens of a holder that stopped reporting.
     pub holder: std::sync::Arc<str>,
     pub hold_us: u64,
+    /// How many of the last asks are standing shares' top-ups
+    /// (`limiter::pulls`), not leases.
+    pub pulls: usize,
 }
 
 impl Asks {
@@ -178,6 +181,7 @@ impl Leases {
             // A holder returns what it did not spend within a period and a
             // quarter of its grant (the sweeper); Redis waits two.
             hold_us: 2 * self.period.as_micros() as u64,
+            pulls: 0,
         }
     }
 

@@ -51,6 +51,7 @@ use super::algorithms::outage::Debt;
 use super::algorithms::quota;
 use super::batch::{Batcher, Decider, Failed, Lost};
 use super::leases::{debit, Asks, Leases};
+use super::pulls::{ask_pulls, TopUps};
 use super::{Backend, Check, Decision, LimiterError, Micros, Verdict};
 use crate::clock::Clock;
 use crate::config::{Algorithm, RedisMode, RedisSettings};
@@ -149,6 +150,9 @@ struct Inner {
     leases: Option<Leases>,
     /// Names the calls that decide requests (`None`: they carry none).
     marks: Option<Marks>,
+    /// The standing shares' top-ups a call deciding requests carries, and
+    /// this replica's id to ask them by (`limiter::pulls`).
+    top_ups: std::sync::OnceLock<(Arc<dyn TopUps>, Arc<str>)>,
 }
 
 /// Call markers (`limiter.lua`'s ARGV[1]): `<prefix>:ran:<random>:<n>`,
@@ -272,6 +276,7 @@ impl RedisBackend {
             rotation: parking_lot::Mutex::new(None),
             leases: None,
             marks: None,
+            top_ups: std::sync::OnceLock::new(),
         };
         RedisBackend {
             inner: Arc::new(inner),
@@ -310,6 +315,12 @@ impl RedisBackend {
             });
         }
         self
+    }
+
+    /// The top-ups the calls deciding requests carry, asked as `holder`
+    /// (set once, by the fallback that owns the shares).
+    pub fn set_top_ups(&self, top_ups: Arc<dyn TopUps>, holder: &str) {
+        let _ = self.inner.top_ups.set((top_ups, holder.into()));
     }
 
     /// What a call marked `marker` admitted, by request ('1' or '2':
@@ -631,27 +642,42 @@ impl Inner {
         };
         // Settled however this call ends (this future may be dropped).
         let settle = self.leases.as_ref().map(|l| l.settle(&asks));
+        let leased = asks.asks.len();
+        // The shares whose misses sent these requests here are topped up
+        // by this same call. Lost with it if it fails (never over a limit).
+        let mut with_pulls = None;
+        let pulls = self.top_ups.get().and_then(|(top_ups, holder)| {
+            let pulls = top_ups.asks(requests)?;
+            let mut all = asks.clone();
+            ask_pulls(&mut all, &pulls.pulls, holder);
+            with_pulls = Some(all);
+            Some((top_ups, pulls))
+        });
+        let asks = with_pulls.as_ref().unwrap_or(&asks);
         let call = run_script(
             self,
             &mut conn,
             requests,
-            &asks,
+            asks,
             false,
             false,
             marker.as_deref(),
         );
-        let result = self.answer(call, abandon).await;
-        let Some(settle) = settle else {
-            return result.map(|(verdicts, ..)| verdicts).map_err(failed);
-        };
-        match result {
+        match self.answer(call, abandon).await {
             Ok((mut verdicts, grants, now_us)) => {
-                settle.granted(&grants, sent, now_us);
-                debit(requests, &mut verdicts, &asks, &grants);
+                if let Some(settle) = settle {
+                    settle.granted(&grants[..leased], sent, now_us);
+                }
+                if let Some((top_ups, pulls)) = pulls {
+                    top_ups.granted(&pulls, &grants[leased..]);
+                }
+                debit(requests, &mut verdicts, asks, &grants);
                 Ok(verdicts)
             }
             Err(e) => {
-                settle.failed(e.may_have_run());
+                if let Some(settle) = settle {
+                    settle.failed(e.may_have_run());
+                }
                 Err(failed(e))
             }
         }

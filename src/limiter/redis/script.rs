@@ -175,9 +175,15 @@ pub(super) async fn run_script(
             .arg(asks.min)
             .arg(&*asks.holder)
             .arg(asks.hold_us);
-        for a in &asks.asks {
+        let first_pull = asks.asks.len() - asks.pulls;
+        for (i, a) in asks.asks.iter().enumerate() {
+            // A top-up asks with a negative want (`limiter.lua`).
+            let want = match i >= first_pull {
+                true => -(a.want as i64),
+                false => a.want as i64,
+            };
             cmd.arg(index[a.check.key.as_str()])
-                .arg(a.want)
+                .arg(want)
                 .arg(a.ret)
                 .arg(a.until)
                 .arg(a.spent)
