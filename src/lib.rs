@@ -25,6 +25,7 @@ pub mod identity;
 pub mod inflight;
 pub mod limiter;
 pub mod logging;
+pub mod metering;
 pub mod metrics;
 pub mod operator;
 pub mod path;

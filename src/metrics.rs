@@ -111,6 +111,18 @@ pub fn install() {
             "Tokens the pull round asked of pools for standing shares that ran dry (asked), and got (granted)"
         );
         describe_counter!(
+            "gateway_charged_requests_total",
+            "Requests on charge routes settled once their answer ended, by how their cost was found (reason: read, capped, missing, not_json, not_a_number, negative, out_of_range, cut, failed)"
+        );
+        describe_counter!(
+            "gateway_charged_units_total",
+            "Units charge routes were charged in the end, as the upstream reported them (or the estimate, or max, as the reason says)"
+        );
+        describe_counter!(
+            "gateway_settled_tokens_total",
+            "Tokens settled with Redis after charged answers: owed beyond their estimates (debt) and given back (refund)"
+        );
+        describe_counter!(
             "gateway_redis_lost_answers_total",
             "Redis calls whose answers were lost, settled at failback, by whether they had run (yes, no)"
         );
@@ -495,6 +507,23 @@ pub fn replicas(n: u32) {
 pub fn share_pull(asked: u64, granted: u64) {
     counter!("gateway_shares_pulled_tokens_total", "result" => "asked").increment(asked);
     counter!("gateway_shares_pulled_tokens_total", "result" => "granted").increment(granted);
+}
+
+/// A charged request settled: why it was charged what it was, and how much.
+pub fn charged(reason: &'static str, units: u64) {
+    counter!("gateway_charged_requests_total", "reason" => reason).increment(1);
+    counter!("gateway_charged_units_total").increment(units);
+}
+
+/// Tokens settled with Redis: owed beyond estimates, and given back.
+pub fn settled(debt: u64, refund: u64) {
+    counter!("gateway_settled_tokens_total", "kind" => "debt").increment(debt);
+    counter!("gateway_settled_tokens_total", "kind" => "refund").increment(refund);
+}
+
+/// Settlements past `MOST_PENDING` buckets (still kept, never dropped).
+pub fn settle_backlog_full() {
+    counter!("gateway_settle_backlog_full_total").increment(1);
 }
 
 /// A call whose answer was lost, settled at failback: whether it had run.

@@ -124,6 +124,7 @@ mod tests {
             cors: None,
             in_flight: None,
             max_in_flight_per_client: None,
+            charge: None,
         }
     }
 

@@ -154,7 +154,7 @@ pub fn buckets(
     // A key's quotas, on the periods under way.
     if let (Some(key), Some((identity, _)), None) = (key, &client, route) {
         let mut checks = Vec::new();
-        policy.quota_checks(&key, identity, SystemClock.now_us(), &mut checks);
+        policy.quota_checks(&key, identity, SystemClock.now_us(), true, &mut checks);
         out.extend(checks.into_iter().map(|check| Bucket {
             check,
             route: None,
@@ -225,7 +225,7 @@ fn quota_bucket(
         ));
     }
     let mut checks = Vec::new();
-    policy.quota_checks(&key, identity, SystemClock.now_us(), &mut checks);
+    policy.quota_checks(&key, identity, SystemClock.now_us(), true, &mut checks);
     let periods: Vec<&str> = checks
         .iter()
         .filter_map(|c| match c.algorithm {

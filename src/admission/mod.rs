@@ -122,6 +122,10 @@ pub struct Plan {
     pub client_identity: String,
     /// Shared with the limiter (and its batch) rather than copied.
     pub checks: Arc<[Check]>,
+    /// The checks counting the units of the route's `charge` (bit i:
+    /// `checks[i]`): admitted on the request's estimate (`estimate`),
+    /// settled once its answer says what it cost.
+    pub units: u64,
     /// A CORS preflight, answered by the gateway (never the upstream) with
     /// these headers once its checks (none, unless charged) admit it.
     pub preflight: Option<cors::Headers>,
@@ -131,6 +135,24 @@ pub struct Plan {
     /// Its place in an upstream's queue: its plan's `priority`; a request
     /// without a key comes after every plan.
     pub priority: i64,
+}
+
+impl Plan {
+    /// The request's estimate (`metering::estimate`) as the cost of the
+    /// checks counting charged units: at least 1 and at most what each
+    /// bucket holds (the rest is settled as a debt once the answer is in).
+    pub fn estimate(&mut self, estimate: u64) {
+        if self.units == 0 {
+            return;
+        }
+        let mut checks = self.checks.to_vec();
+        for (i, c) in checks.iter_mut().enumerate() {
+            if self.units & (1 << i) != 0 {
+                c.cost = estimate.clamp(1, crate::limiter::algorithms::quota(&c.algorithm).max(1));
+            }
+        }
+        self.checks = checks.into();
+    }
 }
 
 /// Where a refused request is counted (metrics, access log) and who sent
@@ -314,6 +336,9 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         _ => None,
     };
     let mut checks = Vec::with_capacity(4);
+    // The tiers counting the units a `charge` route reads (bit i: checks[i]).
+    let mut units = 0;
+    let metered = r.charge.is_some() && preflight.is_none();
     if charged && !cfg.clients.allow.iter().any(|n| n.contains(&client_ip)) {
         if let Some(rule) = &policy.ip_rule {
             checks.push(rule.check(&ip_identity));
@@ -322,9 +347,12 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
             if let Some(rule) = policy.key_rule(&k) {
                 checks.push(rule.check(identity));
             }
-            policy.quota_checks(&k, identity, SystemClock.now_us(), &mut checks);
+            units |= policy.quota_checks(&k, identity, SystemClock.now_us(), metered, &mut checks);
         }
         if let (Some(rr), Some(identity)) = (route_rule, &route_identity) {
+            if rr.charged && metered {
+                units |= 1 << checks.len();
+            }
             checks.push(rr.check(identity));
         }
     }
@@ -339,6 +367,7 @@ pub fn classify(policy: &Policy, req: &RequestView<'_>) -> Result<Plan, Refusal>
         },
         client_identity: key_identity.unwrap_or(ip_identity),
         checks: checks.into(),
+        units,
         preflight,
         route_plan,
         priority: key

@@ -43,6 +43,8 @@ pub(super) struct RouteRule {
     pub(super) missing: Missing,
     /// A global limit's sub-buckets (`shards`), by name; empty if not split.
     pub(super) shards: Vec<String>,
+    /// `cost = "response"`: charged what the answer says (`charge`).
+    pub(super) charged: bool,
     /// Which sub-bucket the next request takes: each replica deals its
     /// requests out in turn, so the sub-buckets fill evenly. Kept across
     /// reloads that keep the rule (`dealer`).
@@ -75,6 +77,7 @@ impl RouteRule {
             key: l.key.clone(),
             missing: l.missing,
             shards,
+            charged: l.charged,
             next_shard,
         }
     }
@@ -352,15 +355,35 @@ impl Policy {
     /// One check per quota of `key`, on the period `now` falls in. Each
     /// period is a bucket of its own, named by the key's id alone (not its
     /// plan, nor the limit): a key moved to another plan, or a plan whose
-    /// quota changed, keeps what it used this period.
+    /// quota changed, keeps what it used this period. A quota of charged
+    /// units (`cost = "response"`) counts only where `units` (a `charge`
+    /// route); the bits of the checks that count them are returned
+    /// (bit i: `out[i]`).
     pub(super) fn quota_checks(
         &self,
         key: &KeyRef<'_>,
         identity: &str,
         now: Micros,
+        units: bool,
         out: &mut Vec<Check>,
-    ) {
+    ) -> u64 {
+        let mut charged = 0;
         for q in self.quotas_of(key) {
+            if q.charged && !units {
+                continue;
+            }
+            if q.charged && out.len() < 64 {
+                charged |= 1 << out.len();
+            }
+            // A period's count of charged units is a bucket of its own.
+            let units_rule;
+            let rule = match q.charged {
+                true => {
+                    units_rule = format!("{}-units", q.period.as_str());
+                    units_rule.as_str()
+                }
+                false => q.period.as_str(),
+            };
             let span = self.span(q.period, now);
             let algorithm = Algorithm::Calendar {
                 limit: q.limit,
@@ -370,13 +393,7 @@ impl Policy {
             };
             out.push(Check {
                 tier: Tier::Quota,
-                key: bucket_key(
-                    &self.key_prefix,
-                    "quota",
-                    q.period.as_str(),
-                    &algorithm,
-                    identity,
-                ),
+                key: bucket_key(&self.key_prefix, "quota", rule, &algorithm, identity),
                 algorithm,
                 shadow: false,
                 cost: 1,
@@ -384,6 +401,7 @@ impl Policy {
                 pool: false,
             });
         }
+        charged
     }
 
     /// The period of `now`, remembered while it lasts (a calendar in a time

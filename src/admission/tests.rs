@@ -15,6 +15,7 @@ fn global(capacity: u64, shards: u64) -> crate::config::Limit {
         key: LimitKey::Client,
         missing: Missing::Reject,
         cost: 1,
+        charged: false,
         shards,
     }
 }

@@ -6,8 +6,8 @@
 //! so a key the reader gains or loses cannot pass undocumented.
 
 use super::{
-    admin, auth, clients, cors, file, inflight, limiter, limits, log, redis, routes, server, tls,
-    upstreams,
+    admin, auth, charge, clients, cors, file, inflight, limiter, limits, log, redis, routes,
+    server, tls, upstreams,
 };
 
 /// One table of the file: its path as the reference writes it, and the
@@ -63,6 +63,7 @@ pub const TABLES: &[Table] = &[
     table!("upstreams[]" => upstreams::UPSTREAM_KEYS),
     table!("upstreams[].adaptive" => inflight::ADAPTIVE_KEYS),
     table!("routes[]" => routes::ROUTE_KEYS),
+    table!("routes[].charge" => charge::CHARGE_KEYS),
     table!("cors" => cors::CORS_KEYS),
 ];
 

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use toml::de::DeTable;
+use toml::de::{DeTable, DeValue};
 
 use super::model::*;
 use super::reader::{join, Reader, Value};
@@ -20,7 +20,7 @@ pub const LEAKY_BUCKET_KEYS: &[&str] = &["rate_per_sec", "max_delay_ms"];
 /// `fixed_window`, `sliding_window` and `sliding_log`.
 pub const WINDOW_KEYS: &[&str] = &["limit", "window_secs"];
 pub const PLAN_KEYS: &[&str] = &["capacity", "refill_per_sec", "quotas", "priority"];
-pub const QUOTA_KEYS: &[&str] = &["limit", "period"];
+pub const QUOTA_KEYS: &[&str] = &["limit", "period", "cost"];
 pub const API_KEY_KEYS: &[&str] = &[
     "id",
     "key",
@@ -130,7 +130,22 @@ pub(super) fn limit(
         r.choice(path, v, Missing::SPELLINGS)
     })?;
     let most = algorithm.quota();
+    // `cost = "response"`: charged what the answer says (the route's
+    // `charge`); each request is admitted on its estimate.
+    let charged =
+        matches!(t.get("cost").map(|v| v.get_ref()), Some(DeValue::String(s)) if s == "response");
     let cost = opt(r, t, p, "cost", 1, |r, path, v| {
+        if charged {
+            return Some(1);
+        }
+        if let DeValue::String(s) = v.get_ref() {
+            r.error(
+                path,
+                Some(&v.span()),
+                format!("expected a number of tokens or \"response\", found \"{s}\""),
+            );
+            return None;
+        }
         let n = r.int(path, v, 1, 1 << 40)?;
         if n > most {
             // Such a request could never be admitted: say so now, not as 429s.
@@ -145,6 +160,14 @@ pub(super) fn limit(
         }
         Some(n)
     })?;
+    if charged && matches!(algorithm, Algorithm::SlidingLog { .. }) {
+        r.error(
+            &join(p, "cost"),
+            Some(span),
+            "cost = \"response\" charges units a log of requests cannot hold: use token_bucket, leaky_bucket, fixed_window or sliding_window",
+        );
+        return None;
+    }
     if scope == Scope::Global && key != LimitKey::Client {
         r.error(
             &join(p, "key"),
@@ -172,6 +195,7 @@ pub(super) fn limit(
         key,
         missing,
         cost,
+        charged,
         shards,
     })
 }
@@ -359,16 +383,33 @@ fn quotas(r: &mut Reader<'_>, path: &str, v: &Value<'_>) -> Option<Vec<Quota>> {
         let period = req(r, qt, &at, Some(&span), "period", |r, path, v| {
             r.choice(path, v, &crate::calendar::Period::ALL)
         });
-        let (Some(limit), Some(period)) = (limit, period) else {
+        let charged = opt(r, qt, &at, "cost", false, |r, path, v| {
+            let s = r.string(path, v)?;
+            if s == "response" {
+                Some(true)
+            } else {
+                r.error(
+                    path,
+                    Some(&v.span()),
+                    format!("expected \"response\" (counted in the units of `charge` routes; omit for requests), found \"{s}\""),
+                );
+                None
+            }
+        });
+        let (Some(limit), Some(period), Some(charged)) = (limit, period, charged) else {
             ok = false;
             continue;
         };
-        if let Err(e) = rules::new_period(&out, period) {
+        if let Err(e) = rules::new_period(&out, period, charged) {
             r.error(&join(&at, "period"), Some(&span), e);
             ok = false;
             continue;
         }
-        out.push(Quota { limit, period });
+        out.push(Quota {
+            limit,
+            period,
+            charged,
+        });
     }
     ok.then_some(out)
 }

@@ -5,6 +5,7 @@
 
 mod admin;
 mod auth;
+mod charge;
 mod clients;
 mod cors;
 mod file;
@@ -27,6 +28,7 @@ mod url;
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
+pub use charge::{Charge, CostSource, Estimate};
 pub use clients::KeySnapshot;
 pub use model::*;
 pub use url::HttpUrl;

@@ -461,6 +461,9 @@ pub struct Limit {
     pub missing: Missing,
     /// Tokens each request takes, 1 to the rule's quota.
     pub cost: u64,
+    /// `cost = "response"`: charged what the answer says (the route's
+    /// `charge`), admitted on its estimate; `cost` is then unused.
+    pub charged: bool,
     /// A global limit split into this many sub-buckets (1: not split).
     pub shards: u64,
 }
@@ -537,6 +540,9 @@ pub struct Plan {
 pub struct Quota {
     pub limit: u64,
     pub period: crate::calendar::Period,
+    /// `cost = "response"`: counts the charged units of `charge` routes
+    /// only (other quotas count requests).
+    pub charged: bool,
 }
 
 #[derive(Clone, PartialEq)]
@@ -678,6 +684,8 @@ pub struct Route {
     pub max_request_body_bytes: Option<u64>,
     /// This route's CORS policy (`None`: `[cors]`, if any).
     pub cors: Option<Cors>,
+    /// The cost read from the answer (`cost = "response"` limits count it).
+    pub charge: Option<std::sync::Arc<super::Charge>>,
 }
 
 /// A CORS policy: which origins a browser may call from, with what, and

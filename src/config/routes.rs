@@ -35,6 +35,7 @@ pub const ROUTE_KEYS: &[&str] = &[
     "queue_timeout_ms",
     "pool_max_in_flight",
     "max_in_flight_per_client",
+    "charge",
 ];
 
 pub(super) fn route(
@@ -202,7 +203,37 @@ pub(super) fn route(
         }
         None => None,
     };
+    let charge = match t.get("charge") {
+        Some(v) => {
+            let path = join(p, "charge");
+            let ct = r.table(&path, v)?;
+            Some(std::sync::Arc::new(super::charge::read(
+                r,
+                &path,
+                ct,
+                &v.span(),
+            )?))
+        }
+        None => None,
+    };
+    // A limit counting charged units needs the route to say what they are.
+    if charge.is_none() {
+        let charged = lim.iter().map(|l| ("limit".to_string(), l)).chain(
+            by_plan
+                .iter()
+                .map(|(plan, l)| (format!("limit_by_plan.{plan}"), l)),
+        );
+        if let Some((at, _)) = charged.into_iter().find(|(_, l)| l.charged) {
+            r.error(
+                &join(&join(p, &at), "cost"),
+                Some(span),
+                "cost = \"response\" counts the units the route's `charge` reads: the route has no `charge`",
+            );
+            return None;
+        }
+    }
     Some(Route {
+        charge,
         name: rname?,
         host: host?,
         path_prefix: prefix?,

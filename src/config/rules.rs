@@ -12,11 +12,16 @@ use crate::config::Quota;
 /// The largest quota limit (and the largest key capacity) taken.
 pub const MAX_COUNT: u64 = 1 << 40;
 
-/// A key has one quota per calendar period: `period` may join `so_far`.
-pub fn new_period(so_far: &[Quota], period: Period) -> Result<(), String> {
-    if so_far.iter().any(|q| q.period == period) {
+/// A key has one quota per calendar period and unit (requests, or the
+/// charged units of `cost = "response"`): `period` may join `so_far`.
+pub fn new_period(so_far: &[Quota], period: Period, charged: bool) -> Result<(), String> {
+    if so_far
+        .iter()
+        .any(|q| q.period == period && q.charged == charged)
+    {
+        let unit = if charged { "charged-units " } else { "" };
         return Err(format!(
-            "a {} quota is already given: one quota per period",
+            "a {unit}{} quota is already given: one quota per period and unit",
             period.as_str()
         ));
     }

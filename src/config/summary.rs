@@ -358,7 +358,9 @@ impl Config {
                             l.missing.spelling()
                         );
                     }
-                    if l.cost != 1 {
+                    if l.charged {
+                        text.push_str(" cost=response");
+                    } else if l.cost != 1 {
                         let _ = write!(text, " cost={}", l.cost);
                     }
                     if l.shards != 1 {
@@ -394,6 +396,9 @@ impl Config {
             if let Some(n) = r.max_in_flight_per_client {
                 extras.push(format!("{n} in flight per client"));
             }
+            if let Some(c) = &r.charge {
+                extras.push(format!("charge: {c}"));
+            }
             let extras = match extras.is_empty() {
                 true => String::new(),
                 false => format!(" ({})", extras.join(", ")),
@@ -406,9 +411,10 @@ impl Config {
             for (plan, l) in &r.limit_by_plan {
                 let _ = writeln!(
                     s,
-                    "    plan {plan}: {} scope={}",
+                    "    plan {plan}: {} scope={}{}",
                     l.algorithm,
-                    l.scope.spelling()
+                    l.scope.spelling(),
+                    if l.charged { " cost=response" } else { "" }
                 );
             }
         }
@@ -422,6 +428,7 @@ fn never_binding(at: &str, quotas: &[Quota], count: &mut usize, out: &mut Vec<St
         for long in quotas {
             if short.period.as_secs_at_most() < long.period.as_secs_at_least()
                 && short.limit >= long.limit
+                && short.charged == long.charged
             {
                 *count += 1;
                 if *count > 20 {
@@ -446,7 +453,10 @@ fn quotas(q: &[Quota]) -> String {
     }
     let list: Vec<String> = q
         .iter()
-        .map(|q| format!("{}/{}", q.limit, q.period.as_str()))
+        .map(|q| {
+            let unit = if q.charged { " units" } else { "" };
+            format!("{}{unit}/{}", q.limit, q.period.as_str())
+        })
         .collect();
     format!("; quotas: {}", list.join(", "))
 }

@@ -75,6 +75,41 @@ impl LocalBackend {
         all
     }
 
+    /// Settles a charged tier (`charge`) admitted at `at`: `delta` more
+    /// tokens owed at `now` (`algorithms::owe`), or `-delta` given back
+    /// where it was taken (`algorithms::refund`).
+    pub fn settle_at(&self, c: &Check, delta: i64, at: i64, now: i64) {
+        let key = c.key.as_str();
+        let mut shard = self.buckets.lock(key);
+        if delta < 0 {
+            if let Some(e) = shard.get_mut(key) {
+                algorithms::refund(&c.algorithm, &mut e.state, at, delta.unsigned_abs());
+            }
+            return;
+        }
+        if shard.get_mut(key).is_none() {
+            let e = Entry {
+                state: None,
+                expires_at: now,
+            };
+            shard.insert(key.to_string(), e, &Room::Evict(&soonest_expiring(now)));
+        }
+        let Some(entry) = shard.get_mut(key) else {
+            return;
+        };
+        if entry.expires_at <= now {
+            entry.state = None;
+        }
+        algorithms::owe(&c.algorithm, &mut entry.state, now, delta as u64);
+        // Kept until the debt has passed: a TAT's distance, a window's end.
+        let until = match (&entry.state, c.algorithm) {
+            (Some(State::Gcra { tat }), _) => tat.ceil() as i64,
+            (_, crate::config::Algorithm::Calendar { end, .. }) => end,
+            (_, alg) => now + 2 * window_us(&alg),
+        };
+        entry.expires_at = entry.expires_at.max(until);
+    }
+
     /// Decides at an explicit time (the conformance suite drives this).
     pub fn decide_at(&self, checks: &[Check], now: i64) -> Verdict {
         // Every shard involved stays locked from the checks to the commit:
@@ -195,5 +230,16 @@ impl LocalBackend {
 impl Backend for LocalBackend {
     async fn decide(&self, checks: &[Check]) -> Result<Verdict, LimiterError> {
         Ok(self.decide_at(checks, self.clock.now_us()))
+    }
+}
+
+/// A window's length in µs (0 for a rule without one).
+fn window_us(alg: &crate::config::Algorithm) -> i64 {
+    use crate::config::Algorithm::*;
+    match *alg {
+        FixedWindow { window_secs, .. } | SlidingWindow { window_secs, .. } => {
+            window_secs as i64 * 1_000_000
+        }
+        _ => 0,
     }
 }

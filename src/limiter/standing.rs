@@ -420,6 +420,16 @@ impl Standing {
     /// join, never taken from) is entered, with the tokens, if there is
     /// room: else they are lost.
     pub fn credit(&self, c: &Check, tokens: u64, generation: u64) {
+        self.adjust(c, generation, |s, now| s.give_back(tokens, now));
+    }
+
+    /// `tokens` more owed by a request `c`'s share admitted (its answer
+    /// cost more than its estimate): the share may go below empty.
+    pub fn owe(&self, c: &Check, tokens: u64, generation: u64) {
+        self.adjust(c, generation, |s, now| s.owe(tokens, now));
+    }
+
+    fn adjust(&self, c: &Check, generation: u64, change: impl Fn(&Share, Micros) -> Share) {
         let now = self.mono(Instant::now());
         let key = c.key.as_str();
         let mut shard = self.shares.lock(key);
@@ -427,7 +437,7 @@ impl Standing {
             return;
         }
         if let Some(s) = shard.get_mut(key) {
-            *s = s.give_back(tokens, now);
+            *s = change(s, now);
             return;
         }
         // Frozen or not: the tokens are here either way.
@@ -437,9 +447,7 @@ impl Standing {
         let Some((cap, rate)) = share(&c.algorithm, self.fraction, cut.n) else {
             return;
         };
-        let credited = self
-            .current(None, c, cap, rate, &cut)
-            .give_back(tokens, now);
+        let credited = change(&self.current(None, c, cap, rate, &cut), now);
         let full = |s: &Share| s.full(now);
         let room = Room::Sweep {
             stale: &full,

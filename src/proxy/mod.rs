@@ -21,6 +21,7 @@
 //! answers) are in `steps`; the answers themselves in `responses`.
 
 pub mod admin;
+mod charge;
 mod deadline;
 mod keys;
 mod limits;
@@ -125,6 +126,8 @@ pub struct Ctx {
     in_flight_refusal: Option<&'static str>,
     /// Why its bearer JWT was refused.
     token_refusal: Option<&'static str>,
+    /// A request on a `charge` route: what its answer settles.
+    metered: Option<charge::Metered>,
     /// Dropped with the context, after `logging` counted the request.
     _in_flight: crate::metrics::InFlight,
 }
@@ -155,6 +158,7 @@ impl ProxyHttp for Gateway {
             upstream_slot: None,
             in_flight_refusal: None,
             token_refusal: None,
+            metered: None,
             _in_flight: crate::metrics::InFlight::start(),
         }
     }
@@ -266,6 +270,19 @@ impl ProxyHttp for Gateway {
                 None => self.admit(session, ctx, None).await,
             };
         }
+        // A `charge` route: admitted on the request's estimate.
+        let mut estimate = 0;
+        if let Some(charge) = &cfg.routes[plan.route].charge {
+            match self.estimate(session, charge).await {
+                Ok(n) => estimate = n,
+                Err(reply) => {
+                    ctx.plan = Some(plan);
+                    return self.reply(session, ctx, reply).await;
+                }
+            }
+            plan.estimate(estimate);
+        }
+        let units = plan.units;
         let outcome = self.limiter.decide(&plan.checks).await;
         policy.settle(&plan, &outcome);
         ctx.plan = Some(plan);
@@ -281,7 +298,11 @@ impl ProxyHttp for Gateway {
                 if delay > Duration::ZERO {
                     tokio::time::sleep(delay).await;
                 }
-                self.admit(session, ctx, Some(&outcome)).await
+                let sent = self.admit(session, ctx, Some(&outcome)).await;
+                if units != 0 && matches!(sent, Ok(false)) {
+                    Self::metered(ctx, outcome, units, estimate);
+                }
+                sent
             }
             Conclusion::Reject {
                 headers,
@@ -496,6 +517,7 @@ impl ProxyHttp for Gateway {
                 false => slot.answered(),
             }
         }
+        Self::meter_start(ctx, resp);
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
         }
@@ -517,6 +539,19 @@ impl ProxyHttp for Gateway {
         }
         resp.insert_header("x-request-id", ctx.request_id.as_str())?;
         Ok(())
+    }
+
+    /// The answer's body, piece by piece: a `charge` route reads its cost
+    /// as it passes (nothing is held).
+    fn upstream_response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<bytes::Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Duration>> {
+        Self::meter_body(ctx, body, end_of_stream);
+        Ok(None)
     }
 
     /// Upstream failures: 504 for a timeout, 502 for anything else.
@@ -587,6 +622,7 @@ impl ProxyHttp for Gateway {
 
     /// Metrics and one access-log line per request.
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        self.settle(ctx, e);
         // An upstream that timed out failed, as far as its adaptive limit is
         // concerned; one that closed or reset the connection is no longer
         // working on the request. A client that left first leaves its

@@ -305,6 +305,15 @@ pub fn payload_too_large(max: u64) -> Reply {
     )
 }
 
+/// A request on a `charge` route with no estimate to admit it on.
+pub fn no_estimate(why: &str) -> Reply {
+    json(
+        400,
+        "no_estimate",
+        &format!("this route charges by the answer and needs an estimate first: {why}"),
+    )
+}
+
 pub fn internal() -> Reply {
     json(500, "internal", "internal error")
 }

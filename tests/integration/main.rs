@@ -7,6 +7,7 @@ mod support;
 
 mod adaptive;
 mod browser_cors;
+mod charged;
 mod cluster_conformance;
 mod config_validation;
 mod cors;

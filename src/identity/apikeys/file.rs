@@ -358,11 +358,12 @@ fn quota(limit: f64, period: &str) -> Result<Quota, String> {
     Ok(Quota {
         limit: whole("limit", limit)?,
         period,
+        charged: false,
     })
 }
 
 fn one_per_period(q: &[Quota]) -> Result<(), String> {
-    (0..q.len()).try_for_each(|i| rules::new_period(&q[..i], q[i].period))
+    (0..q.len()).try_for_each(|i| rules::new_period(&q[..i], q[i].period, q[i].charged))
 }
 
 /// A whole number in 1..=2^40, as `[[api_keys]]` takes it.

@@ -450,6 +450,7 @@ mod tests {
         let q = vec![Quota {
             limit: 5,
             period: Period::Day,
+            charged: false,
         }];
         b.insert(
             "c",

@@ -426,6 +426,7 @@ mod tests {
         k.quotas = Some(vec![crate::config::Quota {
             limit: 9,
             period: crate::calendar::Period::Month,
+            charged: false,
         }]);
         let raw = super::super::file::record(&k);
         assert!(!raw.contains("s1"));

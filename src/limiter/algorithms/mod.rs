@@ -306,6 +306,70 @@ pub fn refund(alg: &Algorithm, state: &mut Option<State>, at: Micros, cost: u64)
     }
 }
 
+/// Charges `n` more tokens at `now` to an admission whose answer cost
+/// more than it was admitted on (`charge`): the bucket may go below empty,
+/// so its client waits longer. A token or leaky bucket's TAT moves on by
+/// `n` intervals from now or later; a window's (a quota's period's) count
+/// of `now` grows; a log is never charged by the answer (the config
+/// refuses it). What `charge.lua` does with a debt of `n` admissions at
+/// `now`.
+pub fn owe(alg: &Algorithm, state: &mut Option<State>, now: Micros, n: u64) {
+    let stored = match state {
+        Some(State::Window { window, .. }) | Some(State::Sliding { window, .. }) => Some(*window),
+        _ => None,
+    };
+    match *alg {
+        Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. } => {
+            let t = gcra_interval(alg).unwrap_or(0.0);
+            let from = match state {
+                Some(State::Gcra { tat }) => tat.max(now as f64),
+                _ => now as f64,
+            };
+            *state = Some(State::Gcra {
+                tat: from + n as f64 * t,
+            });
+        }
+        Algorithm::FixedWindow { window_secs, .. } => {
+            let i = window_index(now, window_secs as i64 * 1_000_000, stored);
+            add_to_window(state, i, n);
+        }
+        Algorithm::Calendar { end, .. } if now < end => add_to_window(state, end, n),
+        Algorithm::SlidingWindow { window_secs, .. } => {
+            let i = window_index(now, window_secs as i64 * 1_000_000, stored);
+            *state = Some(match state.take() {
+                Some(State::Sliding { window, prev, cur }) if window == i => State::Sliding {
+                    window,
+                    prev,
+                    cur: cur + n,
+                },
+                Some(State::Sliding { window, cur, .. }) if window == i - 1 => State::Sliding {
+                    window: i,
+                    prev: cur,
+                    cur: n,
+                },
+                _ => State::Sliding {
+                    window: i,
+                    prev: 0,
+                    cur: n,
+                },
+            });
+        }
+        _ => {}
+    }
+}
+
+fn add_to_window(state: &mut Option<State>, i: i64, n: u64) {
+    match state {
+        Some(State::Window { window, count }) if *window == i => *count += n,
+        _ => {
+            *state = Some(State::Window {
+                window: i,
+                count: n,
+            })
+        }
+    }
+}
+
 pub(crate) fn window_index(now: Micros, w: i64, stored: Option<i64>) -> i64 {
     let n = now.div_euclid(w);
     stored.map_or(n, |s| n.max(s))

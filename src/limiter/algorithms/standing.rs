@@ -179,6 +179,16 @@ impl Share {
         (e, next)
     }
 
+    /// `n` more tokens owed by a request already admitted (its answer cost
+    /// more than it was admitted on): may go below empty.
+    pub fn owe(&self, n: u64, now: Micros) -> Self {
+        Share {
+            tat: self.tat.max(now as f64) + n as f64 * 1e6 / self.rate,
+            at: now.max(self.at),
+            ..*self
+        }
+    }
+
     /// `cost` tokens a request took given back (another tier refused it,
     /// or it never reached the upstream): never past full.
     pub fn give_back(&self, cost: u64, now: Micros) -> Self {

@@ -48,6 +48,7 @@ mod merge;
 mod operator;
 mod pulls;
 mod refund;
+mod settle;
 mod shares;
 mod upkeep;
 
@@ -221,6 +222,8 @@ pub struct Fallback {
     standing: Option<Standing>,
     /// What this replica admitted locally, to charge on failback.
     ledger: Ledger,
+    /// What charged requests' answers owe Redis, sent in batches.
+    owed: settle::Owed,
     /// True once the start-up attempt has ended.
     started: watch::Sender<bool>,
     startup_wait: Duration,
@@ -271,6 +274,7 @@ impl Fallback {
             // Shares are Redis's pool's complement: nothing to cut without it.
             standing: standing.filter(|_| has_redis),
             ledger: Ledger::new(ledger_cap),
+            owed: settle::Owed::default(),
             // Without Redis there is nothing to wait for.
             started: watch::channel(!has_redis).0,
             startup_wait,

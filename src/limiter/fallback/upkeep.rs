@@ -152,7 +152,8 @@ impl Fallback {
             self.watchdog(redis),
             self.upkeep(redis, interval),
             self.sweep(redis),
-            self.pull(redis)
+            self.pull(redis),
+            self.send_settlements(redis)
         );
     }
 

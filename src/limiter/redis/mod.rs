@@ -389,6 +389,19 @@ impl RedisBackend {
         }
     }
 
+    /// Gives back `tokens` of bucket `c` taken at `at` (a charged
+    /// request's answer cost less than its estimate), in a task of its own.
+    pub fn refund_tokens(&self, c: &Check, tokens: u64, at: Micros) {
+        let Ok(conn) = self.inner.connection() else {
+            return;
+        };
+        let c = Check {
+            cost: tokens,
+            ..c.clone()
+        };
+        drop(self.inner.refund_one(&conn, &c, at, 0));
+    }
+
     pub async fn decide_leasing(
         &self,
         requests: &[&[Check]],

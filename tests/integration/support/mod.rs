@@ -482,10 +482,15 @@ impl UpstreamGuard {
     }
 
     pub fn stats(&self) -> serde_json::Value {
+        self.stats_at("/stats")
+    }
+
+    /// One of the upstream's stats pages (`/stats/llm`: the usage it reported).
+    pub fn stats_at(&self, path: &str) -> serde_json::Value {
         let r = Client::connect(self.addr)
-            .and_then(|mut c| c.get("/stats"))
-            .expect("GET /stats");
-        serde_json::from_slice(&r.body).expect("stats JSON")
+            .and_then(|mut c| c.get(path))
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{path} JSON: {e}"))
     }
 
     /// Requests the upstream received for one path.

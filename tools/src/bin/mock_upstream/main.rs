@@ -26,6 +26,12 @@
 //! `--finish-abandoned` a request whose client closed the connection is
 //! still served whole (it keeps its worker and its place in `in_flight`),
 //! as a threaded server's is; without it the work ends with the connection.
+//!
+//! `POST …/chat/completions` answers as an LLM API does (`llm`): tokens
+//! used, in the JSON body or the last server-sent event, with faults on
+//! request; `GET /stats/llm` lists the usage it reported.
+
+mod llm;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -37,6 +43,21 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::Parser;
 use http_body_util::{BodyExt, Full};
+
+/// Every answer's body: whole, or made as it is sent (`llm`).
+pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+pub fn boxed<B>(body: B) -> BoxBody
+where
+    B: http_body::Body<Data = Bytes, Error = std::io::Error> + Send + Sync + 'static,
+{
+    body.boxed()
+}
+
+/// A whole body.
+pub fn full(b: Bytes) -> BoxBody {
+    boxed(Full::new(b).map_err(|never: Infallible| match never {}))
+}
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -110,6 +131,7 @@ struct Upstream {
     worker_count: AtomicU64,
     held: Gauge,
     waiting: Gauge,
+    llm: llm::Llm,
 }
 
 /// A count of requests now, and the most there were.
@@ -260,18 +282,18 @@ impl Upstream {
     }
 }
 
-fn respond(status: u16, body: String) -> Response<Full<Bytes>> {
+fn respond(status: u16, body: String) -> Response<BoxBody> {
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+        .body(full(Bytes::from(body)))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
 }
 
 async fn handle(
     up: Arc<Upstream>,
     req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<BoxBody>, Infallible> {
     let path = req.uri().path().to_string();
     match (req.method().as_str(), path.as_str()) {
         ("GET", "/healthz") => return Ok(respond(200, r#"{"ok":true}"#.into())),
@@ -286,8 +308,10 @@ async fn handle(
             let path = query.strip_prefix("path=").unwrap_or("");
             return Ok(respond(200, up.arrivals_json(path)));
         }
+        ("GET", "/stats/llm") => return Ok(respond(200, up.llm.stats_json())),
         ("POST", "/stats/reset") => {
             up.reset();
+            up.llm.reset();
             return Ok(respond(200, r#"{"reset":true}"#.into()));
         }
         ("POST", "/control") => {
@@ -306,7 +330,7 @@ async fn handle(
 
 /// `POST /control?service_ms=N&workers=M` (either or both): a service that
 /// slows down, or a server that loses or gains workers while it runs.
-fn control(up: &Arc<Upstream>, query: &str) -> Response<Full<Bytes>> {
+fn control(up: &Arc<Upstream>, query: &str) -> Response<BoxBody> {
     let (mut service_ms, mut workers) = (None, None);
     let mut bad = query.is_empty();
     for pair in query.split('&') {
@@ -356,11 +380,7 @@ fn control(up: &Arc<Upstream>, query: &str) -> Response<Full<Bytes>> {
 }
 
 /// One counted request: held, given a worker, served for its service time.
-async fn serve_one(
-    up: Arc<Upstream>,
-    req: Request<Incoming>,
-    path: String,
-) -> Response<Full<Bytes>> {
+async fn serve_one(up: Arc<Upstream>, req: Request<Incoming>, path: String) -> Response<BoxBody> {
     let header = |name: &str| {
         req.headers()
             .get(name)
@@ -385,8 +405,15 @@ async fn serve_one(
         }).collect::<serde_json::Map<_, _>>(),
     })
     .to_string();
+    let llm = req.method() == hyper::Method::POST && path.ends_with("/chat/completions");
+    let headers = req.headers().clone();
     // Read the whole body, as a real service would.
-    let _ = req.into_body().collect().await;
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
 
     let service = Duration::from_millis(up.service_ms.load(Ordering::Relaxed) + extra_ms);
     let _worker = match &up.workers {
@@ -402,6 +429,9 @@ async fn serve_one(
                 tokio::time::sleep(wait + service).await;
             }
             up.stats.ok.fetch_add(1, Ordering::Relaxed);
+            if llm {
+                return up.llm.answer(up.stats.started, &headers, &body);
+            }
             respond(200, echo)
         }
         None => {
@@ -454,6 +484,7 @@ async fn serve(args: Args) {
         worker_count: AtomicU64::new(args.workers as u64),
         held: Gauge::default(),
         waiting: Gauge::default(),
+        llm: llm::Llm::default(),
         args,
     });
     loop {

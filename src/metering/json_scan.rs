@@ -1,0 +1,480 @@
+//! Finds one number in a JSON text fed in pieces, with bounded memory
+//! whatever the text's size: the value at a path of object keys
+//! (`usage.total_tokens`), as a response body streams past.
+//!
+//! It keeps no part of the document: per open container one byte, the
+//! number being read (at most `MAX_NUMBER` bytes) and how far the current
+//! key matches its path segment. A key with an escape (`\"`, `\u0041`)
+//! never matches; nesting past `MAX_DEPTH` ends the scan as malformed.
+
+/// Nesting deeper than this is refused (a real usage object is shallow).
+pub const MAX_DEPTH: usize = 128;
+
+/// A number longer than this is not a count.
+const MAX_NUMBER: usize = 40;
+
+/// What the scan found at the path.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Found {
+    /// Nothing at the path (so far).
+    Nothing,
+    /// A JSON number (the last one, if the path repeats).
+    Number(f64),
+    /// `null`.
+    Null,
+    /// Something else: a string, a boolean, an object, a number too long.
+    NotNumber,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Frame {
+    Object,
+    Array,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// Expecting a value (the document's, an array element, a key's).
+    Value,
+    /// In an object, expecting a key or `}` (`first`: `}` allowed).
+    Key {
+        first: bool,
+    },
+    /// Reading a key; `pos` bytes of the wanted segment matched so far, or
+    /// None once it cannot match.
+    InKey {
+        pos: Option<usize>,
+        escaped: bool,
+    },
+    /// After a key, expecting `:`.
+    Colon,
+    /// After a value, expecting `,` or the container's end.
+    After,
+    /// Inside a string value.
+    InString {
+        escaped: bool,
+    },
+    /// Inside a number or literal (`true`, `false`, `null`).
+    InAtom,
+    /// The top-level value ended; only whitespace may follow.
+    Done,
+    Malformed,
+}
+
+pub struct JsonScan {
+    path: Vec<Box<[u8]>>,
+    stack: Vec<Frame>,
+    /// How many open objects, from the root, sit at their path segment's
+    /// key: the value being read is the target when it equals the path's
+    /// length and every open container is such an object.
+    matched: usize,
+    /// Whether the key just read (or being read) matches the next segment.
+    key_matches: bool,
+    state: State,
+    /// The target's atom, being read.
+    atom: Vec<u8>,
+    target_atom: bool,
+    found: Found,
+}
+
+impl JsonScan {
+    /// `path`: object keys from the root, dot-separated (`usage.total_tokens`).
+    pub fn new(path: &str) -> Self {
+        JsonScan {
+            path: path
+                .split('.')
+                .map(|s| s.as_bytes().to_vec().into_boxed_slice())
+                .collect(),
+            stack: Vec::new(),
+            matched: 0,
+            key_matches: false,
+            state: State::Value,
+            atom: Vec::new(),
+            target_atom: false,
+            found: Found::Nothing,
+        }
+    }
+
+    /// Starts over on a new document (the next server-sent event), keeping
+    /// what was found.
+    pub fn reset(&mut self) {
+        self.stack.clear();
+        self.matched = 0;
+        self.key_matches = false;
+        self.state = State::Value;
+        self.atom.clear();
+        self.target_atom = false;
+    }
+
+    pub fn found(&self) -> Found {
+        self.found
+    }
+
+    /// Forgets what the current document found (it did not complete).
+    pub fn restore(&mut self, found: Found) {
+        self.found = found;
+    }
+
+    /// Whether the text so far cannot be JSON.
+    pub fn malformed(&self) -> bool {
+        self.state == State::Malformed
+    }
+
+    /// Whether one whole value has been read.
+    pub fn complete(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Ends the document: an atom still open at the end (a bare number)
+    /// is complete now.
+    pub fn finish(&mut self) {
+        if self.state == State::InAtom {
+            self.end_atom();
+        }
+    }
+
+    pub fn feed(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            if self.state == State::Malformed {
+                return;
+            }
+            self.byte(b);
+        }
+    }
+
+    /// Whether a value starting now sits at the path.
+    fn at_target(&self) -> bool {
+        self.matched == self.path.len()
+            && self.stack.len() == self.path.len()
+            && self.stack.iter().all(|f| *f == Frame::Object)
+    }
+
+    fn byte(&mut self, b: u8) {
+        let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        match self.state {
+            State::Value => match b {
+                _ if ws => {}
+                b'{' => self.open(Frame::Object),
+                b'[' => self.open(Frame::Array),
+                b'"' => {
+                    if self.at_target() {
+                        self.found = Found::NotNumber;
+                    }
+                    self.state = State::InString { escaped: false };
+                }
+                b'-' | b'0'..=b'9' | b't' | b'f' | b'n' => {
+                    self.target_atom = self.at_target();
+                    self.atom.clear();
+                    self.push_atom(b);
+                    self.state = State::InAtom;
+                }
+                // An empty array: `[` then `]`.
+                b']' if self.stack.last() == Some(&Frame::Array) => self.close(),
+                _ => self.state = State::Malformed,
+            },
+            State::Key { first } => match b {
+                _ if ws => {}
+                b'"' => {
+                    let depth = self.stack.len();
+                    let pos = (self.matched + 1 == depth && depth <= self.path.len()).then_some(0);
+                    self.state = State::InKey {
+                        pos,
+                        escaped: false,
+                    };
+                }
+                b'}' if first => self.close(),
+                _ => self.state = State::Malformed,
+            },
+            State::InKey { pos, escaped } => {
+                if escaped {
+                    self.state = State::InKey {
+                        pos: None,
+                        escaped: false,
+                    };
+                    return;
+                }
+                match b {
+                    b'"' => {
+                        let depth = self.stack.len();
+                        self.key_matches = pos.is_some_and(|p| p == self.path[depth - 1].len());
+                        self.state = State::Colon;
+                    }
+                    b'\\' => {
+                        self.state = State::InKey {
+                            pos: None,
+                            escaped: true,
+                        }
+                    }
+                    _ => {
+                        let depth = self.stack.len();
+                        let next = pos.and_then(|p| {
+                            let seg = &self.path[depth - 1];
+                            (seg.get(p) == Some(&b)).then_some(p + 1)
+                        });
+                        self.state = State::InKey {
+                            pos: next,
+                            escaped: false,
+                        };
+                    }
+                }
+            }
+            State::Colon => match b {
+                _ if ws => {}
+                b':' => {
+                    if self.key_matches {
+                        self.matched += 1;
+                    }
+                    self.state = State::Value;
+                }
+                _ => self.state = State::Malformed,
+            },
+            State::After => match b {
+                _ if ws => {}
+                b',' => match self.stack.last() {
+                    Some(Frame::Object) => {
+                        self.unmatch_key();
+                        self.state = State::Key { first: false };
+                    }
+                    Some(Frame::Array) => self.state = State::Value,
+                    None => self.state = State::Malformed,
+                },
+                b'}' if self.stack.last() == Some(&Frame::Object) => {
+                    self.unmatch_key();
+                    self.close();
+                }
+                b']' if self.stack.last() == Some(&Frame::Array) => self.close(),
+                _ => self.state = State::Malformed,
+            },
+            State::InString { escaped } => {
+                self.state = match (escaped, b) {
+                    (true, _) => State::InString { escaped: false },
+                    (false, b'\\') => State::InString { escaped: true },
+                    (false, b'"') => self.after_value(),
+                    _ => State::InString { escaped: false },
+                };
+            }
+            State::InAtom => match b {
+                b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E' | b'a'..=b'z' => self.push_atom(b),
+                _ => {
+                    self.end_atom();
+                    if self.state != State::Malformed {
+                        self.byte(b);
+                    }
+                }
+            },
+            State::Done => {
+                if !ws {
+                    self.state = State::Malformed;
+                }
+            }
+            State::Malformed => {}
+        }
+    }
+
+    fn push_atom(&mut self, b: u8) {
+        if self.target_atom && self.atom.len() < MAX_NUMBER + 1 {
+            self.atom.push(b);
+        } else if !self.target_atom && self.atom.len() < 5 {
+            // Enough to tell a literal from garbage.
+            self.atom.push(b);
+        }
+    }
+
+    fn end_atom(&mut self) {
+        let atom = std::mem::take(&mut self.atom);
+        let literal = matches!(&atom[..], b"true" | b"false" | b"null");
+        let number = !literal
+            && atom
+                .first()
+                .is_some_and(|c| *c == b'-' || c.is_ascii_digit());
+        if !literal && !number {
+            self.state = State::Malformed;
+            return;
+        }
+        if self.target_atom && &atom[..] == b"null" {
+            self.found = Found::Null;
+        } else if self.target_atom {
+            self.found = match std::str::from_utf8(&atom)
+                .ok()
+                .filter(|_| number && atom.len() <= MAX_NUMBER)
+                .and_then(|s| s.parse::<f64>().ok())
+            {
+                Some(n) => Found::Number(n),
+                None => Found::NotNumber,
+            };
+        }
+        self.target_atom = false;
+        self.atom = atom;
+        self.atom.clear();
+        self.state = self.after_value();
+    }
+
+    fn open(&mut self, frame: Frame) {
+        if self.at_target() {
+            self.found = Found::NotNumber;
+        }
+        if self.stack.len() >= MAX_DEPTH {
+            self.state = State::Malformed;
+            return;
+        }
+        self.stack.push(frame);
+        self.state = match frame {
+            Frame::Object => State::Key { first: true },
+            Frame::Array => State::Value,
+        };
+    }
+
+    fn close(&mut self) {
+        self.stack.pop();
+        self.state = self.after_value();
+    }
+
+    /// The state after a value ends in the current container.
+    fn after_value(&self) -> State {
+        if self.stack.is_empty() {
+            State::Done
+        } else {
+            State::After
+        }
+    }
+
+    /// The current object's key is done with: the objects matched from
+    /// the root drop back to the ones above it.
+    fn unmatch_key(&mut self) {
+        let depth = self.stack.len();
+        if self.matched >= depth {
+            self.matched = depth - 1;
+        }
+        self.key_matches = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(path: &str, text: &str) -> (Found, bool) {
+        let mut s = JsonScan::new(path);
+        s.feed(text.as_bytes());
+        s.finish();
+        (s.found(), s.malformed())
+    }
+
+    /// Every split of the text into two pieces finds the same.
+    fn scan_split(path: &str, text: &str) -> (Found, bool) {
+        let whole = scan(path, text);
+        for i in 0..=text.len() {
+            let mut s = JsonScan::new(path);
+            s.feed(&text.as_bytes()[..i]);
+            s.feed(&text.as_bytes()[i..]);
+            s.finish();
+            assert_eq!((s.found(), s.malformed()), whole, "split at {i} of {text}");
+        }
+        whole
+    }
+
+    #[test]
+    fn finds_the_number_at_the_path() {
+        let body = r#"{"id":"x","choices":[{"message":{"content":"usage: {\"total_tokens\": 9}"}}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}}"#;
+        assert_eq!(
+            scan_split("usage.total_tokens", body),
+            (Found::Number(42.0), false)
+        );
+        assert_eq!(
+            scan_split("usage.prompt_tokens", body),
+            (Found::Number(12.0), false)
+        );
+        assert_eq!(scan_split("usage.cached", body), (Found::Nothing, false));
+        assert_eq!(scan_split("total_tokens", body), (Found::Nothing, false));
+    }
+
+    #[test]
+    fn same_key_elsewhere_does_not_count() {
+        let body = r#"{"total_tokens": 1, "a": {"usage": {"total_tokens": 2}},
+            "usage": [{"total_tokens": 3}], "x": {"usage": {"total_tokens": 4}}}"#;
+        assert_eq!(
+            scan_split("usage.total_tokens", body),
+            (Found::Nothing, false)
+        );
+        let body = r#"{"usage": {"a": {"total_tokens": 5}, "total_tokens": 6}}"#;
+        assert_eq!(
+            scan_split("usage.total_tokens", body),
+            (Found::Number(6.0), false)
+        );
+    }
+
+    #[test]
+    fn what_is_not_a_count() {
+        for (body, found) in [
+            (r#"{"usage":{"total_tokens":"42"}}"#, Found::NotNumber),
+            (r#"{"usage":{"total_tokens":null}}"#, Found::Null),
+            (r#"{"usage":{"total_tokens":true}}"#, Found::NotNumber),
+            (r#"{"usage":{"total_tokens":{"n":1}}}"#, Found::NotNumber),
+            (r#"{"usage":{"total_tokens":[1]}}"#, Found::NotNumber),
+            (r#"{"usage":{"total_tokens":-5}}"#, Found::Number(-5.0)),
+            (r#"{"usage":{"total_tokens":1e30}}"#, Found::Number(1e30)),
+            (r#"{"usage":{"total_tokens":2.5}}"#, Found::Number(2.5)),
+            (
+                r#"{"usage":{"total_tokens":123456789012345678901234567890123456789012345}}"#,
+                Found::NotNumber,
+            ),
+        ] {
+            assert_eq!(
+                scan_split("usage.total_tokens", body),
+                (found, false),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_text_is_said_so() {
+        for body in [
+            "<html>502</html>",
+            "{\"usage\": {\"total_tokens\": 4} x}",
+            "{\"a\" 1}",
+            "[1,,2]",
+            "{} {}",
+            "nope",
+        ] {
+            assert!(scan("usage.total_tokens", body).1, "{body}");
+        }
+        // A deep document ends the scan, with bounded memory.
+        let deep = "[".repeat(MAX_DEPTH + 1);
+        assert!(scan("a", &deep).1);
+    }
+
+    #[test]
+    fn a_cut_document_is_incomplete_not_malformed() {
+        let mut s = JsonScan::new("usage.total_tokens");
+        s.feed(br#"{"usage": {"total_tok"#);
+        s.finish();
+        assert_eq!(
+            (s.found(), s.malformed(), s.complete()),
+            (Found::Nothing, false, false)
+        );
+    }
+
+    #[test]
+    fn a_key_with_an_escape_never_matches() {
+        let body = r#"{"us\u0061ge": {"total_tokens": 1}, "usage": {"total_tokens": 2}}"#;
+        assert_eq!(
+            scan_split("usage.total_tokens", body),
+            (Found::Number(2.0), false)
+        );
+    }
+
+    #[test]
+    fn documents_one_after_another() {
+        let mut s = JsonScan::new("usage.total_tokens");
+        s.feed(br#"{"usage": {"total_tokens": 7}}"#);
+        assert!(s.complete());
+        s.reset();
+        s.feed(br#"{"choices": []}"#);
+        assert_eq!(s.found(), Found::Number(7.0), "kept across documents");
+        s.reset();
+        s.feed(br#"{"usage": {"total_tokens": 8}}"#);
+        assert_eq!(s.found(), Found::Number(8.0), "the last found");
+    }
+}
