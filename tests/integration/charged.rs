@@ -201,3 +201,171 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
         "requests still count one each"
     );
 }
+
+/// Three replicas on one Redis, leases and shares on: one client with a
+/// budget of 20,000 tokens a minute (a token bucket of 20,000 refilling
+/// 333.33/s) and a monthly quota of tokens sends streamed and unstreamed
+/// requests of random sizes to all three for over two minutes, a fifth of
+/// them on a short estimate (no `max_tokens`: the default 256, while the
+/// upstream reports up to 1,000). Over every 60 s the tokens the upstream
+/// reported stay within the bucket's C + r·60 plus, for each request of the
+/// window whose estimate was short, what it cost beyond it (the README's
+/// bound); the month's `used` is what the upstream reported, exactly.
+#[test]
+fn three_replicas_hold_a_token_budget_and_count_every_reported_token() {
+    const SECS: u64 = 125;
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let config = format!(
+        r#"
+{SERVER}
+
+[limiter]
+backend = "redis"
+instances = 3
+retry_after_jitter_ms = 0
+
+[limiter.leases]
+enabled = true
+period_ms = 100
+
+[limiter.shares]
+enabled = true
+fraction = 0.25
+
+[redis]
+urls = ["{redis}"]
+
+[plans.llm]
+capacity = 1000
+refill_per_sec = 100
+quotas = [{{ limit = 100000000, period = "month", cost = "response" }}]
+
+[[api_keys]]
+id = "tenant-a"
+key = "tenant-a-secret"
+plan = "llm"
+
+[[upstreams]]
+name = "llm"
+servers = ["{up}"]
+
+[[routes]]
+name = "chat"
+path_prefix = "{CHAT}"
+methods = ["POST"]
+upstream = "llm"
+require_api_key = true
+charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens"], estimate = "json:max_tokens", default_estimate = 256, max = 4096 }}
+limit = {{ algorithm = "token_bucket", capacity = 20000, refill_per_sec = 333.333333, scope = "client", cost = "response" }}
+"#,
+        up = up.addr,
+        redis = redis.url(),
+    );
+    let gs: Vec<GatewayGuard> = (0..3).map(|_| GatewayGuard::start(&config)).collect();
+    wait_for("three replicas counted", Duration::from_secs(15), || {
+        gs.iter()
+            .all(|g| g.metric("gateway_limiter_replicas") == 3.0)
+            .then_some(())
+    });
+    let mut clients: Vec<Client> = gs.iter().map(|g| g.client()).collect();
+    let mut rng = fastrand::Rng::with_seed(51);
+    // Per request sent: when (µs on the upstream's clock, matched by
+    // x-mock-seq), and how much its cost exceeded its estimate.
+    let mut excess: std::collections::HashMap<u64, u64> = Default::default();
+    let (mut admitted, mut refused) = (0u64, 0u64);
+    let start = std::time::Instant::now();
+    let mut seq = 0u64;
+    while start.elapsed() < Duration::from_secs(SECS) {
+        seq += 1;
+        let short = rng.u8(0..5) == 0;
+        let stream = rng.bool();
+        let (body, tokens) = if short {
+            let t = rng.u64(1..=1000);
+            (format!(r#"{{"stream":{stream}}}"#), Some(t))
+        } else {
+            (
+                format!(
+                    r#"{{"max_tokens":{},"stream":{stream}}}"#,
+                    rng.u64(1..=2000)
+                ),
+                None,
+            )
+        };
+        let seq_s = seq.to_string();
+        let tokens_s = tokens.map(|t| t.to_string()).unwrap_or_default();
+        let mut headers = vec![("x-mock-seq", seq_s.as_str())];
+        if tokens.is_some() {
+            headers.push(("x-mock-tokens", tokens_s.as_str()));
+        }
+        let i = (seq % 3) as usize;
+        match chat(&mut clients[i], CHAT, &body, &headers) {
+            200 => {
+                admitted += 1;
+                if let Some(t) = tokens {
+                    excess.insert(seq, t.saturating_sub(256));
+                }
+            }
+            429 => refused += 1,
+            other => panic!("request {seq}: status {other}"),
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    // What the upstream reported, with when (arrival order matches seq).
+    let llm = up.stats_at("/stats/llm");
+    let reports: Vec<(u64, u64)> = llm["reports"]
+        .as_array()
+        .expect("reports")
+        .iter()
+        .map(|r| (r[0].as_u64().unwrap(), r[1].as_u64().unwrap()))
+        .collect();
+    let arrivals = up.arrivals(CHAT);
+    assert_eq!(
+        reports.len() as u64,
+        admitted,
+        "every admitted request reported"
+    );
+    assert_eq!(arrivals.len(), reports.len());
+    // Reports are made in arrival order: the i-th report is the i-th arrival.
+    let by_seq: Vec<(u64, u64, u64)> = arrivals
+        .iter()
+        .zip(&reports)
+        .map(|((t, seq), (_, n))| (*t, *n, excess.get(&seq.expect("seq")).copied().unwrap_or(0)))
+        .collect();
+    let (cap, rate) = (20_000.0, 333.333333);
+    let mut worst = f64::MIN;
+    let mut most = 0;
+    for (i, (t0, ..)) in by_seq.iter().enumerate() {
+        let window: Vec<&(u64, u64, u64)> = by_seq[i..]
+            .iter()
+            .take_while(|(t, ..)| *t < t0 + 60_000_000)
+            .collect();
+        let tokens: u64 = window.iter().map(|w| w.1).sum();
+        let slack: u64 = window.iter().map(|w| w.2).sum();
+        let bound = cap + rate * 60.0 + slack as f64;
+        worst = worst.max(tokens as f64 - bound);
+        most = most.max(tokens);
+    }
+    let reported = llm["reported_total"].as_u64().expect("total");
+    println!(
+        "FIGURES charged three replicas: {admitted} admitted, {refused} refused over {SECS} s; \
+         {reported} tokens reported; the most in any 60 s {most}; worst window against its bound {worst:+.0}"
+    );
+    assert!(worst <= 0.0, "a 60 s window over its bound by {worst}");
+    assert!(
+        refused > 0 && most as f64 > cap,
+        "the budget was reached: most {most}, refused {refused}"
+    );
+    // Every reported token in the month's count, exactly, once the
+    // settlements and leases are in.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut used = gs[0].quota_used("tenant-a", "quota-month");
+    while used != reported && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        used = gs[0].quota_used("tenant-a", "quota-month");
+    }
+    assert_eq!(
+        used, reported,
+        "the month's used against what the upstream reported"
+    );
+}

@@ -1111,3 +1111,91 @@ fn hide_credentials_and_the_snapshot_are_checked() {
         assert!(err.contains(problem), "{body}: {err}");
     }
 }
+
+/// A route's `charge` and `cost = "response"`: each problem named with its
+/// key and line; a good one printed by `check` as it will be enforced.
+#[test]
+fn charge_keys_are_checked_and_printed() {
+    let route = |charge: &str, limit: &str| {
+        format!(
+            "{}\nmethods = [\"POST\"]\n{charge}\n{limit}\n\n[plans.llm]\ncapacity = 60\nrefill_per_sec = 1\nquotas = [{{ limit = 10000, period = \"day\" }}, {{ limit = 5000000, period = \"month\", cost = \"response\" }}]\n",
+            MINIMAL.trim_end()
+        )
+    };
+    let good_charge = r#"charge = { response = ["sse:usage.total_tokens", "json:usage.total_tokens", "header:X-Usage-Tokens"], estimate = "json:max_tokens", default_estimate = 1024, max = 32768 }"#;
+    let good_limit = r#"limit = { algorithm = "token_bucket", capacity = 20000, refill_per_sec = 333, cost = "response" }"#;
+    let (ok, out, err) = check(&route(good_charge, good_limit));
+    assert!(ok, "{err}");
+    for what in [
+        "token_bucket",
+        "cost=response",
+        "charge: response=sse:usage.total_tokens,json:usage.total_tokens,header:x-usage-tokens estimate=json:max_tokens default=1024 max=32768 failed=refunded",
+        "quotas: 10000/day, 5000000 units/month",
+    ] {
+        assert!(out.contains(what), "{what}: {out}");
+    }
+    for (charge, limit, wants) in [
+        (
+            r#"charge = { response = ["body:tokens"], estimate = 5, max = 10 }"#,
+            good_limit,
+            &[
+                "routes[0].charge.response[0] (line",
+                "expected \"header:NAME\", \"json:PATH\" or \"sse:PATH\", found \"body:tokens\"",
+            ][..],
+        ),
+        (
+            r#"charge = { response = ["json:usage..total"], estimate = "max_tokens", max = 10 }"#,
+            good_limit,
+            &[
+                "routes[0].charge.response[0] (line",
+                "routes[0].charge.estimate (line",
+                "expected \"json:PATH\"",
+            ][..],
+        ),
+        (
+            r#"charge = { response = ["json:n"], estimate = 50, default_estimate = 20, max = 10 }"#,
+            good_limit,
+            &[
+                "routes[0].charge.estimate (line",
+                "50 is more than `max` (10)",
+                "routes[0].charge.default_estimate",
+            ][..],
+        ),
+        (
+            r#"charge = { response = ["json:n"], estimate = 5 }"#,
+            good_limit,
+            &["routes[0].charge.max", "missing required key"][..],
+        ),
+        (
+            "",
+            good_limit,
+            &["routes[0].limit.cost", "the route has no `charge`"][..],
+        ),
+        (
+            good_charge,
+            r#"limit = { algorithm = "sliding_log", limit = 10, window_secs = 60, cost = "response" }"#,
+            &["routes[0].limit.cost", "a log of requests cannot hold"][..],
+        ),
+        (
+            good_charge,
+            r#"limit = { algorithm = "token_bucket", capacity = 10, refill_per_sec = 1, cost = "tokens" }"#,
+            &[
+                "routes[0].limit.cost (line",
+                "expected a number of tokens or \"response\", found \"tokens\"",
+            ][..],
+        ),
+    ] {
+        let (ok, _, err) = check(&route(charge, limit));
+        assert!(!ok, "{charge} {limit}");
+        for want in wants {
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+    let (ok, _, err) = check(
+        &route(good_charge, good_limit).replace("cost = \"response\" }]", "cost = \"tokens\" }]"),
+    );
+    assert!(
+        !ok && err.contains("plans.llm.quotas[1].cost (line"),
+        "{err}"
+    );
+}

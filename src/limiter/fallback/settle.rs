@@ -99,38 +99,43 @@ impl Fallback {
     pub(super) async fn send_settlements(&self, redis: &RedisBackend) {
         loop {
             tokio::time::sleep(SETTLE_EVERY).await;
-            if !self.redis_up.load(Ordering::Acquire) {
-                continue;
+            if self.redis_up.load(Ordering::Acquire) {
+                self.send_owed(redis).await;
             }
-            let owed = self.owed.take();
-            if owed.is_empty() {
-                continue;
-            }
-            let now = SystemClock.now_us();
-            let (debts, refunds): (Vec<_>, Vec<_>) = owed.into_iter().partition(|o| o.1 > 0);
-            let charged: Vec<(Check, Debt)> = debts
-                .iter()
-                .filter_map(|(c, n, _)| Some((c.clone(), debt(c, *n as u64, now)?)))
-                .collect();
-            if !charged.is_empty() {
-                match redis.charge(&charged, &self.replica_id).await {
-                    Ok(_) => metrics::settled(debts.iter().map(|d| d.1 as u64).sum(), 0),
-                    // Those not written are owed again (a call that ran
-                    // and whose answer was lost is charged twice).
-                    Err((written, _)) => {
-                        for (c, n, at) in debts.into_iter().skip(written) {
-                            self.owed.again(c, n, at);
-                        }
+        }
+    }
+
+    /// What is owed to Redis now, sent: debts in batches (`charge.lua`),
+    /// refunds one bucket at a time (`refund.lua`, not waited for).
+    pub(super) async fn send_owed(&self, redis: &RedisBackend) {
+        let owed = self.owed.take();
+        if owed.is_empty() {
+            return;
+        }
+        let now = SystemClock.now_us();
+        let (debts, refunds): (Vec<_>, Vec<_>) = owed.into_iter().partition(|o| o.1 > 0);
+        let charged: Vec<(Check, Debt)> = debts
+            .iter()
+            .filter_map(|(c, n, _)| Some((c.clone(), debt(c, *n as u64, now)?)))
+            .collect();
+        if !charged.is_empty() {
+            match redis.charge(&charged, &self.replica_id).await {
+                Ok(_) => metrics::settled(debts.iter().map(|d| d.1 as u64).sum(), 0),
+                // Those not written are owed again (a call that ran and
+                // whose answer was lost is charged twice).
+                Err((written, _)) => {
+                    for (c, n, at) in debts.into_iter().skip(written) {
+                        self.owed.again(c, n, at);
                     }
                 }
             }
-            let given: u64 = refunds.iter().map(|r| r.1.unsigned_abs()).sum();
-            for (c, n, at) in refunds {
-                redis.refund_tokens(&c, n.unsigned_abs(), at);
-            }
-            if given > 0 {
-                metrics::settled(0, given);
-            }
+        }
+        let given: u64 = refunds.iter().map(|r| r.1.unsigned_abs()).sum();
+        for (c, n, at) in refunds {
+            redis.refund_tokens(&c, n.unsigned_abs(), at);
+        }
+        if given > 0 {
+            metrics::settled(0, given);
         }
     }
 }

@@ -225,6 +225,11 @@ impl Fallback {
                 standing.leave();
             }
         }
+        // What charged answers owe goes first: it is lost with the process.
+        if stop && self.redis_up.load(Ordering::Acquire) {
+            redis.renew_request_connection();
+            let _ = tokio::time::timeout(within / 2, self.send_owed(redis)).await;
+        }
         let Some(leases) = redis.leases() else { return };
         let deadline = Instant::now() + within;
         leases.release(stop);
