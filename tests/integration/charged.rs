@@ -369,3 +369,217 @@ limit = {{ algorithm = "token_bucket", capacity = 20000, refill_per_sec = 333.33
         "the month's used against what the upstream reported"
     );
 }
+
+/// The gateway's peak resident memory (VmHWM), in KiB.
+fn peak_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM")
+}
+
+/// A 100 MB answer, streamed and as one JSON body, through a `charge`
+/// route: the gateway's peak memory stays within a few MB of what the same
+/// answers through a plain route took (the cost is read as it passes,
+/// never held), and it is charged what it reported.
+#[test]
+fn a_hundred_megabyte_answer_is_read_as_it_passes() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let plain = format!(
+        "\n[[routes]]\nname = \"plain\"\npath_prefix = \"/plain\"\nmethods = [\"POST\"]\nupstream = \"llm\"\n"
+    );
+    let g = GatewayGuard::start(&(config(&up, &redis) + &plain));
+    let hundred_mb = (100u64 << 20).to_string();
+    let pad = [
+        ("x-mock-pad-bytes", hundred_mb.as_str()),
+        ("x-mock-tokens", "9"),
+    ];
+    // Warm both paths first (connections, buffers), then the plain route's
+    // peak, then the charged route's on top of it.
+    assert_eq!(
+        chat(
+            &mut g.client(),
+            "/plain/v1/chat/completions",
+            r#"{"max_tokens":10}"#,
+            &[]
+        ),
+        200
+    );
+    assert_eq!(
+        chat(&mut g.client(), CHAT, r#"{"max_tokens":10}"#, &[]),
+        200
+    );
+    let mut peaks = Vec::new();
+    for path in ["/plain/v1/chat/completions", CHAT] {
+        for stream in [true, false] {
+            let body = format!(r#"{{"max_tokens":10,"stream":{stream}}}"#);
+            assert_eq!(chat(&mut g.client(), path, &body, &pad), 200, "{path}");
+        }
+        peaks.push(peak_kib(g.pid()));
+    }
+    let (plain_kib, charged_kib) = (peaks[0], peaks[1]);
+    println!(
+        "FIGURES charged 100 MB answers: gateway peak RSS {plain_kib} KiB after the plain route, {charged_kib} KiB after the charge route (+{} KiB)",
+        charged_kib.saturating_sub(plain_kib)
+    );
+    assert!(
+        charged_kib <= plain_kib + 8 * 1024,
+        "the charge route held more: {plain_kib} KiB then {charged_kib} KiB"
+    );
+    // Both 100 MB answers charged their 9 tokens (and the warm-up its own).
+    let reported = up.stats_at("/stats/llm")["reports"]
+        .as_array()
+        .expect("reports")
+        .iter()
+        .filter(|r| r[1] == 9)
+        .count();
+    assert_eq!(reported, 4, "four padded answers reported 9 each");
+    let m = g.metrics();
+    assert_eq!(
+        support::series(&m, "gateway_charged_requests_total{reason=\"read\"}"),
+        Some("3"),
+        "the warm-up and both 100 MB answers read: {m}"
+    );
+}
+
+/// A month's quota of tokens on three replicas (leases and shares on)
+/// through a SIGTERM of one and a SIGKILL of another: the graceful stop
+/// sends what it owed first, so `used` stays exact through it; the kill
+/// loses at most the settlements of the killed replica's last requests (its
+/// request in flight and those of its last settlement round), so `used`
+/// differs from what the upstream reported by at most what those requests'
+/// answers differed from their estimates.
+#[test]
+fn a_month_of_tokens_through_a_sigterm_and_a_sigkill() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let config = format!(
+        r#"
+{SERVER}
+
+[limiter]
+backend = "redis"
+instances = 3
+retry_after_jitter_ms = 0
+
+[limiter.leases]
+enabled = true
+period_ms = 100
+
+[limiter.shares]
+enabled = true
+fraction = 0.25
+
+[redis]
+urls = ["{redis}"]
+
+[plans.llm]
+capacity = 100000
+refill_per_sec = 10000
+quotas = [{{ limit = 100000000, period = "month", cost = "response" }}]
+
+[[api_keys]]
+id = "tenant-a"
+key = "tenant-a-secret"
+plan = "llm"
+
+[[upstreams]]
+name = "llm"
+servers = ["{up}"]
+
+[[routes]]
+name = "chat"
+path_prefix = "{CHAT}"
+methods = ["POST"]
+upstream = "llm"
+require_api_key = true
+charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens"], estimate = "json:max_tokens", max = 4096 }}
+"#,
+        up = up.addr,
+        redis = redis.url(),
+    );
+    let mut gs: Vec<GatewayGuard> = (0..3).map(|_| GatewayGuard::start(&config)).collect();
+    wait_for("three replicas counted", Duration::from_secs(15), || {
+        gs.iter()
+            .all(|g| g.metric("gateway_limiter_replicas") == 3.0)
+            .then_some(())
+    });
+    let mut rng = fastrand::Rng::with_seed(0x5167);
+    let mut live = [true; 3];
+    let mut clients: Vec<Option<Client>> = gs.iter().map(|g| Some(g.client())).collect();
+    // Per request: the replica, when it was sent, its estimate and cost.
+    let mut sent: Vec<(usize, std::time::Instant, u64, u64)> = Vec::new();
+    let start = std::time::Instant::now();
+    let (mut termed, mut killed_at) = (false, None);
+    let mut seq = 0usize;
+    while start.elapsed() < Duration::from_secs(24) {
+        if !termed && start.elapsed() > Duration::from_secs(8) {
+            clients[0] = None;
+            live[0] = false;
+            let (status, took) = gs[0].terminate(Duration::from_secs(15));
+            assert!(status.is_some(), "replica 0 stopped ({took:?})");
+            termed = true;
+        }
+        if killed_at.is_none() && start.elapsed() > Duration::from_secs(16) {
+            clients[1] = None;
+            live[1] = false;
+            killed_at = Some(std::time::Instant::now());
+            gs[1].kill();
+        }
+        seq += 1;
+        let i = (0..3)
+            .map(|k| (seq + k) % 3)
+            .find(|k| live[*k])
+            .expect("a live replica");
+        let max = rng.u64(1..=2000);
+        let cost = rng.u64(1..=max);
+        let body = format!(r#"{{"max_tokens":{max},"stream":{}}}"#, rng.bool());
+        let cost_s = cost.to_string();
+        let at = std::time::Instant::now();
+        let c = clients[i].as_mut().expect("client");
+        assert_eq!(
+            chat(c, CHAT, &body, &[("x-mock-tokens", &cost_s)]),
+            200,
+            "request {seq}"
+        );
+        sent.push((i, at, max, cost));
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    let killed_at = killed_at.expect("killed");
+    let reported = up.stats_at("/stats/llm")["reported_total"]
+        .as_u64()
+        .expect("total");
+    assert_eq!(
+        reported,
+        sent.iter().map(|s| s.3).sum::<u64>(),
+        "every request reported"
+    );
+    // What the kill may have lost: the settlements of replica 1's requests
+    // answered within its last settlement round (100 ms, taken as 300).
+    let lost_bound: u64 = sent
+        .iter()
+        .filter(|(i, at, ..)| *i == 1 && killed_at.duration_since(*at) < Duration::from_millis(300))
+        .map(|(_, _, est, cost)| est - cost)
+        .sum();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut used = gs[2].quota_used("tenant-a", "quota-month");
+    while used.abs_diff(reported) > lost_bound && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        used = gs[2].quota_used("tenant-a", "quota-month");
+    }
+    // Leases the killed replica held come back when Redis takes them.
+    std::thread::sleep(Duration::from_millis(500));
+    used = gs[2].quota_used("tenant-a", "quota-month");
+    println!(
+        "FIGURES charged SIGTERM and SIGKILL: {} requests, {reported} tokens reported, used {used} ({:+}), bound of the kill {lost_bound}",
+        sent.len(),
+        used as i64 - reported as i64
+    );
+    assert!(
+        used >= reported && used - reported <= lost_bound,
+        "used {used} against reported {reported}: more apart than the kill's {lost_bound}"
+    );
+}
