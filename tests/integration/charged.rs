@@ -388,10 +388,8 @@ fn peak_kib(pid: u32) -> u64 {
 fn a_hundred_megabyte_answer_is_read_as_it_passes() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
-    let plain = format!(
-        "\n[[routes]]\nname = \"plain\"\npath_prefix = \"/plain\"\nmethods = [\"POST\"]\nupstream = \"llm\"\n"
-    );
-    let g = GatewayGuard::start(&(config(&up, &redis) + &plain));
+    let plain = "\n[[routes]]\nname = \"plain\"\npath_prefix = \"/plain\"\nmethods = [\"POST\"]\nupstream = \"llm\"\n";
+    let g = GatewayGuard::start(&(config(&up, &redis) + plain));
     let hundred_mb = (100u64 << 20).to_string();
     let pad = [
         ("x-mock-pad-bytes", hundred_mb.as_str()),
