@@ -19,6 +19,13 @@ n, the number of debt values, then the values:
          kind 5 (log)         the admission times
          kind 6 (quota)       end, count   end: the period's (p2)
 
+A settlement (a charged answer's cost against its estimate: settle in
+src/limiter/redis/mod.rs) uses the same values with a signed count: positive
+is owed at now (kind 1, 2: tat = now + count * T), negative given back (kind
+1, 2: tat = now; a window's and a quota's in the window it was taken in). A
+refund never takes a bucket past full (a TAT back to now deletes the key) nor
+a count below zero.
+
 Returns the number of buckets written.
 
 Worked example: 4 requests admitted locally from a token bucket of 20 at 10/s
@@ -109,6 +116,10 @@ for k = 1, #KEYS do
       if replayed == floor(replayed) then out = format('%d', replayed) end
       call('SET', key, out, 'PX', max(min_px, math.ceil(ceil_us(replayed - now) / 1000)))
       written = written + 1
+    elseif count < 0 and stored and stored > now then
+      -- A refund that makes the bucket full: an absent key is a full bucket.
+      call('DEL', key)
+      written = written + 1
     end
   elseif kind == 3 then
     local w = p2 * 1000000
@@ -124,7 +135,7 @@ for k = 1, #KEYS do
       local base = 0
       if sw == n then base = sc end
       local ttl = max(0, (n + 1) * w - now)
-      call('SET', key, format('%d %d', n, base + v[2]), 'PX', max(min_px, math.ceil(ttl / 1000)))
+      call('SET', key, format('%d %d', n, max(0, base + v[2])), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end
   elseif kind == 6 then
@@ -138,7 +149,7 @@ for k = 1, #KEYS do
         if x and tonum(x) == stop then base = tonum(y) end
       end
       local ttl = max(0, stop - now) + QUOTA_KEEP_US
-      call('SET', key, format('%d %d', stop, base + v[2]), 'PX', max(min_px, math.ceil(ttl / 1000)))
+      call('SET', key, format('%d %d', stop, max(0, base + v[2])), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end
   elseif kind == 4 then
@@ -156,7 +167,7 @@ for k = 1, #KEYS do
     local dp, dc = roll(v[1], v[2], v[3], n)
     if dp ~= 0 or dc ~= 0 then
       local ttl = max(0, (n + 2) * w - now)
-      call('SET', key, format('%d %d %d', n, p0 + dp, c0 + dc), 'PX', max(min_px, math.ceil(ttl / 1000)))
+      call('SET', key, format('%d %d %d', n, max(0, p0 + dp), max(0, c0 + dc)), 'PX', max(min_px, math.ceil(ttl / 1000)))
       written = written + 1
     end
   else

@@ -202,6 +202,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
+            no_lease: false,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
@@ -237,6 +238,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
+            no_lease: false,
         };
         let checks = [check("a", false), check("s", true)];
         let ok = ADMITTED;

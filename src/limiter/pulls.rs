@@ -225,6 +225,7 @@ mod tests {
             cost,
             shards: 1,
             pool: false,
+            no_lease: false,
         }
     }
 

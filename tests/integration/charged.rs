@@ -581,3 +581,53 @@ charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens"], es
         "used {used} against reported {reported}: more apart than the kill's {lost_bound}"
     );
 }
+
+/// Leases on (the default): a bucket charged by the answer is never leased,
+/// so its refunds reach Redis and stay there. (Refunds sent to a leased
+/// bucket moved its TAT under the lease's floor; the lease's return was
+/// refused, and the bucket lost what the lease held: 20,000 fell to 1,991
+/// after two requests costing 10 each.)
+#[test]
+fn refunds_stay_in_the_bucket_with_leases_on() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let slow = config(&up, &redis)
+        .replace(
+            "capacity = 200000, refill_per_sec = 3333",
+            "capacity = 20000, refill_per_sec = 1",
+        )
+        .replace(
+            "retry_after_jitter_ms = 0\n",
+            "retry_after_jitter_ms = 0\n\n[limiter.leases]\nenabled = true\nperiod_ms = 100\n",
+        );
+    let g = GatewayGuard::start(&slow);
+    let mut c = g.client();
+    for i in 0..6 {
+        let body = format!(r#"{{"max_tokens":2000,"stream":{}}}"#, i % 2 == 0);
+        assert_eq!(
+            chat(&mut c, CHAT, &body, &[("x-mock-tokens", "10")]),
+            200,
+            "request {i}"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    let route = || {
+        let v = g.admin_get("/limits?key=tenant-a").json();
+        v["buckets"]
+            .as_array()
+            .and_then(|l| l.iter().find(|b| b["tier"] == "route"))
+            .and_then(|b| b["remaining"].as_u64())
+            .unwrap_or_else(|| panic!("no route bucket in {v}"))
+    };
+    // Six answers of 10: 60 spent, a token a second refilled meanwhile.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut left = route();
+    while left < 20_000 - 60 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        left = route();
+    }
+    assert!(
+        (20_000 - 60..=20_000 - 60 + 8).contains(&left),
+        "the bucket holds {left}: 20,000 less the 60 reported (and a few refilled)"
+    );
+}

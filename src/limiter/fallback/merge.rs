@@ -186,6 +186,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
+            no_lease: false,
         }
     }
 

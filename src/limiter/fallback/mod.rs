@@ -537,9 +537,9 @@ impl Fallback {
                             // retry time. (This replica's own leases pass
                             // the memory: `remembered_denial`.)
                             let others = self.replicas() > 1;
-                            let memory = match leases
-                                .filter(|_| others && !c.pool && leasable(&c.algorithm))
-                            {
+                            let memory = match leases.filter(|_| {
+                                others && !c.pool && !c.no_lease && leasable(&c.algorithm)
+                            }) {
                                 Some(l) => wait.min(l.period()),
                                 None => wait,
                             };

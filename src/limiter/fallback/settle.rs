@@ -3,16 +3,18 @@
 //! difference goes where each tier was decided. A share's difference is
 //! settled on the share at once; a local bucket's on the local bucket; a
 //! tier Redis decided (by a call or on a lease) is owed to Redis, added up
-//! per bucket and sent every `SETTLE_EVERY` in batches: debts through
-//! `charge.lua` (a bucket may go below empty: its client waits longer),
-//! refunds through `refund.lua`. No request waits for a call.
+//! per bucket and sent every `SETTLE_EVERY` in `charge.lua`'s batches,
+//! debts (a bucket may go below empty: its client waits longer) and refunds
+//! together. A bucket counting charged units is never leased
+//! (`Check::no_lease`): a refund would move it under a lease's floor. No
+//! request waits for a call.
 
 use std::collections::HashMap;
 
 use super::*;
-use crate::limiter::algorithms::outage::Debt;
 
-/// How often what is owed to Redis is sent.
+/// How often what is owed to Redis is sent (what a killed replica can
+/// lose: the settlements of its last round).
 pub const SETTLE_EVERY: Duration = Duration::from_millis(100);
 
 /// Buckets owed something at most; past it a settlement is sent alone at
@@ -37,16 +39,12 @@ impl Owed {
         e.1 += delta;
     }
 
+    /// What is owed, taken to be sent.
     fn take(&self) -> Vec<(Check, i64, Micros)> {
         std::mem::take(&mut *self.by_key.lock())
             .into_values()
             .filter(|(_, d, _)| *d != 0)
             .collect()
-    }
-
-    /// A settlement not sent: owed again.
-    fn again(&self, c: Check, delta: i64, at: Micros) {
-        self.add(&c, delta, at);
     }
 }
 
@@ -83,6 +81,7 @@ impl Fallback {
                 continue;
             }
             match backend {
+                // Never on a lease (`Check::no_lease`), but a quota's.
                 FallbackState::Redis => self.owed.add(c, delta, verdict.now_us),
                 FallbackState::Local => {
                     // Decided on this replica's part of the bucket: settled
@@ -95,7 +94,8 @@ impl Fallback {
     }
 
     /// Sends what is owed to Redis every `SETTLE_EVERY` while Redis
-    /// decides; a call that fails leaves it owed for the next round.
+    /// decides: one `charge.lua` call a round for all buckets (a few hundred
+    /// a call), only when something is owed.
     pub(super) async fn send_settlements(&self, redis: &RedisBackend) {
         loop {
             tokio::time::sleep(SETTLE_EVERY).await;
@@ -105,68 +105,30 @@ impl Fallback {
         }
     }
 
-    /// What is owed to Redis now, sent: debts in batches (`charge.lua`),
-    /// refunds one bucket at a time (`refund.lua`, not waited for).
+    /// What is owed to Redis now, sent in `charge.lua`'s batches. A call
+    /// that fails leaves what it did not write owed.
     pub(super) async fn send_owed(&self, redis: &RedisBackend) {
         let owed = self.owed.take();
         if owed.is_empty() {
             return;
         }
-        let now = SystemClock.now_us();
-        let (debts, refunds): (Vec<_>, Vec<_>) = owed.into_iter().partition(|o| o.1 > 0);
-        let charged: Vec<(Check, Debt)> = debts
-            .iter()
-            .filter_map(|(c, n, _)| Some((c.clone(), debt(c, *n as u64, now)?)))
-            .collect();
-        if !charged.is_empty() {
-            match redis.charge(&charged, &self.replica_id).await {
-                Ok(_) => metrics::settled(debts.iter().map(|d| d.1 as u64).sum(), 0),
-                // Those not written are owed again (a call that ran and
-                // whose answer was lost is charged twice).
-                Err((written, _)) => {
-                    for (c, n, at) in debts.into_iter().skip(written) {
-                        self.owed.again(c, n, at);
-                    }
+        match redis.settle(&owed, &self.replica_id).await {
+            Ok(_) => {
+                let debt = owed.iter().filter(|o| o.1 > 0).map(|o| o.1 as u64).sum();
+                let back = owed
+                    .iter()
+                    .filter(|o| o.1 < 0)
+                    .map(|o| o.1.unsigned_abs())
+                    .sum();
+                metrics::settled(debt, back);
+            }
+            // Those not written are owed again (a call that ran and whose
+            // answer was lost is settled twice).
+            Err((written, _)) => {
+                for (c, n, at) in owed.into_iter().skip(written) {
+                    self.owed.add(&c, n, at);
                 }
             }
         }
-        let given: u64 = refunds.iter().map(|r| r.1.unsigned_abs()).sum();
-        for (c, n, at) in refunds {
-            redis.refund_tokens(&c, n.unsigned_abs(), at);
-        }
-        if given > 0 {
-            metrics::settled(0, given);
-        }
     }
-}
-
-/// A debt of `n` tokens at `now`, as `charge.lua` charges it: the bucket
-/// moves on by `n` from where it stands (a full one from `now`).
-fn debt(c: &Check, n: u64, now: Micros) -> Option<Debt> {
-    use crate::config::Algorithm;
-    let w = |secs: u64| now.div_euclid(secs as i64 * 1_000_000);
-    Some(match c.algorithm {
-        Algorithm::TokenBucket { refill_per_sec, .. } => Debt::Gcra {
-            count: n,
-            tat: now as f64 + n as f64 * 1e6 / refill_per_sec,
-        },
-        Algorithm::LeakyBucket { rate_per_sec, .. } => Debt::Gcra {
-            count: n,
-            tat: now as f64 + n as f64 * 1e6 / rate_per_sec,
-        },
-        Algorithm::FixedWindow { window_secs, .. } => Debt::Window {
-            window: w(window_secs),
-            count: n,
-        },
-        Algorithm::SlidingWindow { window_secs, .. } => Debt::Sliding {
-            window: w(window_secs),
-            prev: 0,
-            cur: n,
-        },
-        Algorithm::Calendar { end, .. } => Debt::Window {
-            window: end,
-            count: n,
-        },
-        Algorithm::SlidingLog { .. } => return None,
-    })
 }

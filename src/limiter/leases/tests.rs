@@ -20,6 +20,7 @@ fn check(key: &str, cost: u64) -> Check {
         cost,
         shards: 1,
         pool: false,
+        no_lease: false,
     }
 }
 

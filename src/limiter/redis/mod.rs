@@ -389,19 +389,6 @@ impl RedisBackend {
         }
     }
 
-    /// Gives back `tokens` of bucket `c` taken at `at` (a charged
-    /// request's answer cost less than its estimate), in a task of its own.
-    pub fn refund_tokens(&self, c: &Check, tokens: u64, at: Micros) {
-        let Ok(conn) = self.inner.connection() else {
-            return;
-        };
-        let c = Check {
-            cost: tokens,
-            ..c.clone()
-        };
-        drop(self.inner.refund_one(&conn, &c, at, 0));
-    }
-
     pub async fn decide_leasing(
         &self,
         requests: &[&[Check]],
@@ -519,13 +506,56 @@ impl RedisBackend {
         debts: &[(Check, Debt)],
         replica: &str,
     ) -> Result<usize, (usize, LimiterError)> {
+        let items: Vec<(&Check, Vec<String>)> = debts
+            .iter()
+            .map(|(c, debt)| {
+                let values = match debt {
+                    Debt::Gcra { count, tat } => vec![count.to_string(), format!("{tat:?}")],
+                    Debt::Window { window, count } => vec![window.to_string(), count.to_string()],
+                    Debt::Sliding { window, prev, cur } => {
+                        vec![window.to_string(), prev.to_string(), cur.to_string()]
+                    }
+                    Debt::Log(times) => times.iter().map(|t| t.to_string()).collect(),
+                };
+                (c, values)
+            })
+            .collect();
+        self.charge_values(&items, replica).await
+    }
+
+    /// Settles charged answers (`charge`): per bucket, tokens owed beyond
+    /// the estimates (positive) or given back (negative; in the window they
+    /// were taken in, `at`), in `charge.lua`'s batches. A token or leaky
+    /// bucket goes below empty for a debt, and back no further than full for
+    /// a refund; a count never below zero.
+    pub async fn settle(
+        &self,
+        owed: &[(Check, i64, Micros)],
+        replica: &str,
+    ) -> Result<usize, (usize, LimiterError)> {
+        let now = match &self.inner.clock {
+            Some(clock) => clock.now_us(),
+            None => crate::clock::SystemClock.now_us(),
+        };
+        let items: Vec<(&Check, Vec<String>)> = owed
+            .iter()
+            .filter_map(|(c, delta, at)| Some((c, settle_values(&c.algorithm, *delta, *at, now)?)))
+            .collect();
+        self.charge_values(&items, replica).await
+    }
+
+    async fn charge_values(
+        &self,
+        items: &[(&Check, Vec<String>)],
+        replica: &str,
+    ) -> Result<usize, (usize, LimiterError)> {
         let mut conn = self.inner.probe_connection().map_err(|e| (0, e))?;
         let per_call = match conn {
             Conn::Cluster(_) => 1,
             Conn::Single(_) => CHARGE_BATCH,
         };
         let mut written = 0;
-        for (i, chunk) in debts.chunks(per_call).enumerate() {
+        for (i, chunk) in items.chunks(per_call).enumerate() {
             let mut inv = self.inner.charge.prepare_invoke();
             // Fenced as limiter.lua's calls are (`Fence`): a charge that
             // runs after this replica gave up on it would be charged again
@@ -540,18 +570,10 @@ impl RedisBackend {
                 (None, None) => inv.arg(""),
             };
             inv.arg(replica);
-            for (c, debt) in chunk {
+            for (c, values) in chunk {
                 inv.key(c.key.as_str());
                 let (kind, p1, p2) = script_args(&c.algorithm);
                 inv.arg(kind).arg(p1).arg(p2);
-                let values: Vec<String> = match debt {
-                    Debt::Gcra { count, tat } => vec![count.to_string(), format!("{tat:?}")],
-                    Debt::Window { window, count } => vec![window.to_string(), count.to_string()],
-                    Debt::Sliding { window, prev, cur } => {
-                        vec![window.to_string(), prev.to_string(), cur.to_string()]
-                    }
-                    Debt::Log(times) => times.iter().map(|t| t.to_string()).collect(),
-                };
                 inv.arg(values.len());
                 for v in values {
                     inv.arg(v);
@@ -725,4 +747,27 @@ mod tests {
         assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
         assert_eq!(slot("{}foo"), slot("{}foo"));
     }
+}
+
+/// `charge.lua`'s values for a settlement of `delta` tokens (`settle`): a
+/// debt counts at `now`, a refund in the window of `at`. None for a log.
+fn settle_values(alg: &Algorithm, delta: i64, at: Micros, now: Micros) -> Option<Vec<String>> {
+    let when = if delta > 0 { now } else { at };
+    let window = |secs: u64| when.div_euclid(secs as i64 * 1_000_000).to_string();
+    Some(match *alg {
+        Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. } => {
+            let t = super::algorithms::gcra_interval(alg)?;
+            let tat = match delta > 0 {
+                true => now as f64 + delta as f64 * t,
+                false => now as f64,
+            };
+            vec![delta.to_string(), format!("{tat:?}")]
+        }
+        Algorithm::FixedWindow { window_secs, .. } => vec![window(window_secs), delta.to_string()],
+        Algorithm::SlidingWindow { window_secs, .. } => {
+            vec![window(window_secs), "0".into(), delta.to_string()]
+        }
+        Algorithm::Calendar { end, .. } => vec![end.to_string(), delta.to_string()],
+        Algorithm::SlidingLog { .. } => return None,
+    })
 }
