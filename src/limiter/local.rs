@@ -77,13 +77,13 @@ impl LocalBackend {
 
     /// Settles a charged tier (`charge`) admitted at `at`: `delta` more
     /// tokens owed at `now` (`algorithms::owe`), or `-delta` given back
-    /// where it was taken (`algorithms::refund`).
+    /// where it was taken (`algorithms::unowe`).
     pub fn settle_at(&self, c: &Check, delta: i64, at: i64, now: i64) {
         let key = c.key.as_str();
         let mut shard = self.buckets.lock(key);
         if delta < 0 {
-            if let Some(e) = shard.get_mut(key) {
-                algorithms::refund(&c.algorithm, &mut e.state, at, delta.unsigned_abs());
+            if let Some(e) = shard.get_mut(key).filter(|e| e.expires_at > now) {
+                algorithms::unowe(&c.algorithm, &mut e.state, at, now, delta.unsigned_abs());
             }
             return;
         }

@@ -1077,3 +1077,53 @@ async fn charged_quota_debts_agree() {
     assert_eq!(p.local.charge_at(&debts, now), 0);
     assert_eq!(p.redis.charge(&debts, "r1").await.expect("charge.lua"), 0);
 }
+
+/// Settlements of charged answers (`charge`): random admissions, then debts
+/// (owed at now) and refunds (given back in the window each admission
+/// counted in, some after that window has become the previous one), on
+/// both backends: `LocalBackend::settle_at` (`algorithms::owe`, `unowe`)
+/// and `RedisBackend::settle` (`charge.lua`, signed counts) leave buckets
+/// that decide alike, over every algorithm a charged limit may use.
+#[tokio::test]
+async fn settlements_agree() {
+    let p = Pair::new();
+    let mut rng = fastrand::Rng::with_seed(0x5e771e);
+    let (mut debts, mut refunds) = (0, 0);
+    for round in 0..60 {
+        let which = [0, 1, 2, 3][round % 4];
+        let alg = random_algorithm(&mut rng, which, 40, 3);
+        let c = check(Tier::Route, &format!("s{round}"), alg, "global");
+        for _ in 0..rng.usize(1..12) {
+            p.clock.advance(rng.i64(0..300_000));
+            let mut r = [c.clone()];
+            r[0].cost = random_cost(&mut rng, &alg);
+            let at = p.now();
+            let d = p.decide(&r).await;
+            if !d[0].allowed {
+                continue;
+            }
+            // The answer: cost more (a debt) or less (a refund of at most
+            // what was taken), settled a while later.
+            p.clock.advance(rng.i64(0..1_500_000));
+            let delta = match rng.bool() {
+                true => rng.i64(1..=20),
+                false => -(rng.i64(1..=r[0].cost as i64)),
+            };
+            if delta > 0 {
+                debts += 1;
+            } else {
+                refunds += 1;
+            }
+            p.local.settle_at(&c, delta, at, p.now());
+            p.redis
+                .settle(&[(c.clone(), delta, at)], "r1")
+                .await
+                .expect("charge.lua");
+            p.decide(&[c.clone()]).await;
+        }
+    }
+    assert!(
+        debts > 50 && refunds > 50,
+        "debts {debts}, refunds {refunds}"
+    );
+}

@@ -358,6 +358,53 @@ pub fn owe(alg: &Algorithm, state: &mut Option<State>, now: Micros, n: u64) {
     }
 }
 
+/// Gives back `n` tokens of an admission made at `at` whose answer cost
+/// less than its estimate (`charge`), at `now`: what `charge.lua` does with
+/// a negative count. A token or leaky bucket's TAT moves back, never past
+/// full; a window's count (a quota's period's) drops in the window it
+/// counted in, a sliding window's also once that window is the previous
+/// one; never below zero.
+pub fn unowe(alg: &Algorithm, state: &mut Option<State>, at: Micros, now: Micros, n: u64) {
+    let Some(s) = state.as_mut() else {
+        return;
+    };
+    match (*alg, s) {
+        (Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. }, State::Gcra { tat }) => {
+            if *tat > now as f64 {
+                let t = gcra_interval(alg).unwrap_or(0.0);
+                *tat = (*tat - n as f64 * t).max(now as f64);
+            }
+        }
+        (Algorithm::FixedWindow { window_secs, .. }, State::Window { window, count }) => {
+            let w = window_secs as i64 * 1_000_000;
+            if *window == at.div_euclid(w) && *window == window_index(now, w, Some(*window)) {
+                *count = count.saturating_sub(n);
+            }
+        }
+        (Algorithm::Calendar { end, .. }, State::Window { window, count }) if *window == end => {
+            *count = count.saturating_sub(n);
+        }
+        (Algorithm::SlidingWindow { window_secs, .. }, State::Sliding { window, prev, cur }) => {
+            let w = window_secs as i64 * 1_000_000;
+            let i = window_index(now, w, Some(*window));
+            // Rolled to the window of now first, as the script reads it.
+            let (p, c) = match i - *window {
+                0 => (*prev, *cur),
+                1 => (*cur, 0),
+                _ => (0, 0),
+            };
+            let j = at.div_euclid(w);
+            let (p, c) = match i - j {
+                0 => (p, c.saturating_sub(n)),
+                1 => (p.saturating_sub(n), c),
+                _ => return,
+            };
+            (*window, *prev, *cur) = (i, p, c);
+        }
+        _ => {}
+    }
+}
+
 fn add_to_window(state: &mut Option<State>, i: i64, n: u64) {
     match state {
         Some(State::Window { window, count }) if *window == i => *count += n,
