@@ -82,6 +82,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     cost: 1,
                     shards: 1,
                     pool: false,
+                    no_lease: false,
                 },
                 Check {
                     tier: Tier::Key,
@@ -91,6 +92,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     cost: 1,
                     shards: 1,
                     pool: false,
+                    no_lease: false,
                 },
                 Check {
                     tier: Tier::Route,
@@ -100,6 +102,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     cost: 1,
                     shards: 1,
                     pool: false,
+                    no_lease: false,
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))
