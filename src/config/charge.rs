@@ -15,6 +15,7 @@ pub const CHARGE_KEYS: &[&str] = &[
     "default_estimate",
     "max",
     "charge_failed",
+    "remaining_header",
 ];
 
 /// The most one request may be charged (and a `max`'s largest value).
@@ -33,6 +34,10 @@ pub struct Charge {
     /// Whether an answer the upstream failed (5xx, reset, timeout) is
     /// charged its estimate; false: refunded.
     pub charge_failed: bool,
+    /// A response header telling the client the units it has left on the
+    /// route's charged tiers (OpenAI's `x-ratelimit-remaining-tokens`);
+    /// lower-case; None: only the `RateLimit` headers.
+    pub remaining_header: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,12 +111,27 @@ pub(super) fn read(
     let charge_failed = opt(r, t, p, "charge_failed", false, |r, path, v| {
         r.boolean(path, v)
     });
-    let (response, max, estimate, default_estimate, charge_failed) = (
+    let remaining_header = opt(r, t, p, "remaining_header", None, |r, path, v| {
+        let s = r.string(path, v)?;
+        match http::HeaderName::from_bytes(s.as_bytes()) {
+            Ok(h) => Some(Some(h.as_str().to_string())),
+            Err(_) => {
+                r.error(
+                    path,
+                    Some(&v.span()),
+                    format!("expected a header name, found \"{s}\""),
+                );
+                None
+            }
+        }
+    });
+    let (response, max, estimate, default_estimate, charge_failed, remaining_header) = (
         response?,
         max?,
         estimate?,
         default_estimate?,
         charge_failed?,
+        remaining_header?,
     );
     let over = |n: u64, key: &str, r: &mut Reader<'_>| {
         if n > max {
@@ -136,6 +156,7 @@ pub(super) fn read(
         default_estimate,
         max,
         charge_failed,
+        remaining_header,
     })
 }
 
@@ -166,7 +187,11 @@ impl std::fmt::Display for Charge {
         } else {
             "refunded"
         };
-        write!(f, " max={} failed={failed}", self.max)
+        write!(f, " max={} failed={failed}", self.max)?;
+        match &self.remaining_header {
+            Some(h) => write!(f, " remaining_header={h}"),
+            None => Ok(()),
+        }
     }
 }
 

@@ -14,6 +14,7 @@ fn charge() -> Charge {
         default_estimate: Some(1024),
         max: 32768,
         charge_failed: false,
+        remaining_header: None,
     }
 }
 

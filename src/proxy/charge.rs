@@ -22,6 +22,8 @@ pub(super) struct Metered {
     /// The upstream's answer ended whole.
     done: bool,
     status: u16,
+    /// What the charged tiers had left after admission (the least).
+    remaining: Option<u64>,
 }
 
 impl Gateway {
@@ -46,7 +48,18 @@ impl Gateway {
         units: u64,
         estimate: u64,
     ) {
+        let remaining = match &outcome {
+            crate::limiter::Outcome::Decided { verdict, .. } => verdict
+                .decisions
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| units & (1 << i) != 0)
+                .map(|(_, d)| d.remaining)
+                .min(),
+            _ => None,
+        };
         ctx.metered = Some(Metered {
+            remaining,
             outcome,
             units,
             estimate,
@@ -56,16 +69,21 @@ impl Gateway {
         });
     }
 
-    /// The upstream's response header: the meter starts.
-    pub(super) fn meter_start(ctx: &mut Ctx, resp: &ResponseHeader) {
+    /// The upstream's response header: the meter starts, and the client
+    /// is told what it has left in charged units where the route asks.
+    pub(super) fn meter_start(ctx: &mut Ctx, resp: &mut ResponseHeader) -> Result<()> {
         let Some(charge) = Self::charge_of(ctx) else {
-            return;
+            return Ok(());
         };
         let meter = Meter::start(&charge, &resp.headers);
         if let Some(m) = &mut ctx.metered {
             m.meter = Some(meter);
             m.status = resp.status.as_u16();
+            if let (Some(name), Some(left)) = (&charge.remaining_header, m.remaining) {
+                resp.insert_header(name.clone(), left.to_string())?;
+            }
         }
+        Ok(())
     }
 
     /// A piece of the upstream's body, read as it passes.

@@ -517,7 +517,7 @@ impl ProxyHttp for Gateway {
                 false => slot.answered(),
             }
         }
-        Self::meter_start(ctx, resp);
+        Self::meter_start(ctx, resp)?;
         for (name, value) in ctx.ratelimit_headers.drain(..) {
             resp.insert_header(name, value)?;
         }

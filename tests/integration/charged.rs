@@ -47,7 +47,7 @@ path_prefix = "{CHAT}"
 methods = ["POST"]
 upstream = "llm"
 require_api_key = true
-charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens", "header:x-usage-tokens"], estimate = "json:max_tokens", max = 32768, charge_failed = false }}
+charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens", "header:x-usage-tokens"], estimate = "json:max_tokens", max = 32768, charge_failed = false, remaining_header = "x-ratelimit-remaining-tokens" }}
 limit = {{ algorithm = "token_bucket", capacity = 200000, refill_per_sec = 3333, scope = "client", cost = "response" }}
 
 [[routes]]
@@ -190,6 +190,22 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
         r.text()
     );
     assert_eq!(up.count(CHAT), 0, "the upstream saw nothing");
+    // Admitted: told what it has left in tokens (the route's bucket of
+    // 200,000 and the month's 5,000,000, less this estimate).
+    let r = c
+        .request(
+            "POST",
+            CHAT,
+            &[("x-api-key", "tenant-a-secret"), ("x-mock-tokens", "5")],
+            br#"{"max_tokens":700}"#,
+        )
+        .expect("answer");
+    assert_eq!(r.status, 200);
+    let left: u64 = r
+        .header("x-ratelimit-remaining-tokens")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no remaining tokens: {:?}", r.headers));
+    assert!((199_299..=199_300).contains(&left), "{left}");
     // With a default estimate the same request is admitted on it.
     assert_eq!(
         chat(&mut c, "/v2/chat/completions", r#"{"model":"m"}"#, &[]),
