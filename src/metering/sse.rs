@@ -53,7 +53,25 @@ impl SseScan {
     }
 
     pub fn feed(&mut self, bytes: &[u8]) {
-        for &b in bytes {
+        let mut i = 0;
+        while i < bytes.len() {
+            let b = bytes[i];
+            // A data line's value goes to the scanner a run at a time.
+            if let Line::Data { space } = self.line {
+                if !self.after_cr && b != b'\r' && b != b'\n' {
+                    let rest = &bytes[i..];
+                    let end = rest
+                        .iter()
+                        .position(|c| *c == b'\r' || *c == b'\n')
+                        .unwrap_or(rest.len());
+                    let skip = (space && rest[0] == b' ') as usize;
+                    self.scan.feed(&rest[skip..end]);
+                    self.line = Line::Data { space: false };
+                    i += end;
+                    continue;
+                }
+            }
+            i += 1;
             if self.after_cr {
                 self.after_cr = false;
                 if b == b'\n' {

@@ -112,6 +112,8 @@ impl Gateway {
         };
         let reading = match &mut m.meter {
             Some(meter) => meter.reading(&charge, ended),
+            // No answer began: the client left first, or the upstream failed.
+            None if ended == Ended::ClientLeft => Err(metering::Why::Cut),
             None => Err(metering::Why::Missing),
         };
         let (cost, why) = metering::charged(&charge, m.estimate, ended, reading);

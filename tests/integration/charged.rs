@@ -213,7 +213,7 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
     );
     assert_eq!(
         g.quota_used("tenant-a", "quota-day"),
-        1,
+        2,
         "requests still count one each"
     );
 }
