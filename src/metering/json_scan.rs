@@ -134,11 +134,28 @@ impl JsonScan {
     }
 
     pub fn feed(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            if self.state == State::Malformed {
-                return;
+        let mut i = 0;
+        while i < bytes.len() {
+            match self.state {
+                State::Malformed => return,
+                // Most of an answer is text inside strings: skipped a run
+                // at a time, to the next quote or backslash.
+                State::InString { escaped: false } => {
+                    let rest = &bytes[i..];
+                    match rest.iter().position(|c| *c == b'"' || *c == b'\\') {
+                        Some(n) => {
+                            i += n;
+                            self.byte(bytes[i]);
+                            i += 1;
+                        }
+                        None => return,
+                    }
+                }
+                _ => {
+                    self.byte(bytes[i]);
+                    i += 1;
+                }
             }
-            self.byte(b);
         }
     }
 
