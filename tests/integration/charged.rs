@@ -63,6 +63,56 @@ charge = {{ response = ["json:usage.total_tokens"], estimate = "json:max_tokens"
     )
 }
 
+/// Three replicas' config: leases and shares on, one key on a plan with a
+/// month's quota of units (`plan`: its bucket), the chat route with `route`
+/// (its `charge` and `limit` lines).
+fn replicas_config(up: &UpstreamGuard, redis: &RedisGuard, plan: &str, route: &str) -> String {
+    format!(
+        r#"
+{SERVER}
+
+[limiter]
+backend = "redis"
+instances = 3
+retry_after_jitter_ms = 0
+
+[limiter.leases]
+enabled = true
+period_ms = 100
+
+[limiter.shares]
+enabled = true
+fraction = 0.25
+
+[redis]
+urls = ["{redis}"]
+
+[plans.llm]
+{plan}
+quotas = [{{ limit = 100000000, period = "month", cost = "response" }}]
+
+[[api_keys]]
+id = "tenant-a"
+key = "tenant-a-secret"
+plan = "llm"
+
+[[upstreams]]
+name = "llm"
+servers = ["{up}"]
+
+[[routes]]
+name = "chat"
+path_prefix = "{CHAT}"
+methods = ["POST"]
+upstream = "llm"
+require_api_key = true
+{route}
+"#,
+        up = up.addr,
+        redis = redis.url(),
+    )
+}
+
 fn chat(c: &mut Client, path: &str, body: &str, headers: &[(&str, &str)]) -> u16 {
     let mut h = vec![
         ("x-api-key", "tenant-a-secret"),
@@ -232,51 +282,12 @@ fn three_replicas_hold_a_token_budget_and_count_every_reported_token() {
     const SECS: u64 = 125;
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
-    let config = format!(
-        r#"
-{SERVER}
-
-[limiter]
-backend = "redis"
-instances = 3
-retry_after_jitter_ms = 0
-
-[limiter.leases]
-enabled = true
-period_ms = 100
-
-[limiter.shares]
-enabled = true
-fraction = 0.25
-
-[redis]
-urls = ["{redis}"]
-
-[plans.llm]
-capacity = 1000
-refill_per_sec = 100
-quotas = [{{ limit = 100000000, period = "month", cost = "response" }}]
-
-[[api_keys]]
-id = "tenant-a"
-key = "tenant-a-secret"
-plan = "llm"
-
-[[upstreams]]
-name = "llm"
-servers = ["{up}"]
-
-[[routes]]
-name = "chat"
-path_prefix = "{CHAT}"
-methods = ["POST"]
-upstream = "llm"
-require_api_key = true
-charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens"], estimate = "json:max_tokens", default_estimate = 256, max = 4096 }}
-limit = {{ algorithm = "token_bucket", capacity = 20000, refill_per_sec = 333.333333, scope = "client", cost = "response" }}
-"#,
-        up = up.addr,
-        redis = redis.url(),
+    let config = replicas_config(
+        &up,
+        &redis,
+        "capacity = 1000\nrefill_per_sec = 100",
+        r#"charge = { response = ["sse:usage.total_tokens", "json:usage.total_tokens"], estimate = "json:max_tokens", default_estimate = 256, max = 4096 }
+limit = { algorithm = "token_bucket", capacity = 20000, refill_per_sec = 333.333333, scope = "client", cost = "response" }"#,
     );
     let gs: Vec<GatewayGuard> = (0..3).map(|_| GatewayGuard::start(&config)).collect();
     wait_for("three replicas counted", Duration::from_secs(15), || {
@@ -470,50 +481,11 @@ fn a_hundred_megabyte_answer_is_read_as_it_passes() {
 fn a_month_of_tokens_through_a_sigterm_and_a_sigkill() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
-    let config = format!(
-        r#"
-{SERVER}
-
-[limiter]
-backend = "redis"
-instances = 3
-retry_after_jitter_ms = 0
-
-[limiter.leases]
-enabled = true
-period_ms = 100
-
-[limiter.shares]
-enabled = true
-fraction = 0.25
-
-[redis]
-urls = ["{redis}"]
-
-[plans.llm]
-capacity = 100000
-refill_per_sec = 10000
-quotas = [{{ limit = 100000000, period = "month", cost = "response" }}]
-
-[[api_keys]]
-id = "tenant-a"
-key = "tenant-a-secret"
-plan = "llm"
-
-[[upstreams]]
-name = "llm"
-servers = ["{up}"]
-
-[[routes]]
-name = "chat"
-path_prefix = "{CHAT}"
-methods = ["POST"]
-upstream = "llm"
-require_api_key = true
-charge = {{ response = ["sse:usage.total_tokens", "json:usage.total_tokens"], estimate = "json:max_tokens", max = 4096 }}
-"#,
-        up = up.addr,
-        redis = redis.url(),
+    let config = replicas_config(
+        &up,
+        &redis,
+        "capacity = 100000\nrefill_per_sec = 10000",
+        r#"charge = { response = ["sse:usage.total_tokens", "json:usage.total_tokens"], estimate = "json:max_tokens", max = 4096 }"#,
     );
     let mut gs: Vec<GatewayGuard> = (0..3).map(|_| GatewayGuard::start(&config)).collect();
     wait_for("three replicas counted", Duration::from_secs(15), || {

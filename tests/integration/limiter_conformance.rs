@@ -1119,7 +1119,7 @@ async fn settlements_agree() {
                 .settle(&[(c.clone(), delta, at)], "r1")
                 .await
                 .expect("charge.lua");
-            p.decide(&[c.clone()]).await;
+            p.decide(std::slice::from_ref(&c)).await;
         }
     }
     assert!(

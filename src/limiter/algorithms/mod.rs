@@ -369,11 +369,11 @@ pub fn unowe(alg: &Algorithm, state: &mut Option<State>, at: Micros, now: Micros
         return;
     };
     match (*alg, s) {
-        (Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. }, State::Gcra { tat }) => {
-            if *tat > now as f64 {
-                let t = gcra_interval(alg).unwrap_or(0.0);
-                *tat = (*tat - n as f64 * t).max(now as f64);
-            }
+        (Algorithm::TokenBucket { .. } | Algorithm::LeakyBucket { .. }, State::Gcra { tat })
+            if *tat > now as f64 =>
+        {
+            let t = gcra_interval(alg).unwrap_or(0.0);
+            *tat = (*tat - n as f64 * t).max(now as f64);
         }
         (Algorithm::FixedWindow { window_secs, .. }, State::Window { window, count }) => {
             let w = window_secs as i64 * 1_000_000;

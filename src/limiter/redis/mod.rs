@@ -728,27 +728,6 @@ impl Backend for RedisBackend {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::slot;
-
-    /// limiter.lua keeps a marker as long as failback may read it.
-    #[test]
-    fn the_script_keeps_markers_as_long_as_failback_reads_them() {
-        let line = format!("local MARK_LIFE_MS = {}\n", super::MARK_LIFE_MS);
-        assert!(super::LIMITER_LUA.contains(&line));
-    }
-
-    #[test]
-    fn cluster_slots_match_redis() {
-        // Values from CLUSTER KEYSLOT.
-        assert_eq!(slot("foo"), 12182);
-        assert_eq!(slot("bar"), 5061);
-        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
-        assert_eq!(slot("{}foo"), slot("{}foo"));
-    }
-}
-
 /// `charge.lua`'s values for a settlement of `delta` tokens (`settle`): a
 /// debt counts at `now`, a refund in the window of `at`. None for a log.
 fn settle_values(alg: &Algorithm, delta: i64, at: Micros, now: Micros) -> Option<Vec<String>> {
@@ -770,4 +749,25 @@ fn settle_values(alg: &Algorithm, delta: i64, at: Micros, now: Micros) -> Option
         Algorithm::Calendar { end, .. } => vec![end.to_string(), delta.to_string()],
         Algorithm::SlidingLog { .. } => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slot;
+
+    /// limiter.lua keeps a marker as long as failback may read it.
+    #[test]
+    fn the_script_keeps_markers_as_long_as_failback_reads_them() {
+        let line = format!("local MARK_LIFE_MS = {}\n", super::MARK_LIFE_MS);
+        assert!(super::LIMITER_LUA.contains(&line));
+    }
+
+    #[test]
+    fn cluster_slots_match_redis() {
+        // Values from CLUSTER KEYSLOT.
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("bar"), 5061);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("{}foo"), slot("{}foo"));
+    }
 }
