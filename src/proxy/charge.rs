@@ -118,14 +118,18 @@ impl Gateway {
         };
         let (cost, why) = metering::charged(&charge, m.estimate, ended, reading);
         crate::metrics::charged(why.as_str(), cost);
-        if why != metering::Why::Read {
-            tracing::debug!(
-                request_id = %ctx.request_id,
-                reason = why.as_str(),
-                charged = cost,
-                estimate = m.estimate,
-                "charge: the answer's cost was not read"
-            );
+        if !matches!(why, metering::Why::Read | metering::Why::Failed) {
+            if let Some(left_out) = unread_line() {
+                tracing::warn!(
+                    request_id = %ctx.request_id,
+                    route = Self::route_name(ctx),
+                    reason = why.as_str(),
+                    charged = cost,
+                    estimate = m.estimate,
+                    left_out,
+                    "charge: the answer's cost was not read; charged as the faults table says"
+                );
+            }
         }
         self.limiter.settle(&m.outcome, m.units, cost);
     }
@@ -162,4 +166,24 @@ async fn read_small_body(session: &mut Session) -> std::result::Result<Option<Ve
         }
     }
     Ok(Some(body))
+}
+
+/// A line about an answer whose cost was not read, at most one a second
+/// (a broken upstream sends many): `Some` with how many were left out
+/// since the last one written, every one counted in the metric anyway.
+fn unread_line() -> Option<u64> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SECOND: AtomicU64 = AtomicU64::new(0);
+    static LEFT_OUT: AtomicU64 = AtomicU64::new(0);
+    let now = crate::clock::Clock::now_us(&crate::clock::SystemClock) as u64 / 1_000_000;
+    let last = SECOND.load(Ordering::Relaxed);
+    if last != now
+        && SECOND
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        return Some(LEFT_OUT.swap(0, Ordering::Relaxed));
+    }
+    LEFT_OUT.fetch_add(1, Ordering::Relaxed);
+    None
 }

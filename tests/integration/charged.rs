@@ -215,6 +215,9 @@ fn charged_units_are_what_the_upstream_reported_and_faults_as_the_table_says() {
             "{name}"
         );
     }
+    // Logged, at most a line a second (the faults came within one).
+    let lines = g.log().matches("the answer's cost was not read").count();
+    assert!((1..=2).contains(&lines), "{lines} lines about unread costs");
     // The gateway kept serving through every fault.
     assert_eq!(chat(&mut g.client(), CHAT, json_body, &[]), 200);
 }
