@@ -461,8 +461,7 @@ pub struct Limit {
     pub missing: Missing,
     /// Tokens each request takes, 1 to the rule's quota.
     pub cost: u64,
-    /// `cost = "response"`: charged what the answer says (the route's
-    /// `charge`), admitted on its estimate; `cost` is then unused.
+    /// `cost = "response"`: the units the route's `charge` reads (`cost` unused).
     pub charged: bool,
     /// A global limit split into this many sub-buckets (1: not split).
     pub shards: u64,
@@ -540,8 +539,7 @@ pub struct Plan {
 pub struct Quota {
     pub limit: u64,
     pub period: crate::calendar::Period,
-    /// `cost = "response"`: counts the charged units of `charge` routes
-    /// only (other quotas count requests).
+    /// `cost = "response"`: counts `charge` routes' units, not requests.
     pub charged: bool,
 }
 

@@ -17,8 +17,9 @@ use super::*;
 /// lose: the settlements of its last round).
 pub const SETTLE_EVERY: Duration = Duration::from_millis(100);
 
-/// Buckets owed something at most; past it a settlement is sent alone at
-/// the next round (never dropped).
+/// Buckets owed something past which each new one is counted
+/// (`gateway_settle_backlog_full_total`: Redis is slow to take them); it is
+/// still kept, never dropped.
 const MOST_PENDING: usize = 100_000;
 
 /// What this replica owes Redis per bucket: tokens (positive: a debt) and
