@@ -82,7 +82,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     cost: 1,
                     shards: 1,
                     pool: false,
-                    no_lease: false,
+                    charged: false,
                 },
                 Check {
                     tier: Tier::Key,
@@ -92,7 +92,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     cost: 1,
                     shards: 1,
                     pool: false,
-                    no_lease: false,
+                    charged: false,
                 },
                 Check {
                     tier: Tier::Route,
@@ -102,7 +102,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     cost: 1,
                     shards: 1,
                     pool: false,
-                    no_lease: false,
+                    charged: false,
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))
@@ -263,6 +263,7 @@ limit = { algorithm = "sliding_window", limit = 100, window_secs = 60, scope = "
         backend: FallbackState::Local,
         checks: plan.checks.clone(),
         standing: ratelimit_gateway::limiter::OnShares::NONE,
+        leased: None,
     };
     group.bench_function("conclude (both header styles)", |b| {
         b.iter(|| conclude(black_box(&outcome), HeaderStyle::Both, 0))

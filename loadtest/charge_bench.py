@@ -12,8 +12,9 @@ per variant one gateway whose config has both routes on that upstream:
              cost 1
 
 Variants (--variants): `redis` (the deployment shape: Redis backend, leases
-and standing shares on, a redis-server of its own) and `local` (the local
-backend). Four targets per variant: plain-json, charged-json, plain-sse,
+and standing shares on, a redis-server of its own), `leases` (Redis backend,
+leases on, shares off: a charged tier spent from leases and settled through
+them) and `local` (the local backend). Four targets per variant: plain-json, charged-json, plain-sse,
 charged-sse (`"stream": true`). In rounds (the order forward, then reversed,
 ...; machine drift hits every target alike), each round:
 
@@ -75,7 +76,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 SECRET = "charge-bench-secret"
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 KINDS = ("json", "sse")
-VARIANT_TEXT = {"redis": "`redis` (Redis backend, leases and standing shares on)", "local": "`local` (local backend)"}
+VARIANT_TEXT = {"redis": "`redis` (Redis backend, leases and standing shares on)",
+                "leases": "`leases` (Redis backend, leases on, shares off)", "local": "`local` (local backend)"}
+VARIANTS = tuple(VARIANT_TEXT)
 ROUTES = ("plain", "charged")
 
 
@@ -85,11 +88,12 @@ ROUTES = ("plain", "charged")
 def gateway_config(variant, port, admin, upstream, redis_port, threads):
     limiter = 'backend = "local"\n'
     redis = ""
-    if variant == "redis":
+    if variant != "local":
+        shares = "true" if variant == "redis" else "false"
         limiter = ('backend = "redis"\non_redis_failure = "local"\ninstances = 1\n\n'
-                   "[limiter.leases]\nenabled = true\n\n[limiter.shares]\nenabled = true\n")
+                   f"[limiter.leases]\nenabled = true\n\n[limiter.shares]\nenabled = {shares}\n")
         redis = (f'[redis]\nurls = ["redis://127.0.0.1:{redis_port}"]\n'
-                 'key_prefix = "charge-bench"\n')
+                 f'key_prefix = "charge-bench-{variant}"\n')
     bucket = 'algorithm = "token_bucket", capacity = 1000000000, refill_per_sec = 1000000000, scope = "client"'
     return f"""# loadtest/charge_bench.py, variant {variant}: both routes on one upstream.
 [server]
@@ -287,7 +291,7 @@ class Bench:
         argv = [self.a.wrk, f"-t{self.a.wrk_threads}", f"-c{self.a.connections}", f"-d{secs}s",
                 "-s", str(self.lua), "-H", f"x-api-key: {SECRET}", url]
         pid = g["proc"].pid
-        rport = self.redis_port if variant == "redis" else None
+        rport = self.redis_port if variant != "local" else None
         cmd0, met0 = redis_cmdstats(rport), gateway_counters(g["admin"])
         gw0, mock0, ours0, busy0 = cpu_ticks(pid), cpu_ticks(self.mock.pid), self.ours(), machine_busy_ticks()
         t0 = time.monotonic()
@@ -562,7 +566,7 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                     for side in ("plain", "charged"):
                         d[f"{side}_ttfb_p50"].append(t["ttfb"][f"{side}_p50_ms"])
                         d[f"{side}_ttfb_p99"].append(t["ttfb"][f"{side}_p99_ms"])
-                redis_v = v == "redis"
+                redis_v = v != "local"
                 rows_tp.append([rd["round"], rd["order"], v, kind,
                                 f"{p['rps']:,.0f} / {c['rps']:,.0f}",
                                 f"{fmt(p['gateway_cpu_us_per_req'])} / {fmt(c['gateway_cpu_us_per_req'])}",
@@ -592,7 +596,7 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
     for (v, kind), d in per.items():
         m = {k: med(vals) for k, vals in d.items()}
         medians[f"{v}/{kind}"] = m
-        redis_v = v == "redis"
+        redis_v = v != "local"
         rows_ratio.append([v, kind, f"{fmt(m['plain_rps'], 0)} / {fmt(m['charged_rps'], 0)}", fmt(m["rps_ratio"], 3),
                            f"{fmt(m['plain_cpu'])} / {fmt(m['charged_cpu'])}", f"**{fmt(m['cpu_ratio'], 3)}**",
                            (f"{fmt(m['plain_calls'], 5)} / {fmt(m['charged_calls'], 5)}" if redis_v else ""),
@@ -786,7 +790,7 @@ def main():
     ap.add_argument("--ttfb-tokens", type=int, default=1, help="x-mock-tokens on the TTFB requests")
     ap.add_argument("--gap-ms", type=float, default=0, help="a random pause (0.5-1.5x) between TTFB pairs")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--variants", default="redis", help="redis, local or both (redis,local)")
+    ap.add_argument("--variants", default="redis", help="redis, leases, local, or several (redis,leases)")
     ap.add_argument("--threads", type=int, default=2, help="gateway worker threads")
     ap.add_argument("--cpu-limit", type=float, default=1.1)
     ap.add_argument("--no-ttfb", action="store_true")
@@ -804,8 +808,8 @@ def main():
         logs_summary = {v: log_summary(out / "logs" / f"gateway-{v}.log") for v in ra.variants}
         sys.exit(0 if report(ra, out, old["run"], old["rounds"], old["pooled_ttfb"], logs_summary) else 1)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if not a.variants or any(v not in ("redis", "local") for v in a.variants):
-        ap.error("--variants takes redis, local or redis,local")
+    if not a.variants or any(v not in VARIANTS for v in a.variants):
+        ap.error("--variants takes redis, leases, local, or several (redis,leases)")
     if a.rounds < 1 or a.pairs < 0 or a.duration <= 0:
         ap.error("--rounds >= 1, --pairs >= 0, --duration > 0")
     out = Path(a.out)
@@ -832,14 +836,15 @@ def main():
     redis_port = None
     t_start = time.monotonic()
     try:
-        nports = 1 + 2 * len(a.variants) + (1 if "redis" in a.variants else 0)
+        on_redis = any(v != "local" for v in a.variants)
+        nports = 1 + 2 * len(a.variants) + (1 if on_redis else 0)
         ports = free_ports(nports)
         mock_port = ports.pop()
         mock = Proc("mock-upstream", [str(mock_bin), "--listen", f"127.0.0.1:{mock_port}", "--threads", "1"],
                     out / "logs" / "mock-upstream.log")
         procs.append(mock)
         wait_for("mock-upstream", lambda: get(f"http://127.0.0.1:{mock_port}/healthz")[0] == 200, mock)
-        if "redis" in a.variants:
+        if on_redis:
             redis_port = ports.pop()
             redis = Proc("redis-server", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
                                           "--save", "", "--appendonly", "no", "--daemonize", "no",
@@ -859,7 +864,7 @@ def main():
             p = Proc(f"gateway-{v}", [str(gw_bin), "run", "-c", str(cfg)], out / "logs" / f"gateway-{v}.log",
                      env=dict(os.environ, GATEWAY_LOG="warn"))
             procs.append(p)
-            want = '"backend":"redis"' if v == "redis" else None
+            want = '"backend":"redis"' if v != "local" else None
             wait_for(f"gateway {v}", lambda: (lambda s: s[0] == 200 and (want is None or want in s[1]))(
                 get(f"http://127.0.0.1:{admin}/readyz")), p)
             gws[v] = {"proc": p, "port": port, "admin": admin}

@@ -162,7 +162,7 @@ pub fn install() {
         }
         describe_counter!(
             "gateway_lease_tokens_total",
-            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, taken back by the shared bucket), lost (unspent and not taken back: Redis takes back only what leaves the bucket exactly as if never leased, a reset cancels the leases of the bucket it made whole, and a return whose call may have run is never sent again; the shared limit under-admits by them). granted = spent + returned + lost + gateway_lease_tokens_held"
+            "Leased tokens by event: granted (debited by Redis for this replica), spent (admitted from a lease), returned (unspent, taken back by the shared bucket), lost (unspent and not taken back: Redis takes back only what leaves the bucket exactly as if never leased, a reset cancels the leases of the bucket it made whole, and a return whose call may have run is never sent again; the shared limit under-admits by them), refunded (a charged request's estimate less its answer's cost, given back to the lease it was spent from or decided above). granted + refunded = spent + returned + lost + gateway_lease_tokens_held"
         );
         for event in ["granted", "spent", "returned", "lost"] {
             counter!("gateway_lease_tokens_total", "event" => event).absolute(0);
@@ -473,12 +473,13 @@ pub fn shares(usable: bool, entries: usize) {
     gauge!("gateway_shares_entries").set(entries as f64);
 }
 
-/// Leased tokens granted, spent, returned or lost.
+/// Leased tokens granted, spent, returned or lost; and refunded: spent,
+/// then given back to a lease by a charged request's answer.
 pub fn lease_tokens(event: LeaseEvent, n: u64) {
-    static C: OnceLock<[Counter; 4]> = OnceLock::new();
+    static C: OnceLock<[Counter; 5]> = OnceLock::new();
     if n > 0 {
         C.get_or_init(|| {
-            ["granted", "spent", "returned", "lost"]
+            ["granted", "spent", "returned", "lost", "refunded"]
                 .map(|e| counter!("gateway_lease_tokens_total", "event" => e))
         })[event as usize]
             .increment(n);
@@ -486,7 +487,8 @@ pub fn lease_tokens(event: LeaseEvent, n: u64) {
 }
 
 /// Leased tokens this replica holds: live, owed back, or taken by a
-/// request still being decided (granted less spent, returned and lost).
+/// request still being decided (granted and refunded, less spent,
+/// returned and lost).
 pub fn lease_tokens_held(n: i64) {
     gauge!("gateway_lease_tokens_held").set(n as f64);
 }
@@ -497,6 +499,7 @@ pub enum LeaseEvent {
     Spent,
     Returned,
     Lost,
+    Refunded,
 }
 
 pub fn replicas(n: u32) {

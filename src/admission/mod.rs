@@ -149,9 +149,7 @@ impl Plan {
         for (i, c) in checks.iter_mut().enumerate() {
             if self.units & (1 << i) != 0 {
                 c.cost = estimate.clamp(1, crate::limiter::algorithms::quota(&c.algorithm).max(1));
-                // A quota's ledger settles with its leases; other buckets'
-                // refunds would break a lease's return.
-                c.no_lease = !matches!(c.algorithm, crate::config::Algorithm::Calendar { .. });
+                c.charged = true;
             }
         }
         self.checks = checks.into();

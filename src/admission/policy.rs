@@ -198,7 +198,7 @@ impl Rule {
             cost: self.cost,
             shards: self.shards,
             pool: false,
-            no_lease: false,
+            charged: false,
         }
     }
 }
@@ -400,7 +400,7 @@ impl Policy {
                 cost: 1,
                 shards: 1,
                 pool: false,
-                no_lease: false,
+                charged: false,
             });
         }
         charged

@@ -80,6 +80,7 @@ fn decided_by(checks: Vec<Check>, allowed: &[bool]) -> Outcome {
         backend: crate::limiter::FallbackState::Redis,
         checks: checks.into(),
         standing: crate::limiter::OnShares::NONE,
+        leased: None,
     }
 }
 

@@ -120,7 +120,7 @@ mod tests {
                 cost,
                 shards: 1,
                 pool: true,
-                no_lease: false,
+                charged: false,
             };
             let (mut state, mut now) = (None, 1_000_000_000i64);
             let mut emptied = 0;

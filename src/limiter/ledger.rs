@@ -202,7 +202,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
-            no_lease: false,
+            charged: false,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
@@ -238,7 +238,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
-            no_lease: false,
+            charged: false,
         };
         let checks = [check("a", false), check("s", true)];
         let ok = ADMITTED;

@@ -83,7 +83,8 @@ back on top). So a grant answers `until`: for a window, the window its
 tokens count in (a quota: its period's end), taken back only in that window and only from a count that
 holds them; for a token bucket, the TAT the bucket would have had without
 the grant (its floor): until then no request can have found that bucket
-full, so the tokens come back exactly, and the return is refused after it.
+full, so the tokens come back exactly (no further than the floor: those
+that would go under it are lost), and the return is refused after it.
 A bucket reset while the lease was out is told from its state only when its
 count or TAT is lower than the lease left it: a reset bucket spent past that
 point may take back a lease from before the reset (docs/design/leases.md).
@@ -538,11 +539,14 @@ for i = 1, nl do
   if ret > 0 and s then
     local kind = kinds[k]
     if kind == 1 then
-      local tat = s - ret * ts[k]
-      if now <= til and tat >= til then
+      -- As many as lie above the floor.
+      local b = floor((s - til) / ts[k])
+      if b > ret then b = ret end
+      if now <= til and b >= 1 then
+        local tat = s - b * ts[k]
         state[k] = tat
         touch(k, ceil_us(tat - now))
-        lback[i] = ret
+        lback[i] = b
       end
     elseif s[1] == til then
       local w = ws[k]

@@ -74,10 +74,10 @@ pub struct Check {
     /// The check is a cut bucket's pool (`standing`): the replicas' shares
     /// are this replica's local part of it, so it is never leased too.
     pub pool: bool,
-    /// Never leased: a bucket charged by the answer (`charge`), whose
-    /// refunds go to Redis (one would move its TAT or count back under a
-    /// lease's floor, and that lease's return would then be refused).
-    pub no_lease: bool,
+    /// Counts charged units (a route's `charge`): its cost is the
+    /// estimate, settled once the answer says what it cost. A leased tier
+    /// then settles through its lease (`leases::settle`).
+    pub charged: bool,
 }
 
 impl Check {
@@ -272,7 +272,7 @@ mod tests {
                 cost: 1,
                 shards: 1,
                 pool: false,
-                no_lease: false,
+                charged: false,
             };
             assert_eq!(c.policy_name(), format!("quota-{name}"));
         }

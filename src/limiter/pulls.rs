@@ -225,7 +225,7 @@ mod tests {
             cost,
             shards: 1,
             pool: false,
-            no_lease: false,
+            charged: false,
         }
     }
 

@@ -143,7 +143,7 @@ pub fn pool_check(c: &Check, fraction: f64) -> Check {
         Some(algorithm) => Check {
             algorithm,
             pool: true,
-            no_lease: false,
+            charged: false,
             ..c.clone()
         },
         None => c.clone(),
@@ -513,7 +513,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
-            no_lease: false,
+            charged: false,
         }
     }
 

@@ -60,7 +60,7 @@ fn check(tier: Tier, rule: &str, alg: Algorithm, who: &str) -> Check {
         cost: 1,
         shards: 1,
         pool: false,
-        no_lease: false,
+        charged: false,
     }
 }
 

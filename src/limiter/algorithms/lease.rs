@@ -18,8 +18,9 @@
 //! token bucket, the floor of the TAT the bucket would have had without the
 //! grant. Until that instant no request can have found that bucket full, so
 //! the tokens come back exactly (the TAT moves back by them, never before
-//! `until`); after it the return is refused and the tokens are lost, which
-//! under-admits by them and never over-admits.
+//! `until`: those that would move it further are lost); after it the return
+//! is refused and the tokens are lost, which under-admits by them and never
+//! over-admits.
 
 use crate::config::Algorithm;
 
@@ -59,11 +60,14 @@ pub fn give_back(
     let now_f = now as f64;
     match (alg, s) {
         (Algorithm::TokenBucket { refill_per_sec, .. }, State::Gcra { tat }) => {
+            // As many as lie above the floor: a refund or another lease's
+            // return that moved the TAT under it costs this return only
+            // what it moved, not the whole return.
             let t = 1e6 / refill_per_sec;
-            let back = *tat - ret as f64 * t;
-            if now <= until && back >= until as f64 {
-                *tat = back;
-                return (ret, Some(super::ceil_us(back - now_f)));
+            let n = (ret as f64).min(((*tat - until as f64) / t).floor());
+            if now <= until && n >= 1.0 {
+                *tat -= n * t;
+                return (n as u64, Some(super::ceil_us(*tat - now_f)));
             }
         }
         (Algorithm::FixedWindow { window_secs, .. }, State::Window { window, count })
@@ -460,6 +464,26 @@ mod tests {
         commit(&mut s, &e.update);
         assert_eq!(give_back(&TB, &mut s, later, 10, g.until).0, 0);
         assert_eq!(available(&TB, s.as_ref(), later), 95);
+    }
+
+    #[test]
+    fn a_token_bucket_takes_back_what_lies_above_the_floor() {
+        // Two leases of 10 on a drained bucket; the older gives back 3
+        // first (it spent 7): the TAT is then 7 tokens above the newer's
+        // floor, so of its 10 only 7 come back: the bucket is short of the 7
+        // A spent and the 3 lost (under, never over).
+        let mut s = None;
+        let e = check(&TB, None, NOW, 60);
+        commit(&mut s, &e.update);
+        let (a, _) = grant(&TB, &mut s, NOW, 10, 1, 1);
+        let (b, _) = grant(&TB, &mut s, NOW, 10, 1, 1);
+        assert_eq!((a.tokens, b.tokens), (10, 10));
+        assert_eq!(available(&TB, s.as_ref(), NOW), 20);
+        assert_eq!(give_back(&TB, &mut s, NOW, 3, a.until).0, 3);
+        assert_eq!(give_back(&TB, &mut s, NOW, 10, b.until).0, 7);
+        assert_eq!(available(&TB, s.as_ref(), NOW), 30);
+        // Nothing above the floor: nothing back.
+        assert_eq!(give_back(&TB, &mut s, NOW, 10, b.until).0, 0);
     }
 
     #[test]

@@ -8,8 +8,12 @@
 use std::sync::Arc;
 
 use super::{FallbackState, OnShares, Outcome};
+use crate::limiter::leases::{self, Mark};
 use crate::limiter::standing::Taken;
 use crate::limiter::{Check, Decision, Micros, Verdict};
+
+/// Per tier, the lease it was spent from (`Outcome::Decided::leased`).
+type Marks = Option<Arc<[Option<Mark>]>>;
 
 /// What tokens held here decided of a request's tiers.
 pub(super) struct Covered<'a> {
@@ -19,6 +23,9 @@ pub(super) struct Covered<'a> {
     /// which tiers (`Outcome::Decided::standing`), for a refund to give
     /// back to them.
     on_shares: Option<u64>,
+    /// Covered by leases: the lease each charged tier was spent from, for
+    /// its settlement (`Outcome::Decided::leased`).
+    marks: Marks,
 }
 
 impl<'a> Covered<'a> {
@@ -26,6 +33,7 @@ impl<'a> Covered<'a> {
         Covered {
             decisions: &taken.decisions,
             on_shares: Some(taken.generation),
+            marks: None,
         }
     }
 
@@ -33,7 +41,43 @@ impl<'a> Covered<'a> {
         Covered {
             decisions,
             on_shares: None,
+            marks: None,
         }
+    }
+
+    /// Covered by `taken`'s leases, each charged tier's lease marked (only
+    /// a request charged by its answer is settled).
+    pub fn marked_leases(taken: &'a leases::Taken, checks: &[Check]) -> Self {
+        let marks = checks
+            .iter()
+            .any(|c| c.charged)
+            .then(|| taken.marks(checks))
+            .filter(|m| m.iter().any(Option::is_some))
+            .map(Into::into);
+        Covered {
+            marks,
+            ..Covered::leases(&taken.decisions)
+        }
+    }
+
+    /// The marks over every tier: a covered tier's own, the others' from
+    /// the outcome that decided the rest.
+    fn merge_marks(&self, rest: Marks) -> Marks {
+        if self.marks.is_none() && rest.is_none() {
+            return None;
+        }
+        let mut rest = rest.as_deref().unwrap_or(&[]).to_vec().into_iter();
+        let mine = |i: usize| self.marks.as_ref().and_then(|m| m[i]);
+        Some(
+            self.decisions
+                .iter()
+                .enumerate()
+                .map(|(i, d)| match d {
+                    Some(_) => mine(i),
+                    None => rest.next().flatten(),
+                })
+                .collect(),
+        )
     }
 
     /// Bit i: tier i is covered.
@@ -67,6 +111,7 @@ impl<'a> Covered<'a> {
             backend: FallbackState::Redis,
             checks: checks.clone(),
             standing: self.marked(),
+            leased: self.marks.clone(),
         })
     }
 
@@ -96,6 +141,7 @@ impl<'a> Covered<'a> {
                 verdict,
                 backend,
                 checks: rest,
+                leased,
                 ..
             } => {
                 let mut answered = verdict.decisions.into_iter();
@@ -125,6 +171,7 @@ impl<'a> Covered<'a> {
                     backend,
                     checks,
                     standing: self.marked(),
+                    leased: self.merge_marks(leased),
                 }
             }
             Outcome::Remembered {
@@ -186,7 +233,7 @@ mod tests {
             cost: 1,
             shards: 1,
             pool: false,
-            no_lease: false,
+            charged: false,
         }
     }
 
@@ -210,6 +257,7 @@ mod tests {
             backend: FallbackState::Redis,
             checks,
             standing: OnShares::NONE,
+            leased: None,
         }
     }
 

@@ -63,7 +63,7 @@ use tokio::sync::watch;
 use super::algorithms::lease::leasable;
 use super::algorithms::{outage, Snapshot};
 use super::deny_cache::{Denial, DenyCache};
-use super::leases::Leases;
+use super::leases::{Leases, Mark};
 use super::ledger::{Doubt, Ledger};
 use super::redis::Persistence;
 use super::standing::Standing;
@@ -129,6 +129,9 @@ pub enum Outcome {
         /// The tiers decided on this replica's standing shares
         /// (`checks[i]` is then the bucket's own rule).
         standing: OnShares,
+        /// Per tier, the lease it was spent from (a charged request's
+        /// settlement goes through it); None when no tier was.
+        leased: Option<Arc<[Option<Mark>]>>,
     },
     /// A denial remembered from Redis's answer (the denied-until cache)
     /// refused it at once: `checks[tier]` decided it, with `decision`; the
@@ -457,7 +460,7 @@ impl Fallback {
             }
             if t.all() {
                 if let Some(outcome) =
-                    Covered::leases(&t.decisions).whole(checks, SystemClock.now_us())
+                    Covered::marked_leases(t, checks).whole(checks, SystemClock.now_us())
                 {
                     leases.confirm(checks, t);
                     metrics::decided_by(DecidedBy::Lease);
@@ -537,9 +540,9 @@ impl Fallback {
                             // retry time. (This replica's own leases pass
                             // the memory: `remembered_denial`.)
                             let others = self.replicas() > 1;
-                            let memory = match leases.filter(|_| {
-                                others && !c.pool && !c.no_lease && leasable(&c.algorithm)
-                            }) {
+                            let memory = match leases
+                                .filter(|_| others && !c.pool && leasable(&c.algorithm))
+                            {
                                 Some(l) => wait.min(l.period()),
                                 None => wait,
                             };
@@ -558,11 +561,12 @@ impl Fallback {
                         backend: FallbackState::Redis,
                         checks: asked,
                         standing: OnShares::NONE,
+                        leased: None,
                     };
                     // The covered tiers' decisions in their places.
                     return match (&taken, leases) {
                         (Some(t), Some(leases)) => {
-                            Covered::leases(&t.decisions).merge(checks, outcome, |admitted| {
+                            Covered::marked_leases(t, checks).merge(checks, outcome, |admitted| {
                                 if admitted {
                                     leases.confirm(checks, t);
                                 } else {
@@ -709,6 +713,7 @@ impl Fallback {
                 backend: FallbackState::Local,
                 checks,
                 standing: OnShares::NONE,
+                leased: None,
             },
             Err(_) => Outcome::FailOpen, // the local backend has no failure mode
         }

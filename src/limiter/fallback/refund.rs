@@ -16,27 +16,40 @@ impl Fallback {
             backend,
             checks,
             standing: covered,
+            leased,
         } = outcome
         else {
             return;
         };
         metrics::refunded();
-        if covered.tiers != 0 {
-            // The tiers its shares decided go back to them; the others as
-            // where they were decided.
+        let mark = |i: usize| leased.as_ref().and_then(|m| m.get(i).copied().flatten());
+        if covered.tiers != 0 || leased.is_some() {
+            // The tiers its shares decided go back to them, a charged tier
+            // spent from a lease to that lease; the others as where they
+            // were decided.
             let on_share = |i: usize| covered.tiers & (1 << i) != 0;
-            if let Some(standing) = &self.standing {
-                for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
-                    if on_share(i) && d.allowed {
-                        standing.give_back_one(c, covered.generation);
+            let here = |i: usize| on_share(i) || mark(i).is_some();
+            let leases = self.redis.as_ref().and_then(|r| r.leases());
+            let now = Instant::now();
+            for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
+                if !d.allowed {
+                    continue;
+                }
+                match (&self.standing, leases, mark(i)) {
+                    (Some(standing), _, _) if on_share(i) => {
+                        standing.give_back_one(c, covered.generation)
                     }
+                    (_, Some(leases), Some(mark)) => {
+                        leases.settle_on(c, mark, -(c.cost as i64), now);
+                    }
+                    _ => {}
                 }
             }
             let (rest, decisions): (Vec<Check>, Vec<Decision>) = checks
                 .iter()
                 .zip(&verdict.decisions)
                 .enumerate()
-                .filter(|(i, _)| !on_share(*i))
+                .filter(|(i, _)| !here(*i))
                 .map(|(_, (c, d))| (c.clone(), *d))
                 .unzip();
             if !rest.is_empty() {
@@ -48,6 +61,7 @@ impl Fallback {
                     backend: *backend,
                     checks: rest.into(),
                     standing: OnShares::NONE,
+                    leased: None,
                 });
             }
             return;

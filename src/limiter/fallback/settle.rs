@@ -2,12 +2,13 @@
 //! admitted on an estimate, and once the answer says what it cost the
 //! difference goes where each tier was decided. A share's difference is
 //! settled on the share at once; a local bucket's on the local bucket; a
-//! tier Redis decided (by a call or on a lease) is owed to Redis, added up
-//! per bucket and sent every `SETTLE_EVERY` in `charge.lua`'s batches,
-//! debts (a bucket may go below empty: its client waits longer) and refunds
-//! together. A bucket counting charged units is never leased
-//! (`Check::no_lease`): a refund would move it under a lease's floor. No
-//! request waits for a call.
+//! leased tier's through its lease (`leases::settle`: a refund back to the
+//! lease, a debt spent from it), so no refund moves a bucket under a
+//! lease's floor. What is left (a debt its lease could not cover, a refund
+//! of a tier a call decided before this replica's lease, a quota's) is owed
+//! to Redis, added up per bucket and sent every `SETTLE_EVERY` in
+//! `charge.lua`'s batches, debts (a bucket may go below empty: its client
+//! waits longer) and refunds together. No request waits for a call.
 
 use std::collections::HashMap;
 
@@ -59,11 +60,14 @@ impl Fallback {
             backend,
             checks,
             standing: covered,
+            leased,
         } = outcome
         else {
             return;
         };
         let now = SystemClock.now_us();
+        let leases = self.redis.as_ref().and_then(|r| r.leases());
+        let here = Instant::now();
         for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
             if charged & (1 << i) == 0 || !d.allowed || c.shadow {
                 continue;
@@ -82,8 +86,22 @@ impl Fallback {
                 continue;
             }
             match backend {
-                // Never on a lease (`Check::no_lease`), but a quota's.
-                FallbackState::Redis => self.owed.add(c, delta, verdict.now_us),
+                FallbackState::Redis => {
+                    let mark = leased.as_ref().and_then(|m| m[i]);
+                    let left = match (leases, mark) {
+                        (Some(leases), Some(mark)) => leases.settle_on(c, mark, delta, here) as i64,
+                        (Some(leases), None)
+                            if delta < 0
+                                && leases.credit(c, delta.unsigned_abs(), verdict.now_us, here) =>
+                        {
+                            0
+                        }
+                        _ => delta,
+                    };
+                    if left != 0 {
+                        self.owed.add(c, left, verdict.now_us);
+                    }
+                }
                 FallbackState::Local => {
                     // Decided on this replica's part of the bucket: settled
                     // there. (The admission's debt charged at failback is

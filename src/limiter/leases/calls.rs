@@ -105,12 +105,7 @@ impl Leases {
         let mut asks = Vec::new();
         let mut seen: HashSet<&str> = HashSet::new();
         for c in requests.iter().flat_map(|r| r.iter()) {
-            if !c.shadow
-                && !c.pool
-                && !c.no_lease
-                && leasable(&c.algorithm)
-                && seen.insert(c.key.as_str())
-            {
+            if !c.shadow && !c.pool && leasable(&c.algorithm) && seen.insert(c.key.as_str()) {
                 self.ask_for(c, now, &mut asks);
             }
         }

@@ -96,6 +96,7 @@ impl Entry {
             period_start: now,
             requests: 0,
             granted_us: 0,
+            since_us: 0,
             asking: None,
             renew_queued: false,
             redis_remaining: 0,

@@ -33,7 +33,9 @@
 //!   bills nothing twice, and one that never ran loses nothing. Numbers
 //!   count in order, so a bucket has at most one call carrying its reports
 //!   out at a time (`Entry::reporting`); spending meanwhile waits for it.
-//! - The books balance: granted = spent + returned + lost + held, where
+//! - A charged request's answer settles a leased tier through its lease
+//!   (`settle`): refunds back to it, debts spent from it.
+//! - The books balance: granted + refunded = spent + returned + lost + held, where
 //!   held (a gauge) is what this replica still has, live, owed or taken by
 //!   a request in flight.
 //! - Entries are bounded by `local_max_entries`: a full shard first drops
@@ -46,12 +48,13 @@
 //! lease, debts, reports and demand), `spend` (the request path: spend,
 //! confirm, give back), `calls` (what a call to Redis asks for and gives
 //! back), `answers` (a call's grants or failure applied), `ends` (expiry,
-//! release and reset).
+//! release and reset), `settle` (a charged request's answer settled).
 
 mod answers;
 mod calls;
 mod ends;
 mod entry;
+mod settle;
 mod spend;
 #[cfg(test)]
 mod tests;
@@ -68,6 +71,7 @@ use crate::metrics::{self, LeaseEvent};
 use crate::shard_map::{Locked, ShardMap};
 pub use answers::Settle;
 pub use calls::{debit, Ask, Asks};
+pub use settle::Mark;
 
 const SHARDS: usize = 16;
 
@@ -151,6 +155,10 @@ struct Entry {
     requests: u32,
     /// Redis's time in the call that granted the latest tokens.
     granted_us: Micros,
+    /// Redis's time in the call that granted this lease's first tokens
+    /// (the grant its `until` is from): a call that ran later debited its
+    /// requests above the lease's floor (`credit`).
+    since_us: Micros,
     /// A call carrying an ask for this bucket left then (cleared by its grant).
     asking: Option<Instant>,
     /// Queued for the next call (`renewals`).
@@ -231,7 +239,7 @@ impl Leases {
         }
         metrics::lease_tokens(event, n);
         let delta = match event {
-            LeaseEvent::Granted => n as i64,
+            LeaseEvent::Granted | LeaseEvent::Refunded => n as i64,
             _ => -(n as i64),
         };
         let held = self.held.fetch_add(delta, Ordering::Relaxed) + delta;

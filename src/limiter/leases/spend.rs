@@ -32,7 +32,7 @@ impl Leases {
             return taken;
         }
         for (i, c) in checks.iter().enumerate() {
-            if c.shadow || c.pool || c.no_lease || !leasable(&c.algorithm) {
+            if c.shadow || c.pool || !leasable(&c.algorithm) {
                 continue;
             }
             let mut shard = self.shard(&c.key);
@@ -147,7 +147,7 @@ impl Leases {
     /// under the request's cost; its retry time stays Redis's).
     pub fn answered(&self, checks: &[Check], decisions: &mut [Decision], now: Instant) {
         for (c, d) in checks.iter().zip(decisions) {
-            if c.shadow || c.pool || c.no_lease || !leasable(&c.algorithm) {
+            if c.shadow || c.pool || !leasable(&c.algorithm) {
                 continue;
             }
             if let Some(e) = self.shard(&c.key).get_mut(&c.key) {

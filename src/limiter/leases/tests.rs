@@ -20,7 +20,7 @@ fn check(key: &str, cost: u64) -> Check {
         cost,
         shards: 1,
         pool: false,
-        no_lease: false,
+        charged: false,
     }
 }
 
@@ -358,4 +358,67 @@ fn the_table_is_bounded() {
         l.spend(&[check(&format!("k{i}"), 1)], now);
     }
     assert!(l.len() <= 32, "{}", l.len());
+}
+
+#[test]
+fn a_charged_refund_goes_back_to_its_lease_and_a_debt_is_spent_from_it() {
+    let (l, now, _) = hot(20);
+    let c = [check("a", 10)];
+    let t = l.spend(&c, now);
+    assert!(t.all());
+    l.confirm(&c, &t);
+    let mark = t.marks(&c)[0].expect("spent from a lease");
+    // The answer said 3 of the 10: 7 back to the lease.
+    assert_eq!(l.settle_on(&c[0], mark, -7, now), 0);
+    assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(17));
+    // Others said more: debts spent from the lease while it holds them,
+    // the rest left to the caller (owed to Redis).
+    assert_eq!(l.settle_on(&c[0], mark, 5, now), 0);
+    assert_eq!(l.settle_on(&c[0], mark, 20, now), 8);
+    assert_eq!(l.outstanding("a", now), None);
+    // granted 20 + refunded 7 = spent 10 + 5 + 12: nothing held.
+    assert_eq!(l.held(), 0);
+}
+
+#[test]
+fn a_refund_after_its_lease_ended_is_owed_with_that_lease() {
+    let (l, now, _) = hot(20);
+    let c = [check("a", 10)];
+    let t = l.spend(&c, now);
+    l.confirm(&c, &t);
+    let mark = t.marks(&c)[0].unwrap();
+    let later = now + Duration::from_millis(120);
+    assert!(l.due(later), "the lease expired with 10 unspent");
+    assert_eq!(l.settle_on(&c[0], mark, -6, later), 0);
+    let asks = l.asks(&[], later);
+    assert_eq!(
+        asks.asks[0].ret, 16,
+        "its 10 and the refund's 6, one return"
+    );
+    answer(&l, &asks, 0, later);
+    assert_eq!(l.held(), 0);
+}
+
+#[test]
+fn a_refund_of_a_call_joins_only_a_lease_granted_before_it_ran() {
+    let (l, now, c) = hot(5);
+    // granted at Redis's time 0 (`grant`): a call that ran at 1 debited
+    // above the lease's floor; one at 0 may have run first.
+    assert!(!l.credit(&c[0], 6, 0, now));
+    assert!(l.credit(&c[0], 6, 1, now));
+    assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(11));
+    // No lease, an expired one, or a quota's: the caller sends it to Redis.
+    assert!(!l.credit(&check("b", 1), 6, 1, now));
+    assert!(!l.credit(&c[0], 6, 1, now + Duration::from_millis(120)));
+    let quota = Check {
+        algorithm: Algorithm::Calendar {
+            limit: 100,
+            period: crate::calendar::Period::Hour,
+            start: 0,
+            end: 3_600_000_000,
+        },
+        ..check("a", 1)
+    };
+    assert!(!l.credit(&quota, 6, 1, now));
+    assert_eq!(l.held(), 11);
 }
