@@ -1,6 +1,7 @@
 //! The admin listener: `/healthz` (alive), `/readyz`, `/metrics` (Prometheus
-//! text), `/limits` (a client's buckets: see `limits`), `/usage`, and
-//! `/keys` (runtime API keys: see `keys`).
+//! text), `/limits` (a client's buckets: see `limits`), `/usage`, `/keys`
+//! (runtime API keys: see `keys`), and `/top` (the clients refused most:
+//! `crate::top`).
 //!
 //! `/readyz` answers 503 until the start-up attempt to reach Redis has ended,
 //! then 200, in fallback too: a replica on its local share still enforces
@@ -23,6 +24,7 @@ use crate::metrics;
 pub struct Admin {
     pub limiter: Arc<Fallback>,
     pub live: Arc<ArcSwap<Live>>,
+    pub top: Arc<crate::top::Top>,
 }
 
 #[async_trait]
@@ -95,6 +97,21 @@ impl ServeHttp for Admin {
                     Ok((ctype, body)) => (200, ctype, body.into_bytes()),
                     Err((status, why)) => (
                         status,
+                        "application/json",
+                        serde_json::json!({ "error": why }).to_string().into_bytes(),
+                    ),
+                }
+            }
+            "/top" => {
+                let query = session.req_header().uri.query().unwrap_or("");
+                match crate::top::Ask::parse(query) {
+                    Ok(ask) => {
+                        let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
+                        let body = self.top.query(&ask, now);
+                        (200, "application/json", body.to_string().into_bytes())
+                    }
+                    Err(why) => (
+                        400,
                         "application/json",
                         serde_json::json!({ "error": why }).to_string().into_bytes(),
                     ),

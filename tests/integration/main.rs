@@ -37,5 +37,6 @@ mod spread_client;
 mod standing_shares;
 mod tiers;
 mod tls;
+mod top;
 mod topology;
 mod usage;
