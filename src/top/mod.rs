@@ -196,7 +196,8 @@ impl Top {
             return;
         }
         if refused {
-            self.last_refusal.fetch_max(slot_of(now_us), Ordering::Relaxed);
+            self.last_refusal
+                .fetch_max(slot_of(now_us), Ordering::Relaxed);
         }
         for &(kind, seen) in tiers {
             let ring = match seen {
@@ -248,9 +249,9 @@ impl Top {
             .iter()
             .filter(|(route, _)| ask.route.as_ref().is_none_or(|r| r == *route))
             .flat_map(|(route, per)| {
-                per.iter().enumerate().filter_map(move |(kind, r)| {
-                    r.clone().map(|r| (route.clone(), kind, r))
-                })
+                per.iter()
+                    .enumerate()
+                    .filter_map(move |(kind, r)| r.clone().map(|r| (route.clone(), kind, r)))
             })
             .filter(|(_, kind, _)| {
                 ask.tier

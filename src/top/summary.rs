@@ -155,7 +155,10 @@ mod tests {
     #[test]
     fn admissions_count_only_for_keys_held() {
         let mut s = Summary::new(2);
-        assert!(!s.admitted("a", 1), "not held: nothing counted, nothing taken in");
+        assert!(
+            !s.admitted("a", 1),
+            "not held: nothing counted, nothing taken in"
+        );
         assert!(s.is_empty());
         s.refused("a", 2);
         assert!(s.admitted("a", 3));

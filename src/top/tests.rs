@@ -20,7 +20,14 @@ fn names(v: &Value) -> Vec<String> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| format!("{}/{}/{}", c["client"].as_str().unwrap(), c["route"], c["tier"]))
+        .map(|c| {
+            format!(
+                "{}/{}/{}",
+                c["client"].as_str().unwrap(),
+                c["route"],
+                c["tier"]
+            )
+        })
         .collect()
 }
 
@@ -32,25 +39,47 @@ fn three_abusers_come_first_among_a_fair_crowd() {
         for i in 0..200 {
             t += 10;
             let client = format!("fair-{i}");
-            top.record("ride", &[(ip(), Seen::Admitted), (key(), Seen::Admitted)], |_| &client, t);
+            top.record(
+                "ride",
+                &[(ip(), Seen::Admitted), (key(), Seen::Admitted)],
+                |_| &client,
+                t,
+            );
         }
         for (n, abuser) in ["a", "b", "c"].iter().enumerate() {
             // a most, then b, then c; each also admitted now and then
             // (counted once it is held: not in round 0).
             for _ in 0..(3 - n) {
-                let seen = if round % 10 == 0 { Seen::Admitted } else { Seen::Refused };
-                top.record("ride", &[(ip(), Seen::Admitted), (key(), seen)], |_| abuser, t);
+                let seen = if round % 10 == 0 {
+                    Seen::Admitted
+                } else {
+                    Seen::Refused
+                };
+                top.record(
+                    "ride",
+                    &[(ip(), Seen::Admitted), (key(), seen)],
+                    |_| abuser,
+                    t,
+                );
             }
         }
     }
     let v = top.query(&Ask::default(), t);
     assert_eq!(
         names(&v)[..3],
-        ["a/\"ride\"/\"key\"", "b/\"ride\"/\"key\"", "c/\"ride\"/\"key\""],
+        [
+            "a/\"ride\"/\"key\"",
+            "b/\"ride\"/\"key\"",
+            "c/\"ride\"/\"key\""
+        ],
         "{v}"
     );
     let a = &v["clients"][0];
-    assert_eq!((a["refused"].as_u64(), a["admitted"].as_u64()), (Some(135), Some(12)), "{a}");
+    assert_eq!(
+        (a["refused"].as_u64(), a["admitted"].as_u64()),
+        (Some(135), Some(12)),
+        "{a}"
+    );
     // The IP tier refused nobody: no ring for it, and the fair crowd is
     // nowhere.
     assert_eq!(v["clients"].as_array().unwrap().len(), 3, "{v}");
@@ -110,8 +139,14 @@ fn a_query_names_what_it_did_not_understand() {
             limit: 3
         })
     );
-    assert_eq!(Ask::parse("window=61"), Err("window=61: expected seconds, 1 to 60".into()));
-    assert_eq!(Ask::parse("limit=0"), Err("limit=0: expected 1 to 1000".into()));
+    assert_eq!(
+        Ask::parse("window=61"),
+        Err("window=61: expected seconds, 1 to 60".into())
+    );
+    assert_eq!(
+        Ask::parse("limit=0"),
+        Err("limit=0: expected 1 to 1000".into())
+    );
     assert_eq!(
         Ask::parse("who=me"),
         Err("unknown parameter \"who\": expected route, tier, window, limit".into())

@@ -39,4 +39,5 @@ mod tiers;
 mod tls;
 mod top;
 mod topology;
+mod ui;
 mod usage;

@@ -125,22 +125,37 @@ fn three_abusers_come_first_among_ten_thousand_fair_clients_within_two_seconds()
             .as_array()
             .unwrap()
             .iter()
-            .map(|c| (c["refused"].as_u64().unwrap(), c["admitted"].as_u64().unwrap()))
+            .map(|c| {
+                (
+                    c["refused"].as_u64().unwrap(),
+                    c["admitted"].as_u64().unwrap(),
+                )
+            })
             .collect();
         // Counted exactly (no one else was refused), admissions since
         // their first refusal (none: the 5 came before it).
         assert_eq!(counts, [(30, 0), (20, 0), (10, 0)]);
-        assert!(top["clients"].as_array().unwrap().iter().all(|c| c["tier"] == "ip"
-            && c["route"] == "ride"
-            && c["first_seen"].as_str().is_some_and(|t| t.ends_with('Z'))));
+        assert!(top["clients"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["tier"] == "ip"
+                && c["route"] == "ride"
+                && c["first_seen"].as_str().is_some_and(|t| t.ends_with('Z'))));
         fair.join().expect("fair crowd")
     });
     assert_eq!(fair, (10_000, 0, 0), "the fair crowd unharmed");
     let v = g.admin_get("/top").json();
     assert_eq!(clients(&v), abusers, "nobody else: {v}");
     // Filters, and a bad question named.
-    assert_eq!(clients(&g.admin_get("/top?tier=key").json()), Vec::<String>::new());
-    assert_eq!(clients(&g.admin_get("/top?route=ride&window=10").json()).len(), 3);
+    assert_eq!(
+        clients(&g.admin_get("/top?tier=key").json()),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        clients(&g.admin_get("/top?route=ride&window=10").json()).len(),
+        3
+    );
     let bad = g.admin_get("/top?window=0");
     assert_eq!(bad.status, 400);
     assert_eq!(
@@ -173,11 +188,17 @@ fn gateway_top_merges_the_replicas() {
     // The table, for people; a replica that does not answer is named.
     let (code, out, _) = gateway_cli(&["top", "--admin", &admins], &a.config_path);
     assert_eq!(code, Some(0));
-    assert!(out.contains("192.0.2.7") && out.contains("(the last 60 s, 2 replica(s))"), "{out}");
+    assert!(
+        out.contains("192.0.2.7") && out.contains("(the last 60 s, 2 replica(s))"),
+        "{out}"
+    );
     let dead = format!("127.0.0.1:{}", free_port());
     let (code, _, err) = gateway_cli(&["top", "--admin", &dead], &a.config_path);
     assert_eq!(code, Some(1));
-    assert!(err.contains(&format!("cannot ask the gateway at {dead} (--admin)")), "{err}");
+    assert!(
+        err.contains(&format!("cannot ask the gateway at {dead} (--admin)")),
+        "{err}"
+    );
 }
 
 /// Peak resident memory (VmHWM) and current (VmRSS), in KiB.
@@ -203,7 +224,10 @@ fn memory_flat_over(total: u32) {
     let g = GatewayGuard::start(&config(&up, 1, "local_max_entries = 10000"));
     let warm = 200_000u32.min(total / 5);
     let twice = |from: u32, n: u32| -> Vec<String> {
-        crowd(from, n).into_iter().flat_map(|a| [a.clone(), a]).collect()
+        crowd(from, n)
+            .into_iter()
+            .flat_map(|a| [a.clone(), a])
+            .collect()
     };
     let (_, refused, other) = spray(&g, twice(0, warm), 4);
     assert!(refused > 0 && other == 0);
