@@ -32,4 +32,5 @@ pub mod path;
 pub mod proxy;
 pub mod routing;
 pub mod shard_map;
+pub mod top;
 pub mod usage;

@@ -60,6 +60,32 @@ Environment:
         #[command(subcommand)]
         action: LimitsAction,
     },
+    /// Who is being refused right now: the clients refused most per route
+    /// and tier over the last minute, from each replica's admin listener
+    /// (`GET /top`), merged.
+    Top {
+        #[arg(short, long, default_value = "gateway.toml")]
+        config: PathBuf,
+        /// The replicas' admin listeners, HOST:PORT, comma-separated
+        /// (default: the config's server.admin_listen).
+        #[arg(long, value_delimiter = ',')]
+        admin: Vec<String>,
+        /// Only this route.
+        #[arg(long)]
+        route: Option<String>,
+        /// Only this tier: ip, key, route, quota-day, ...
+        #[arg(long)]
+        tier: Option<String>,
+        /// Over the last this many seconds (1 to 60).
+        #[arg(long, default_value_t = 60)]
+        window: u32,
+        /// At most this many clients.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        /// Print the JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Each API key's use of one quota period, for billing (CSV or JSON
     /// lines), read from Redis with SCAN. An ended period is there for
     /// limiter.quota_retention_days after its end.
@@ -331,6 +357,44 @@ fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("gateway limits: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Top {
+            config,
+            admin,
+            route,
+            tier,
+            window,
+            limit,
+            json,
+        } => {
+            let cfg = match credentials::load(&config, None, Files::Required) {
+                Ok((cfg, _)) => cfg,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let mut query = format!("window={window}&limit={limit}");
+            for (name, v) in [("route", route), ("tier", tier)] {
+                if let Some(v) = v {
+                    query.push_str(&format!("&{name}={}", operator::encode(&v)));
+                }
+            }
+            match operator::top(&cfg, &admin, &query) {
+                Ok(answer) => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = if json {
+                        writeln!(out, "{answer}")
+                    } else {
+                        write!(out, "{}", operator::top_table(&answer))
+                    };
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gateway top: {e}");
                     ExitCode::FAILURE
                 }
             }

@@ -3,7 +3,8 @@
 //! shared buckets in Redis itself (every replica hears of a reset within a
 //! second); with the local backend the buckets live in a gateway's memory,
 //! so it asks that gateway's admin listener. `gateway usage` reads a quota
-//! period's counts from Redis (`usage`).
+//! period's counts from Redis (`usage`); `gateway top` asks the replicas'
+//! admin listeners who they refuse most, and merges (`top`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -209,17 +210,20 @@ fn add_leases(config: &Config, ask: &Ask, answer: &mut Value) {
 }
 
 /// `/limits`'s query for `ask`, percent-encoded.
+/// A query parameter's value, percent-encoded.
+pub fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 fn query(ask: &Ask) -> String {
-    let enc = |s: &str| {
-        s.bytes()
-            .map(|b| match b {
-                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                    (b as char).to_string()
-                }
-                _ => format!("%{b:02X}"),
-            })
-            .collect::<String>()
-    };
+    let enc = encode;
     let mut q = match &ask.subject {
         Subject::Key(id) => format!("?key={}", enc(id)),
         Subject::Ip(ip) => format!("?ip={}", enc(&ip.to_string())),
@@ -256,23 +260,34 @@ fn ask_admin(config: &Config, ask: &Ask) -> Result<Value, String> {
         .admin_listen
         .as_deref()
         .ok_or("the local backend's buckets live in the gateway: set server.admin_listen")?;
+    let method = if ask.reset { "DELETE" } else { "GET" };
+    let token = config.admin.token.as_ref().map(|t| t.expose());
+    admin_request(listen, method, &format!("/limits{}", query(ask)), token)
+        .map_err(|e| e.replace("{where}", "server.admin_listen"))
+}
+
+/// `method target` on the admin listener at `listen` (an unspecified
+/// address means this host): the JSON answer of a 200, else why not (a
+/// message naming `{where}`, for the caller to say where the address came
+/// from).
+fn admin_request(
+    listen: &str,
+    method: &str,
+    target: &str,
+    token: Option<&str>,
+) -> Result<Value, String> {
     let mut addr: SocketAddr = listen
         .parse()
-        .map_err(|_| format!("server.admin_listen \"{listen}\" is not an address"))?;
+        .map_err(|_| format!("{{where}} \"{listen}\" is not an address"))?;
     if addr.ip().is_unspecified() {
         addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
-    let method = if ask.reset { "DELETE" } else { "GET" };
-    let mut req = format!(
-        "{method} /limits{} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n",
-        query(ask)
-    );
-    if let Some(t) = &config.admin.token {
-        req.push_str(&format!("Authorization: Bearer {}\r\n", t.expose()));
+    let mut req = format!("{method} {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    if let Some(t) = token {
+        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
     }
     req.push_str("\r\n");
-    let fail =
-        |e: std::io::Error| format!("cannot ask the gateway at {addr} (server.admin_listen): {e}");
+    let fail = |e: std::io::Error| format!("cannot ask the gateway at {addr} ({{where}}): {e}");
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(fail)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(fail)?;
@@ -293,6 +308,50 @@ fn ask_admin(config: &Config, ask: &Ask) -> Result<Value, String> {
         ));
     }
     Ok(json)
+}
+
+/// `gateway top`: each replica's `GET /top?QUERY` at `admins` (the
+/// config's `server.admin_listen` when none is named), merged into one
+/// fleet view (`top::merge`).
+pub fn top(config: &Config, admins: &[String], query: &str) -> Result<Value, String> {
+    let own = config.server.admin_listen.clone();
+    let (admins, named): (Vec<String>, &str) = match (admins.is_empty(), own) {
+        (false, _) => (admins.to_vec(), "--admin"),
+        (true, Some(a)) => (vec![a], "server.admin_listen"),
+        (true, None) => return Err("name the replicas' admin listeners: --admin HOST:PORT[,...] (or set server.admin_listen)".into()),
+    };
+    let mut answers = Vec::new();
+    for a in &admins {
+        let v = admin_request(a, "GET", &format!("/top?{query}"), None)
+            .map_err(|e| e.replace("{where}", named))?;
+        answers.push(v);
+    }
+    Ok(crate::top::merge(&answers))
+}
+
+/// `gateway top`'s answer as a table.
+pub fn top_table(answer: &Value) -> String {
+    let mut out = format!(
+        "{:<40} {:<20} {:<12} {:>9} {:>9}  {:<24} {}\n",
+        "client", "route", "tier", "refused", "admitted", "first seen", "last seen"
+    );
+    for c in answer["clients"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{:<40} {:<20} {:<12} {:>9} {:>9}  {:<24} {}\n",
+            c["client"].as_str().unwrap_or("?"),
+            c["route"].as_str().unwrap_or("?"),
+            c["tier"].as_str().unwrap_or("?"),
+            c["refused"],
+            c["admitted"],
+            c["first_seen"].as_str().unwrap_or(""),
+            c["last_seen"].as_str().unwrap_or(""),
+        ));
+    }
+    out.push_str(&format!(
+        "(the last {} s, {} replica(s))\n",
+        answer["window_secs"], answer["replicas"]
+    ));
+    out
 }
 
 /// The answer as a table, for people.

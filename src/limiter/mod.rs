@@ -125,12 +125,20 @@ impl LimitKind {
     /// The kinds every route reports from the start (a quota's, once seen).
     pub const FIRST: [LimitKind; 3] = [LimitKind(0), LimitKind(1), LimitKind(2)];
 
+    /// The per-IP tier's.
+    pub const IP: LimitKind = LimitKind(0);
+
     pub fn as_str(self) -> &'static str {
         Self::NAMES[self.0 as usize]
     }
 
     pub fn index(self) -> usize {
         self.0 as usize
+    }
+
+    /// The kind `index` gave (the last kind past the end).
+    pub fn from_index(i: usize) -> LimitKind {
+        LimitKind(i.min(Self::COUNT - 1) as u8)
     }
 
     /// As a metric label.

@@ -1,6 +1,7 @@
 //! The admin listener: `/healthz` (alive), `/readyz`, `/metrics` (Prometheus
-//! text), `/limits` (a client's buckets: see `limits`), `/usage`, and
-//! `/keys` (runtime API keys: see `keys`).
+//! text), `/limits` (a client's buckets: see `limits`), `/usage`, `/keys`
+//! (runtime API keys: see `keys`), `/top` (the clients refused most:
+//! `crate::top`), and `/ui`, the operator page (`ui/`: it reads the others).
 //!
 //! `/readyz` answers 503 until the start-up attempt to reach Redis has ended,
 //! then 200, in fallback too: a replica on its local share still enforces
@@ -20,9 +21,16 @@ use crate::admission::Policy;
 use crate::limiter::Fallback;
 use crate::metrics;
 
+/// The operator page (`/ui`): compiled in, no toolchain, no CDN.
+const UI_HTML: &str = include_str!("ui/index.html");
+const UI_JS: &str = include_str!("ui/app.js");
+const UI_CSS: &str = include_str!("ui/style.css");
+const UI_CSP: &str = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'";
+
 pub struct Admin {
     pub limiter: Arc<Fallback>,
     pub live: Arc<ArcSwap<Live>>,
+    pub top: Arc<crate::top::Top>,
 }
 
 #[async_trait]
@@ -95,6 +103,32 @@ impl ServeHttp for Admin {
                     Ok((ctype, body)) => (200, ctype, body.into_bytes()),
                     Err((status, why)) => (
                         status,
+                        "application/json",
+                        serde_json::json!({ "error": why }).to_string().into_bytes(),
+                    ),
+                }
+            }
+            "/ui" | "/ui/" | "/ui/app.js" | "/ui/style.css" => {
+                let (ctype, body) = match path.as_str() {
+                    "/ui/app.js" => ("text/javascript; charset=utf-8", UI_JS),
+                    "/ui/style.css" => ("text/css; charset=utf-8", UI_CSS),
+                    _ => ("text/html; charset=utf-8", UI_HTML),
+                };
+                // Its own files only: no inline script, nothing from elsewhere.
+                extra.push(("content-security-policy", UI_CSP));
+                extra.push(("cache-control", "no-cache"));
+                (200, ctype, body.as_bytes().to_vec())
+            }
+            "/top" => {
+                let query = session.req_header().uri.query().unwrap_or("");
+                match crate::top::Ask::parse(query) {
+                    Ok(ask) => {
+                        let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
+                        let body = self.top.query(&ask, now);
+                        (200, "application/json", body.to_string().into_bytes())
+                    }
+                    Err(why) => (
+                        400,
                         "application/json",
                         serde_json::json!({ "error": why }).to_string().into_bytes(),
                     ),

@@ -87,6 +87,8 @@ static REFUSAL_LINES: crate::logging::Sampler = crate::logging::Sampler::new();
 pub struct Gateway {
     pub live: Arc<ArcSwap<Live>>,
     pub limiter: Arc<Fallback>,
+    /// Who is being refused (`GET /top`).
+    pub top: Arc<crate::top::Top>,
 }
 
 /// Per-request state, made by `new_ctx`.
@@ -651,6 +653,7 @@ impl ProxyHttp for Gateway {
                 m.decision(tier.label(), *decision);
             }
         }
+        self.note_top(ctx, route);
         // Build the line only if someone reads it (benchmarks run at warn),
         // and `[log]` wants it: errors and 5xx always, the gateway's own
         // refusals at most `refusals_per_sec` a second, the rest if

@@ -240,9 +240,11 @@ pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), 
         Arc::new(pools),
         Arc::new(gates),
     )));
+    let top = Arc::new(crate::top::Top::default());
     let gateway = Gateway {
         live: live.clone(),
         limiter: limiter.clone(),
+        top: top.clone(),
     };
     let mut proxy = pingora::proxy::HttpProxy::new(gateway, server.configuration.clone());
     proxy.handle_init_modules();
@@ -283,6 +285,7 @@ pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), 
             Admin {
                 limiter: limiter.clone(),
                 live: live.clone(),
+                top,
             },
         );
         admin.add_tcp(admin_addr);

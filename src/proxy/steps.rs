@@ -226,6 +226,42 @@ impl Gateway {
 
     /// The CORS policy answering for this request: its route's (or
     /// `[cors]`'s, routeless).
+    /// Counts the request's tiers in the top-K of refused clients, each
+    /// named as its bucket names the client: the per-IP tier by address,
+    /// the others by key id or token subject (by address without one).
+    pub(super) fn note_top(&self, ctx: &Ctx, route: &str) {
+        use crate::metrics::DecisionLabel;
+        use crate::top::Seen;
+        if ctx.tiers.is_empty() {
+            return;
+        }
+        let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
+        let refused = ctx.tiers.iter().any(|(_, d)| *d == DecisionLabel::Rejected);
+        if !self.top.wants(refused, now) {
+            return;
+        }
+        let seen: Vec<(crate::limiter::LimitKind, Seen)> = ctx
+            .tiers
+            .iter()
+            .filter_map(|(kind, d)| match d {
+                DecisionLabel::Allowed => Some((*kind, Seen::Admitted)),
+                DecisionLabel::Rejected => Some((*kind, Seen::Refused)),
+                DecisionLabel::ShadowRejected | DecisionLabel::NotAsked => None,
+            })
+            .collect();
+        let addr = match (&ctx.plan, &ctx.refused_client) {
+            (Some(p), _) => p.client.to_string(),
+            (None, Some(c)) => c.clone(),
+            (None, None) => return,
+        };
+        let id = ctx.plan.as_ref().and_then(|p| p.key_id.as_deref());
+        let client = |kind: crate::limiter::LimitKind| match id {
+            Some(id) if kind != crate::limiter::LimitKind::IP => id,
+            _ => addr.as_str(),
+        };
+        self.top.record(route, &seen, client, now);
+    }
+
     pub(super) fn cors_rules(ctx: &Ctx) -> Option<&crate::cors::CorsRules> {
         ctx.live
             .as_ref()

@@ -37,5 +37,7 @@ mod spread_client;
 mod standing_shares;
 mod tiers;
 mod tls;
+mod top;
 mod topology;
+mod ui;
 mod usage;

@@ -4,6 +4,7 @@
 //! of the processes it started.
 #![allow(dead_code)]
 
+pub mod cdp;
 pub mod http;
 pub mod issuer;
 pub mod load;
