@@ -233,12 +233,14 @@ fn memory_flat_over(total: u32) {
     assert!(refused > 0 && other == 0);
     let (_, after_warm) = memory_kib(g.pid());
     let mut sent = warm;
+    let mut steps = vec![(warm, after_warm)];
     while sent < total {
-        let n = 100_000.min(total - sent);
+        let n = warm.min(total - sent);
         let (_, _, other) = spray(&g, twice(sent, n), 4);
         assert_eq!(other, 0);
         sent += n;
-        eprintln!("{sent} distinct clients sent");
+        steps.push((sent, memory_kib(g.pid()).1));
+        eprintln!("{sent} distinct clients sent, RSS {} KiB", steps.last().unwrap().1);
     }
     let (peak, now) = memory_kib(g.pid());
     let top = g.admin_get("/top?limit=1000").json();

@@ -110,32 +110,47 @@ impl Leases {
     }
 
     /// A refund of `tokens` for a tier a call to Redis decided at `at_us`
-    /// (Redis's time): taken into this replica's live lease on the bucket
-    /// if that lease was granted before the call ran (Redis's time is
-    /// strictly earlier: its script ran first), so the request's tokens lie
-    /// above the lease's floor and come back with it. Whether it was.
+    /// (Redis's time). If this replica's live lease on the bucket was
+    /// granted before that call ran (its first grant's time is earlier:
+    /// scripts run one at a time, each at its own microsecond), the
+    /// request's tokens lie above the lease's floor: the refund joins the
+    /// lease, spent here or given back with it (`true`). If the lease was
+    /// granted in that call or after it (a call's grants follow its
+    /// requests), its floor counted the request's tokens: the refund goes
+    /// to Redis (`false`), and the floor is lowered by it, as the bucket
+    /// without this lease would hold the refund too; so the lease's return
+    /// is not cut by it. (Another replica's lease granted in between still
+    /// takes back up to the refund less: under, never over.)
     pub fn credit(&self, c: &Check, tokens: u64, at_us: Micros, now: Instant) -> bool {
         if !settles_here(&c.algorithm) || c.pool || c.shadow || tokens == 0 {
             return false;
         }
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
-        }
+        let closed = self.closed.load(std::sync::atomic::Ordering::Acquire);
         let mut shard = self.shard(&c.key);
         let Some(e) = shard.get_mut(&c.key) else {
             return false;
         };
-        // A window's lease takes back only in the window its tokens count
-        // in: a refund counts in its request's.
-        let same_window = match c.algorithm {
-            Algorithm::FixedWindow { window_secs, .. }
-            | Algorithm::SlidingWindow { window_secs, .. } => {
-                at_us.div_euclid(window_secs as i64 * 1_000_000) == e.until
-            }
-            _ => true,
-        };
-        if now >= e.expires || e.since_us >= at_us || !same_window {
+        if now >= e.expires || closed {
             return false;
+        }
+        match c.algorithm {
+            Algorithm::TokenBucket { refill_per_sec, .. } if e.since_us >= at_us => {
+                // Lowered by at least the refund's time (rounded up): the
+                // return's `now <= until` only gets stricter.
+                e.until -= (tokens as f64 * 1e6 / refill_per_sec).ceil() as i64;
+                return false;
+            }
+            // A window's lease takes back only in the window its tokens
+            // count in: a refund counts in its request's. A window's count
+            // holds every token its refunds take back (no floor to lower).
+            Algorithm::FixedWindow { window_secs, .. }
+            | Algorithm::SlidingWindow { window_secs, .. }
+                if at_us.div_euclid(window_secs as i64 * 1_000_000) != e.until =>
+            {
+                return false;
+            }
+            _ if e.since_us >= at_us => return false,
+            _ => {}
         }
         e.tokens += tokens;
         drop(shard);

@@ -403,13 +403,20 @@ fn a_refund_after_its_lease_ended_is_owed_with_that_lease() {
 fn a_refund_of_a_call_joins_only_a_lease_granted_before_it_ran() {
     let (l, now, c) = hot(5);
     // granted at Redis's time 0 (`grant`): a call that ran at 1 debited
-    // above the lease's floor; one at 0 may have run first.
+    // above the lease's floor, and its refund joins the lease; one at 0
+    // (the granting call) debited under it: its refund goes to Redis, and
+    // the floor is lowered by it (6 tokens at 100/s: 60 ms).
     assert!(!l.credit(&c[0], 6, 0, now));
     assert!(l.credit(&c[0], 6, 1, now));
     assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(11));
+    let later = now + Duration::from_millis(120);
+    assert!(l.due(later));
+    let asks = l.asks(&[], later);
+    assert_eq!((asks.asks[0].ret, asks.asks[0].until), (11, -60_000));
+    answer(&l, &asks, 0, later);
     // No lease, an expired one, or a quota's: the caller sends it to Redis.
     assert!(!l.credit(&check("b", 1), 6, 1, now));
-    assert!(!l.credit(&c[0], 6, 1, now + Duration::from_millis(120)));
+    assert!(!l.credit(&c[0], 6, 1, later));
     let quota = Check {
         algorithm: Algorithm::Calendar {
             limit: 100,
@@ -420,5 +427,5 @@ fn a_refund_of_a_call_joins_only_a_lease_granted_before_it_ran() {
         ..check("a", 1)
     };
     assert!(!l.credit(&quota, 6, 1, now));
-    assert_eq!(l.held(), 11);
+    assert_eq!(l.held(), 0);
 }
