@@ -632,9 +632,10 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
     let (granted, refunded) = (books("granted"), books("refunded"));
     let (spent_l, returned, lost) = (books("spent"), books("returned"), books("lost"));
     let held = g.metric("gateway_lease_tokens_held");
+    let to_redis = g.metric("gateway_settled_tokens_total{kind=\"refund\"}");
     eprintln!(
         "route bucket {left}; leases: granted {granted} refunded {refunded} spent {spent_l} \
-         returned {returned} lost {lost} held {held}"
+         returned {returned} lost {lost} held {held}; refunds sent to Redis {to_redis}"
     );
     assert!(
         granted > 0.0 && refunded > 0.0,
