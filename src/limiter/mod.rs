@@ -81,6 +81,23 @@ pub struct Check {
 }
 
 impl Check {
+    /// Whether this replica may lease the check's bucket: a leasable
+    /// algorithm (`algorithms::lease::leasable`), not a shadow tier or a
+    /// cut bucket's pool, and not a token bucket counting charged units.
+    /// Such a bucket's requests each cost an estimate (often far more than
+    /// a lease holds, so a lease rarely covers one), and the refunds of the
+    /// requests a call decided move it under the floors of leases granted
+    /// in between on other replicas: measured with three replicas, the
+    /// returns those leases lost starved a tenant (loadtest/llm_tenants.sh).
+    /// Its refunds go to Redis; a counting window's and a quota's leases
+    /// hold every refund they take back (`leases::settle`).
+    pub fn leased(&self) -> bool {
+        !self.shadow
+            && !self.pool
+            && algorithms::lease::leasable(&self.algorithm)
+            && !(self.charged && matches!(self.algorithm, Algorithm::TokenBucket { .. }))
+    }
+
     /// The limit's name in `RateLimit-Policy` and a 429's
     /// `violated-policies`: the tier's, a quota's with its period.
     pub fn policy_name(&self) -> &'static str {

@@ -240,7 +240,10 @@ fn memory_flat_over(total: u32) {
         assert_eq!(other, 0);
         sent += n;
         steps.push((sent, memory_kib(g.pid()).1));
-        eprintln!("{sent} distinct clients sent, RSS {} KiB", steps.last().unwrap().1);
+        eprintln!(
+            "{sent} distinct clients sent, RSS {} KiB",
+            steps.last().unwrap().1
+        );
     }
     let (peak, now) = memory_kib(g.pid());
     let top = g.admin_get("/top?limit=1000").json();

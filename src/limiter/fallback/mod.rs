@@ -60,7 +60,6 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use super::algorithms::lease::leasable;
 use super::algorithms::{outage, Snapshot};
 use super::deny_cache::{Denial, DenyCache};
 use super::leases::{Leases, Mark};
@@ -540,9 +539,7 @@ impl Fallback {
                             // retry time. (This replica's own leases pass
                             // the memory: `remembered_denial`.)
                             let others = self.replicas() > 1;
-                            let memory = match leases
-                                .filter(|_| others && !c.pool && leasable(&c.algorithm))
-                            {
+                            let memory = match leases.filter(|_| others && c.leased()) {
                                 Some(l) => wait.min(l.period()),
                                 None => wait,
                             };

@@ -132,7 +132,6 @@ impl Leases {
                 e.end_lease();
                 e.tokens = g.tokens;
                 e.until = g.until;
-                e.since_us = now_us;
             }
             e.expires = expires;
             e.granted_us = now_us;

@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::Owed;
 use super::{running_low, Leases, MIN_GRANT};
 use crate::config::Algorithm;
-use crate::limiter::algorithms::lease::{leasable, Grant};
+use crate::limiter::algorithms::lease::Grant;
 use crate::limiter::{Check, Verdict};
 
 /// A lease request for one bucket, sent with a call.
@@ -105,7 +105,7 @@ impl Leases {
         let mut asks = Vec::new();
         let mut seen: HashSet<&str> = HashSet::new();
         for c in requests.iter().flat_map(|r| r.iter()) {
-            if !c.shadow && !c.pool && leasable(&c.algorithm) && seen.insert(c.key.as_str()) {
+            if c.leased() && seen.insert(c.key.as_str()) {
                 self.ask_for(c, now, &mut asks);
             }
         }

@@ -96,7 +96,6 @@ impl Entry {
             period_start: now,
             requests: 0,
             granted_us: 0,
-            since_us: 0,
             asking: None,
             renew_queued: false,
             redis_remaining: 0,

@@ -33,8 +33,8 @@
 //!   bills nothing twice, and one that never ran loses nothing. Numbers
 //!   count in order, so a bucket has at most one call carrying its reports
 //!   out at a time (`Entry::reporting`); spending meanwhile waits for it.
-//! - A charged request's answer settles a leased tier through its lease
-//!   (`settle`): refunds back to it, debts spent from it.
+//! - A charged request's answer settles a leased counting window through
+//!   its lease (`settle`): refunds back to it, debts spent from it.
 //! - The books balance: granted + refunded = spent + returned + lost + held, where
 //!   held (a gauge) is what this replica still has, live, owed or taken by
 //!   a request in flight.
@@ -155,10 +155,6 @@ struct Entry {
     requests: u32,
     /// Redis's time in the call that granted the latest tokens.
     granted_us: Micros,
-    /// Redis's time in the call that granted this lease's first tokens
-    /// (the grant its `until` is from): a call that ran later debited its
-    /// requests above the lease's floor (`credit`).
-    since_us: Micros,
     /// A call carrying an ask for this bucket left then (cleared by its grant).
     asking: Option<Instant>,
     /// Queued for the next call (`renewals`).

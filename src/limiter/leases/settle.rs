@@ -1,17 +1,16 @@
 //! A charged request's settlement (its answer said what it cost) where its
-//! tier was leased: the difference goes through this replica's lease, so
-//! no settlement of a leased bucket ever moves Redis's state under a
-//! lease's floor (`algorithms::lease`).
+//! tier is a leased counting window (a token bucket counting charged units
+//! is never leased: `Check::leased`): the difference goes through this
+//! replica's lease, with no call of its own.
 //!
 //! - Decided on a lease (`Mark`): a refund goes back to the lease it was
 //!   spent from while that lives, else it is owed with that lease's return;
 //!   a debt is spent from that lease as far as it holds, and the rest is
-//!   the caller's to send to Redis (a debt only raises a bucket: it never
-//!   takes a return's floor away).
-//! - Decided by a call to Redis that ran after this replica's live lease
-//!   on the bucket was granted (`credit`): Redis debited the request above
-//!   that lease's floor, so its refund joins the lease, spent here or given
-//!   back with it. Otherwise the caller sends it to Redis.
+//!   the caller's to send to Redis.
+//! - Decided by a call to Redis in the window of this replica's live lease
+//!   (`credit`): the refund joins the lease, spent here or given back with
+//!   it. A window's count holds every token a return or refund takes back
+//!   (each counted in it first), so no order of them over-admits.
 //!
 //! Books: granted + refunded = spent + returned + lost + held.
 
@@ -30,16 +29,13 @@ pub struct Mark {
     until: i64,
 }
 
-/// Whether a charged tier settles through its lease: a token bucket or a
-/// counting window. A quota's leased spending is reported to its ledger as
-/// it happens: its settlement goes to Redis (`charge.lua`), which settles
-/// the ledger too.
+/// Whether a charged tier settles through its lease: a counting window. A
+/// quota's leased spending is reported to its ledger as it happens: its
+/// settlement goes to Redis (`charge.lua`), which settles the ledger too.
 fn settles_here(alg: &Algorithm) -> bool {
     matches!(
         alg,
-        Algorithm::TokenBucket { .. }
-            | Algorithm::FixedWindow { .. }
-            | Algorithm::SlidingWindow { .. }
+        Algorithm::FixedWindow { .. } | Algorithm::SlidingWindow { .. }
     )
 }
 
@@ -109,48 +105,26 @@ impl Leases {
         0
     }
 
-    /// A refund of `tokens` for a tier a call to Redis decided at `at_us`
-    /// (Redis's time). If this replica's live lease on the bucket was
-    /// granted before that call ran (its first grant's time is earlier:
-    /// scripts run one at a time, each at its own microsecond), the
-    /// request's tokens lie above the lease's floor: the refund joins the
-    /// lease, spent here or given back with it (`true`). If the lease was
-    /// granted in that call or after it (a call's grants follow its
-    /// requests), its floor counted the request's tokens: the refund goes
-    /// to Redis (`false`), and the floor is lowered by it, as the bucket
-    /// without this lease would hold the refund too; so the lease's return
-    /// is not cut by it. (Another replica's lease granted in between still
-    /// takes back up to the refund less: under, never over.)
+    /// A refund of `tokens` for a tier a call to Redis decided at `at_us`:
+    /// taken into this replica's live lease on the bucket when that lease
+    /// counts in the same window (the refund then comes back with it, or is
+    /// spent here). Whether it was; if not, the caller sends it to Redis.
     pub fn credit(&self, c: &Check, tokens: u64, at_us: Micros, now: Instant) -> bool {
-        if !settles_here(&c.algorithm) || c.pool || c.shadow || tokens == 0 {
+        let (Algorithm::FixedWindow { window_secs, .. }
+        | Algorithm::SlidingWindow { window_secs, .. }) = c.algorithm
+        else {
+            return false;
+        };
+        if !c.leased() || tokens == 0 || self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return false;
         }
-        let closed = self.closed.load(std::sync::atomic::Ordering::Acquire);
         let mut shard = self.shard(&c.key);
         let Some(e) = shard.get_mut(&c.key) else {
             return false;
         };
-        if now >= e.expires || closed {
+        let window = at_us.div_euclid(window_secs as i64 * 1_000_000);
+        if now >= e.expires || e.until != window {
             return false;
-        }
-        match c.algorithm {
-            Algorithm::TokenBucket { refill_per_sec, .. } if e.since_us >= at_us => {
-                // Lowered by at least the refund's time (rounded up): the
-                // return's `now <= until` only gets stricter.
-                e.until -= (tokens as f64 * 1e6 / refill_per_sec).ceil() as i64;
-                return false;
-            }
-            // A window's lease takes back only in the window its tokens
-            // count in: a refund counts in its request's. A window's count
-            // holds every token its refunds take back (no floor to lower).
-            Algorithm::FixedWindow { window_secs, .. }
-            | Algorithm::SlidingWindow { window_secs, .. }
-                if at_us.div_euclid(window_secs as i64 * 1_000_000) != e.until =>
-            {
-                return false;
-            }
-            _ if e.since_us >= at_us => return false,
-            _ => {}
         }
         e.tokens += tokens;
         drop(shard);

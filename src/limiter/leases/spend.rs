@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use super::Entry;
 use super::{running_low, Leases, Taken};
 use crate::config::Algorithm;
-use crate::limiter::algorithms::lease::leasable;
 use crate::limiter::{Check, Decision};
 use crate::metrics::LeaseEvent;
 use crate::shard_map::{Locked, Room, StillFull};
@@ -32,7 +31,7 @@ impl Leases {
             return taken;
         }
         for (i, c) in checks.iter().enumerate() {
-            if c.shadow || c.pool || !leasable(&c.algorithm) {
+            if !c.leased() {
                 continue;
             }
             let mut shard = self.shard(&c.key);
@@ -147,7 +146,7 @@ impl Leases {
     /// under the request's cost; its retry time stays Redis's).
     pub fn answered(&self, checks: &[Check], decisions: &mut [Decision], now: Instant) {
         for (c, d) in checks.iter().zip(decisions) {
-            if c.shadow || c.pool || !leasable(&c.algorithm) {
+            if !c.leased() {
                 continue;
             }
             if let Some(e) = self.shard(&c.key).get_mut(&c.key) {

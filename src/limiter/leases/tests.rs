@@ -360,30 +360,62 @@ fn the_table_is_bounded() {
     assert!(l.len() <= 32, "{}", l.len());
 }
 
+/// A charged counting window "w" (a minute of 1,000) that ten requests
+/// made hot, holding a lease of `tokens` counted in window 0 (`grant`'s).
+fn hot_window(tokens: u64, cost: u64) -> (Leases, Instant, [Check; 1]) {
+    let l = Leases::new(Duration::from_millis(100), 1000);
+    let now = Instant::now();
+    let c = [Check {
+        algorithm: Algorithm::FixedWindow {
+            limit: 1000,
+            window_secs: 60,
+        },
+        charged: true,
+        ..check("w", cost)
+    }];
+    for _ in 0..10 {
+        l.spend(&c, now);
+    }
+    let _ = grant(&l, &c, tokens, now);
+    (l, now, c)
+}
+
+#[test]
+fn a_token_bucket_counting_charged_units_is_never_leased() {
+    let l = Leases::new(Duration::from_millis(100), 1000);
+    let now = Instant::now();
+    let c = [Check {
+        charged: true,
+        ..check("a", 10)
+    }];
+    for _ in 0..10 {
+        assert!(!l.spend(&c, now).any());
+    }
+    assert!(l.asks(&[&c[..]], now).is_empty(), "no lease asked for");
+}
+
 #[test]
 fn a_charged_refund_goes_back_to_its_lease_and_a_debt_is_spent_from_it() {
-    let (l, now, _) = hot(20);
-    let c = [check("a", 10)];
+    let (l, now, c) = hot_window(40, 10);
     let t = l.spend(&c, now);
     assert!(t.all());
     l.confirm(&c, &t);
     let mark = t.marks(&c)[0].expect("spent from a lease");
     // The answer said 3 of the 10: 7 back to the lease.
     assert_eq!(l.settle_on(&c[0], mark, -7, now), 0);
-    assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(17));
+    assert_eq!(l.outstanding("w", now).map(|o| o.0), Some(37));
     // Others said more: debts spent from the lease while it holds them,
     // the rest left to the caller (owed to Redis).
     assert_eq!(l.settle_on(&c[0], mark, 5, now), 0);
-    assert_eq!(l.settle_on(&c[0], mark, 20, now), 8);
-    assert_eq!(l.outstanding("a", now), None);
-    // granted 20 + refunded 7 = spent 10 + 5 + 12: nothing held.
+    assert_eq!(l.settle_on(&c[0], mark, 40, now), 8);
+    assert_eq!(l.outstanding("w", now), None);
+    // granted 40 + refunded 7 = spent 10 + 5 + 32: nothing held.
     assert_eq!(l.held(), 0);
 }
 
 #[test]
 fn a_refund_after_its_lease_ended_is_owed_with_that_lease() {
-    let (l, now, _) = hot(20);
-    let c = [check("a", 10)];
+    let (l, now, c) = hot_window(20, 10);
     let t = l.spend(&c, now);
     l.confirm(&c, &t);
     let mark = t.marks(&c)[0].unwrap();
@@ -392,31 +424,30 @@ fn a_refund_after_its_lease_ended_is_owed_with_that_lease() {
     assert_eq!(l.settle_on(&c[0], mark, -6, later), 0);
     let asks = l.asks(&[], later);
     assert_eq!(
-        asks.asks[0].ret, 16,
-        "its 10 and the refund's 6, one return"
+        (asks.asks[0].ret, asks.asks[0].until),
+        (16, 0),
+        "its 10 and the refund's 6, one return to its window"
     );
     answer(&l, &asks, 0, later);
     assert_eq!(l.held(), 0);
 }
 
 #[test]
-fn a_refund_of_a_call_joins_only_a_lease_granted_before_it_ran() {
-    let (l, now, c) = hot(5);
-    // granted at Redis's time 0 (`grant`): a call that ran at 1 debited
-    // above the lease's floor, and its refund joins the lease; one at 0
-    // (the granting call) debited under it: its refund goes to Redis, and
-    // the floor is lowered by it (6 tokens at 100/s: 60 ms).
-    assert!(!l.credit(&c[0], 6, 0, now));
+fn a_refund_of_a_call_joins_a_lease_of_its_window() {
+    let (l, now, c) = hot_window(5, 1);
+    // A request a call decided in window 0 (Redis's time 1 µs): its
+    // refund joins the lease; one of another window goes to Redis.
     assert!(l.credit(&c[0], 6, 1, now));
-    assert_eq!(l.outstanding("a", now).map(|o| o.0), Some(11));
-    let later = now + Duration::from_millis(120);
-    assert!(l.due(later));
-    let asks = l.asks(&[], later);
-    assert_eq!((asks.asks[0].ret, asks.asks[0].until), (11, -60_000));
-    answer(&l, &asks, 0, later);
-    // No lease, an expired one, or a quota's: the caller sends it to Redis.
-    assert!(!l.credit(&check("b", 1), 6, 1, now));
-    assert!(!l.credit(&c[0], 6, 1, later));
+    assert_eq!(l.outstanding("w", now).map(|o| o.0), Some(11));
+    assert!(!l.credit(&c[0], 6, 60_000_000, now));
+    // No lease, an expired one, a token bucket, or a quota: to Redis.
+    let other = Check {
+        key: "v".into(),
+        ..c[0].clone()
+    };
+    assert!(!l.credit(&other, 6, 1, now));
+    assert!(!l.credit(&c[0], 6, 1, now + Duration::from_millis(120)));
+    assert!(!l.credit(&check("a", 1), 6, 1, now));
     let quota = Check {
         algorithm: Algorithm::Calendar {
             limit: 100,
@@ -424,8 +455,8 @@ fn a_refund_of_a_call_joins_only_a_lease_granted_before_it_ran() {
             start: 0,
             end: 3_600_000_000,
         },
-        ..check("a", 1)
+        ..c[0].clone()
     };
     assert!(!l.credit(&quota, 6, 1, now));
-    assert_eq!(l.held(), 0);
+    assert_eq!(l.held(), 11);
 }
