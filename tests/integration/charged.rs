@@ -586,8 +586,7 @@ fn a_month_of_tokens_through_a_sigterm_and_a_sigkill() {
 fn refunds_stay_in_the_bucket_with_leases_on() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
-    let n: u64 = 40;
-    let run = |limit: &str| {
+    let run = |limit: &str, n: u64, gap: Duration| {
         let config = config(&up, &redis)
             .replace(
                 r#"algorithm = "token_bucket", capacity = 200000, refill_per_sec = 3333"#,
@@ -609,6 +608,7 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
             if i == n / 2 {
                 std::thread::sleep(Duration::from_millis(350));
             }
+            std::thread::sleep(gap);
         }
         let route = || {
             let v = g.admin_get("/limits?key=tenant-a").json();
@@ -653,17 +653,29 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
         assert_eq!(books[5], 0.0, "every lease back");
         (left, books[1])
     };
-    // An hour's window (a minute's could roll over mid-test): exact.
-    let (left, refunded) = run(r#"algorithm = "fixed_window", limit = 20000, window_secs = 3600"#);
+    // An hour's window (a minute's could roll over mid-test), 40 requests
+    // back to back: exact.
+    let n = 40;
+    let (left, refunded) = run(
+        r#"algorithm = "fixed_window", limit = 20000, window_secs = 3600"#,
+        n,
+        Duration::ZERO,
+    );
     assert!(refunded > 0.0, "the window was leased and refunded into");
     assert_eq!(
         left,
         20_000 - 10 * n,
         "the window holds all but what was reported"
     );
-    // A token bucket refilling a token a second: never leased, exact.
-    let (left, refunded) =
-        run(r#"algorithm = "token_bucket", capacity = 20000, refill_per_sec = 1"#);
+    // A token bucket refilling a token a second: never leased, exact. Its
+    // refunds reach Redis within 100 ms: requests 150 ms apart (ten
+    // estimates of 2,000 back to back would empty it first).
+    let n = 16;
+    let (left, refunded) = run(
+        r#"algorithm = "token_bucket", capacity = 20000, refill_per_sec = 1"#,
+        n,
+        Duration::from_millis(150),
+    );
     assert_eq!(refunded, 0.0, "a charged token bucket is never leased");
     assert!(
         (20_000 - 10 * n..=20_000 - 10 * n + 8).contains(&left),
