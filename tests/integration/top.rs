@@ -217,10 +217,10 @@ fn memory_kib(pid: u32) -> (u64, u64) {
 }
 
 /// `total` distinct clients, each sending two requests of which the
-/// per-IP tier (capacity 1) refuses the second: the top-K's memory does
-/// not grow with them. The limiter's own table is bounded by
-/// `local_max_entries` (10,000 here), so what grew past the first clients
-/// would be the top-K's.
+/// per-IP tier (capacity 1) refuses the second: what the top-K holds stays
+/// bounded, and the replica's RSS grows by less than a top-K entry per
+/// client (the limiter's own table is bounded by `local_max_entries`,
+/// 10,000 here).
 fn memory_flat_over(total: u32) {
     let up = UpstreamGuard::start();
     let g = GatewayGuard::start(&config(&up, 1, "local_max_entries = 10000"));
@@ -257,14 +257,20 @@ fn memory_flat_over(total: u32) {
          (peak {peak} KiB); /top holds {} clients",
         clients(&top).len()
     );
-    // The top-K's bound for one route and tier: 12 slots × 64 counters
-    // of about 200 bytes, 150 KiB; RSS moves by the allocator's pages
-    // around it (±2 MiB here). A structure per client would grow by tens
-    // of MiB over these clients.
+    // What /top holds is bounded: 12 slots × 64 counters for the one
+    // route and tier that refused (about 150 KiB).
+    let held = clients(&top).len();
+    assert!(held <= 12 * 64, "/top holds {held} clients");
+    // RSS: the gateway keeps about 20 bytes per distinct client elsewhere
+    // (measured the same with the top-K's recording switched off: not
+    // the top-K's; see docs/operator/live-view.md). A structure per client
+    // in the top-K (a counter and its name, ~200 bytes) would show well
+    // past 64.
+    let per_client = now.saturating_sub(settled) as f64 * 1024.0 / (total - from) as f64;
+    println!("FIGURES top-k memory: RSS grew {per_client:.1} bytes per client after {from}");
     assert!(
-        now <= settled + 4_096,
-        "RSS grew {} KiB from {from} to {total} clients: {steps:?}",
-        now.saturating_sub(settled)
+        per_client < 64.0,
+        "RSS grew {per_client:.1} bytes per client from {from} to {total} clients: {steps:?}"
     );
 }
 
