@@ -92,10 +92,10 @@ impl Check {
     /// Its refunds go to Redis; a counting window's and a quota's leases
     /// hold every refund they take back (`leases::settle`).
     pub fn leased(&self) -> bool {
-        !self.shadow
-            && !self.pool
+        let charged_bucket =
+            self.charged && matches!(self.algorithm, Algorithm::TokenBucket { .. });
+        !(self.shadow || self.pool || charged_bucket)
             && algorithms::lease::leasable(&self.algorithm)
-            && !(self.charged && matches!(self.algorithm, Algorithm::TokenBucket { .. }))
     }
 
     /// The limit's name in `RateLimit-Policy` and a 429's

@@ -99,10 +99,13 @@ fn slot_of(now_us: i64) -> i64 {
     now_us.div_euclid(SLOT_SECS * 1_000_000)
 }
 
+/// A route's rings, one per limit kind (once it refused someone).
+type Rings = [Option<Arc<Mutex<Ring>>>; KINDS];
+
 /// One replica's top-K of limited clients.
 pub struct Top {
-    /// Per route name, per limit kind: its ring, once it refused someone.
-    rings: RwLock<HashMap<String, [Option<Arc<Mutex<Ring>>>; KINDS]>>,
+    /// Per route name: its rings.
+    rings: RwLock<HashMap<String, Rings>>,
     /// The slot of the last refusal: a request after a quiet window skips
     /// everything.
     last_refusal: AtomicI64,
