@@ -41,6 +41,11 @@ impl Owed {
         e.1 += delta;
     }
 
+    /// Whether anything is owed.
+    pub(super) fn any(&self) -> bool {
+        !self.by_key.lock().is_empty()
+    }
+
     /// What is owed, taken to be sent.
     fn take(&self) -> Vec<(Check, i64, Micros)> {
         std::mem::take(&mut *self.by_key.lock())

@@ -213,6 +213,24 @@ impl Fallback {
         }
     }
 
+    /// At a stop: sends what charged answers owe as they settle (requests
+    /// still in flight end in the grace period), until nothing new was
+    /// owed for `QUIET` or `deadline` passes. An answer still streaming
+    /// then loses its settlement with the process.
+    async fn drain_owed(&self, redis: &RedisBackend, deadline: Instant) {
+        const QUIET: Duration = Duration::from_millis(100);
+        let mut last = Instant::now();
+        while Instant::now() < deadline && last.elapsed() < QUIET {
+            if self.owed.any() && self.redis_up.load(Ordering::Acquire) {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let _ = tokio::time::timeout(left, self.send_owed(redis)).await;
+                last = Instant::now();
+            } else {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+
     /// Gives back every lease this replica holds: before a graceful stop
     /// (`stop`: nothing is leased or spent after it, and tokens requests
     /// still being decided give back are sent too), or at a reload. Waits
@@ -226,12 +244,17 @@ impl Fallback {
             }
         }
         // What charged answers owe goes first: it is lost with the process.
+        let deadline = Instant::now() + within;
         if stop && self.redis_up.load(Ordering::Acquire) {
             redis.renew_request_connection();
             let _ = tokio::time::timeout(within / 2, self.send_owed(redis)).await;
         }
-        let Some(leases) = redis.leases() else { return };
-        let deadline = Instant::now() + within;
+        let Some(leases) = redis.leases() else {
+            if stop {
+                self.drain_owed(redis, deadline).await;
+            }
+            return;
+        };
         leases.release(stop);
         if stop {
             // Calls go on connections of this task's own: the proxy's
@@ -251,6 +274,11 @@ impl Fallback {
             } else {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
+        }
+        if stop {
+            // Answers that end in the grace period settle after the first
+            // send: sent as they come, until none came for a while.
+            self.drain_owed(redis, deadline).await;
         }
         let held = leases.held();
         if held > 0 {
