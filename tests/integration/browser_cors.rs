@@ -172,16 +172,7 @@ impl Chromium {
         let home = dir.path().join("home");
         fs::create_dir_all(&home).expect("home dir");
         let spawned = Command::new("chromium")
-            .args([
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ])
+            .args(support::cdp::HEADLESS)
             .arg(format!("--user-data-dir={}", profile.display()))
             .args(["--dump-dom", "--virtual-time-budget=10000", url])
             // Its NSS database and caches go to the temp dir, not ~.

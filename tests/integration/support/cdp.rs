@@ -17,6 +17,20 @@ use tungstenite::{Message, WebSocket};
 
 use super::wait_for;
 
+/// Headless Chromium as every browser test runs it: no sandbox (a
+/// container's root), no GPU, no QUIC, and nothing fetched in the
+/// background.
+pub const HEADLESS: [&str; 8] = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+];
+
 pub struct Browser {
     child: Child,
     dir: TempDir,
@@ -32,18 +46,8 @@ impl Browser {
     pub fn open(url: &str) -> Browser {
         let dir = tempfile::tempdir().expect("profile dir");
         let child = Command::new("chromium")
-            .args([
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--window-size=1280,900",
-                "--remote-debugging-port=0",
-            ])
+            .args(HEADLESS)
+            .args(["--window-size=1280,900", "--remote-debugging-port=0"])
             .arg(format!("--user-data-dir={}", dir.path().display()))
             .arg("about:blank")
             .stdout(Stdio::null())
