@@ -426,7 +426,37 @@ fn a_quota_holds_through_a_redis_outage() {
     link.resume();
     gw.wait_backend("redis", Duration::from_secs(15));
     let after = admitted(5);
-    assert_eq!((before, during, after), (4, 6, 0), "10 in all");
+    if (before, during, after) != (4, 6, 0) {
+        // Once in about twenty full runs this read (4, 6, 1): what the
+        // replica's leases and Redis's count and ledger said, for whoever
+        // looks into it.
+        let books: Vec<String> = ["granted", "spent", "returned", "lost"]
+            .iter()
+            .map(|e| {
+                let n = gw.metric(&format!("gateway_lease_tokens_total{{event=\"{e}\"}}"));
+                format!("{e} {n}")
+            })
+            .collect();
+        let state: Vec<String> = redis
+            .keys()
+            .iter()
+            .filter(|k| k.contains("quota") || k.contains("leases"))
+            .map(|k| {
+                let kind = redis.cmd(&["TYPE", k]);
+                let v = match kind.trim() {
+                    "hash" => redis.cmd(&["HGETALL", k]),
+                    "string" => redis.cmd(&["GET", k]),
+                    other => other.to_string(),
+                };
+                format!("{k} = {}", v.trim().replace('\n', " "))
+            })
+            .collect();
+        panic!(
+            "(before, during, after) = ({before}, {during}, {after}), not (4, 6, 0): 10 in all\n\
+             leases: {books:?}\nredis: {state:#?}\nlimits: {}",
+            limits(&gw, "frank")
+        );
+    }
     let v = limits(&gw, "frank");
     assert_eq!(left(&v, "quota-day"), 0, "{v}");
     println!(
