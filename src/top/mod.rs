@@ -262,36 +262,33 @@ impl Top {
                     .is_none_or(|t| t == crate::limiter::LimitKind::from_index(*kind).as_str())
             })
             .collect();
-        let mut rows: Vec<(String, usize, Counter)> = rings
+        let mut clients: Vec<Value> = rings
             .into_iter()
             .flat_map(|(route, kind, r)| {
                 let merged = r.lock().merged(now_us, ask.window_secs);
                 merged.into_iter().map(move |c| (route.clone(), kind, c))
             })
             .filter(|(.., c)| c.refused > 0)
+            .map(|(route, kind, c)| {
+                json!({
+                    "client": c.key,
+                    "route": route,
+                    "tier": crate::limiter::LimitKind::from_index(kind).as_str(),
+                    "refused": c.refused,
+                    "refused_at_least": c.refused - c.error,
+                    "admitted": c.admitted,
+                    "first_seen": rfc3339(c.first_us),
+                    "last_seen": rfc3339(c.last_us),
+                })
+            })
             .collect();
-        rows.sort_by(|a, b| {
-            (b.2.refused - b.2.error, b.2.refused, &a.2.key).cmp(&(
-                a.2.refused - a.2.error,
-                a.2.refused,
-                &b.2.key,
-            ))
-        });
-        rows.truncate(ask.limit);
+        most_refused_first(&mut clients);
+        clients.truncate(ask.limit);
         json!({
             "window_secs": ask.window_secs,
             "counters_per_slot": K,
             "slot_secs": SLOT_SECS,
-            "clients": rows.iter().map(|(route, kind, c)| json!({
-                "client": c.key,
-                "route": route,
-                "tier": crate::limiter::LimitKind::from_index(*kind).as_str(),
-                "refused": c.refused,
-                "refused_at_least": c.refused - c.error,
-                "admitted": c.admitted,
-                "first_seen": rfc3339(c.first_us),
-                "last_seen": rfc3339(c.last_us),
-            })).collect::<Vec<_>>(),
+            "clients": clients,
         })
     }
 }
@@ -328,14 +325,7 @@ pub fn merge(answers: &[Value]) -> Value {
             }
         }
     }
-    let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
-    by.sort_by(|a, b| {
-        (n(b, "refused_at_least"), n(b, "refused"), text(a, "client")).cmp(&(
-            n(a, "refused_at_least"),
-            n(a, "refused"),
-            text(b, "client"),
-        ))
-    });
+    most_refused_first(&mut by);
     // As many as one replica was asked for.
     let most = answers
         .iter()
@@ -349,6 +339,20 @@ pub fn merge(answers: &[Value]) -> Value {
         "replicas": answers.len(),
         "clients": by,
     })
+}
+
+/// `/top`'s order, one replica's or merged: the most certain refusals
+/// first, then the most refusals, then by name.
+fn most_refused_first(clients: &mut [Value]) {
+    let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
+    let name = |v: &Value| v["client"].as_str().unwrap_or_default().to_string();
+    clients.sort_by(|a, b| {
+        (n(b, "refused_at_least"), n(b, "refused"), name(a)).cmp(&(
+            n(a, "refused_at_least"),
+            n(a, "refused"),
+            name(b),
+        ))
+    });
 }
 
 fn rfc3339(us: i64) -> String {
