@@ -22,36 +22,29 @@ impl Fallback {
             return;
         };
         metrics::refunded();
-        let mark = |i: usize| leased.as_ref().and_then(|m| m.get(i).copied().flatten());
         if covered.tiers != 0 || leased.is_some() {
             // The tiers its shares decided go back to them, a charged tier
             // spent from a lease to that lease; the others as where they
             // were decided.
-            let on_share = |i: usize| covered.tiers & (1 << i) != 0;
-            let here = |i: usize| on_share(i) || mark(i).is_some();
             let leases = self.redis.as_ref().and_then(|r| r.leases());
             let now = Instant::now();
-            for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
-                if !d.allowed {
-                    continue;
-                }
-                match (&self.standing, leases, mark(i)) {
-                    (Some(standing), _, _) if on_share(i) => {
+            let mut rest = (Vec::new(), Vec::new());
+            for (i, c, on) in outcome.admitted_tiers() {
+                match (on, &self.standing, leases) {
+                    (DecidedOn::Share, Some(standing), _) => {
                         standing.give_back_one(c, covered.generation)
                     }
-                    (_, Some(leases), Some(mark)) => {
+                    (DecidedOn::Lease(mark), _, Some(leases)) => {
                         leases.settle_on(c, mark, -(c.cost as i64), now);
+                    }
+                    (DecidedOn::Backend, ..) => {
+                        rest.0.push(c.clone());
+                        rest.1.push(verdict.decisions[i]);
                     }
                     _ => {}
                 }
             }
-            let (rest, decisions): (Vec<Check>, Vec<Decision>) = checks
-                .iter()
-                .zip(&verdict.decisions)
-                .enumerate()
-                .filter(|(i, _)| !here(*i))
-                .map(|(_, (c, d))| (c.clone(), *d))
-                .unzip();
+            let (rest, decisions) = rest;
             if !rest.is_empty() {
                 self.refund(&Outcome::Decided {
                     verdict: Verdict {

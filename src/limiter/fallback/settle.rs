@@ -63,9 +63,8 @@ impl Fallback {
         let Outcome::Decided {
             verdict,
             backend,
-            checks,
             standing: covered,
-            leased,
+            ..
         } = outcome
         else {
             return;
@@ -73,29 +72,26 @@ impl Fallback {
         let now = SystemClock.now_us();
         let leases = self.redis.as_ref().and_then(|r| r.leases());
         let here = Instant::now();
-        for (i, (c, d)) in checks.iter().zip(&verdict.decisions).enumerate() {
-            if charged & (1 << i) == 0 || !d.allowed || c.shadow {
-                continue;
-            }
+        for (i, c, on) in outcome.admitted_tiers() {
             let delta = cost as i64 - c.cost as i64;
-            if delta == 0 {
+            if charged & (1 << i) == 0 || c.shadow || delta == 0 {
                 continue;
             }
-            if covered.tiers & (1 << i) != 0 {
-                if let Some(standing) = &self.standing {
-                    match delta {
-                        d if d < 0 => standing.credit(c, d.unsigned_abs(), covered.generation),
-                        d => standing.owe(c, d as u64, covered.generation),
+            match (on, backend) {
+                (DecidedOn::Share, _) => {
+                    if let Some(standing) = &self.standing {
+                        match delta {
+                            d if d < 0 => standing.credit(c, d.unsigned_abs(), covered.generation),
+                            d => standing.owe(c, d as u64, covered.generation),
+                        }
                     }
                 }
-                continue;
-            }
-            match backend {
-                FallbackState::Redis => {
-                    let mark = leased.as_ref().and_then(|m| m[i]);
-                    let left = match (leases, mark) {
-                        (Some(leases), Some(mark)) => leases.settle_on(c, mark, delta, here) as i64,
-                        (Some(leases), None)
+                (on, FallbackState::Redis) => {
+                    let left = match (leases, on) {
+                        (Some(leases), DecidedOn::Lease(mark)) => {
+                            leases.settle_on(c, mark, delta, here) as i64
+                        }
+                        (Some(leases), _)
                             if delta < 0
                                 && leases.credit(c, delta.unsigned_abs(), verdict.now_us, here) =>
                         {
@@ -107,7 +103,7 @@ impl Fallback {
                         self.owed.add(c, left, verdict.now_us);
                     }
                 }
-                FallbackState::Local => {
+                (_, FallbackState::Local) => {
                     // Decided on this replica's part of the bucket: settled
                     // there. (The admission's debt charged at failback is
                     // its estimate: the difference is not carried over.)
