@@ -3,7 +3,8 @@
 //! or the fallback): which tiers are covered, the checks the rest go out
 //! as, and one outcome over every tier put back together in tier order,
 //! the local tokens kept when it was admitted and given back when any tier
-//! refused. Shares and leases both decide this way.
+//! refused. Shares and leases both decide this way. And, for a refund or a
+//! settlement, where each admitted tier was decided (`admitted_tiers`).
 
 use std::sync::Arc;
 
@@ -212,6 +213,47 @@ impl<'a> Covered<'a> {
                 None => rest.next().unwrap_or(c).clone(),
             })
             .collect()
+    }
+}
+
+/// Where one admitted tier of a decided request was decided: what giving it
+/// back (`refund`) or settling it (`settle`) goes through.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum DecidedOn {
+    /// This replica's standing share (of the outcome's membership).
+    Share,
+    /// A lease of this replica's (a charged tier's: `Outcome::Decided::leased`).
+    Lease(Mark),
+    /// The outcome's backend: Redis by a call, or the local backend.
+    Backend,
+}
+
+impl Outcome {
+    /// Each tier a decided request was admitted by, with where.
+    pub(super) fn admitted_tiers(&self) -> impl Iterator<Item = (usize, &Check, DecidedOn)> {
+        let (checks, decisions, covered, leased): (&[Check], &[Decision], _, _) = match self {
+            Outcome::Decided {
+                verdict,
+                checks,
+                standing,
+                leased,
+                ..
+            } => (checks, &verdict.decisions, *standing, leased.as_deref()),
+            _ => (&[], &[], OnShares::NONE, None),
+        };
+        checks
+            .iter()
+            .zip(decisions)
+            .enumerate()
+            .filter(|(_, (_, d))| d.allowed)
+            .map(move |(i, (c, _))| {
+                let on = match leased.and_then(|m| m.get(i).copied().flatten()) {
+                    _ if covered.tiers & (1 << i) != 0 => DecidedOn::Share,
+                    Some(mark) => DecidedOn::Lease(mark),
+                    None => DecidedOn::Backend,
+                };
+                (i, c, on)
+            })
     }
 }
 

@@ -72,7 +72,7 @@ use super::{
 use crate::clock::{Clock, SystemClock};
 use crate::config::OnRedisFailure;
 use crate::metrics::{self, DecidedBy};
-use merge::Covered;
+use merge::{Covered, DecidedOn};
 
 /// Consecutive good probes before traffic goes back to Redis.
 const PROBES_TO_FAIL_BACK: u32 = 3;
@@ -160,47 +160,6 @@ impl OnShares {
         tiers: 0,
         generation: 0,
     };
-}
-
-/// Where one admitted tier of a decided request was decided: what giving it
-/// back (`refund`) or settling it (`settle`) goes through.
-#[derive(Debug, Clone, Copy)]
-enum DecidedOn {
-    /// This replica's standing share (of the outcome's membership).
-    Share,
-    /// A lease of this replica's (a charged tier's: `Outcome::Decided::leased`).
-    Lease(Mark),
-    /// The outcome's backend: Redis by a call, or the local backend.
-    Backend,
-}
-
-impl Outcome {
-    /// Each tier a decided request was admitted by, with where.
-    fn admitted_tiers(&self) -> impl Iterator<Item = (usize, &Check, DecidedOn)> {
-        let (checks, decisions, covered, leased): (&[Check], &[Decision], _, _) = match self {
-            Outcome::Decided {
-                verdict,
-                checks,
-                standing,
-                leased,
-                ..
-            } => (checks, &verdict.decisions, *standing, leased.as_deref()),
-            _ => (&[], &[], OnShares::NONE, None),
-        };
-        checks
-            .iter()
-            .zip(decisions)
-            .enumerate()
-            .filter(|(_, (_, d))| d.allowed)
-            .map(move |(i, (c, _))| {
-                let on = match leased.and_then(|m| m.get(i).copied().flatten()) {
-                    _ if covered.tiers & (1 << i) != 0 => DecidedOn::Share,
-                    Some(mark) => DecidedOn::Lease(mark),
-                    None => DecidedOn::Backend,
-                };
-                (i, c, on)
-            })
-    }
 }
 
 /// What a reset did.
