@@ -106,6 +106,8 @@ the limit). Tokens it spent after its last report are given back with them:
 the over-admission a killed replica can cause is what it spent in its last
 report interval (docs/design/quota-ledger.md). A holder only cut off reports them when it is
 back, and spending beyond what it holds is charged to the count again.
+A call never takes its own holder's `out` back (a holder that calls is
+alive and reports it), so leases send h even with l = 0.
 algorithms/lease.rs is the model.
 ]]
 
@@ -462,7 +464,8 @@ do
         end
       end
       for h, e in pairs(l) do
-        if e[1] > 0 and e[2] <= now then
+        -- Never the caller's own: alive, it reports what it spent.
+        if e[1] > 0 and e[2] <= now and h ~= holder then
           if s and s[1] == ws[k] then
             local back = e[1]
             if back > s[2] then back = s[2] end

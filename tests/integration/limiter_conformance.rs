@@ -16,7 +16,7 @@ use ratelimit_gateway::limiter::algorithms::{self, outage, State};
 use ratelimit_gateway::limiter::keys::bucket_key;
 use ratelimit_gateway::limiter::leases::{Ask, Asks};
 use ratelimit_gateway::limiter::{
-    Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Tier,
+    Backend, Check, Decision, LimiterError, LocalBackend, RedisBackend, Tier, Verdict,
 };
 use support::RedisGuard;
 
@@ -650,7 +650,7 @@ fn model_call(
         let s = state.entry(c.key.clone()).or_default();
         if lease::reads_ledger(&c.algorithm, s.as_ref(), cost, leased) {
             let l = ledgers.entry(c.key.clone()).or_default();
-            *reclaimed += lease::reclaim(&c.algorithm, l, s, now);
+            *reclaimed += lease::reclaim(&c.algorithm, l, s, now, Some(&asks.holder));
         }
     }
     // Reports counted before are skipped; the others booked as counted.
@@ -888,6 +888,84 @@ async fn lease_grants_and_returns_agree_with_the_model() {
         quota[1],
         quota[2]
     );
+}
+
+/// A holder's own call never takes its quota holding back, however long
+/// past `hold`: it is alive and reports what it spent, and a request of
+/// its own decided first would be admitted against tokens already spent
+/// (a replica back from a silent outage once admitted one over its quota
+/// so). Another holder's call does take it back, and the late report is
+/// charged again.
+#[tokio::test]
+async fn a_holders_own_call_never_takes_its_holding_back() {
+    let server = RedisGuard::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let redis = redis_backend(&server, &clock, Duration::from_secs(2));
+    let now = ratelimit_gateway::clock::Clock::now_us(&*clock);
+    let span = calendar::span(Period::Day, chrono_tz::UTC, now);
+    let alg = Algorithm::Calendar {
+        limit: 10,
+        period: Period::Day,
+        start: span.start,
+        end: span.end,
+    };
+    let quota = check(Tier::Quota, "day", alg, "k:own");
+    let asks = |holder: &str, asks: Vec<Ask>| Asks {
+        asks,
+        replicas: 1,
+        min: 4,
+        holder: holder.into(),
+        hold_us: 200_000,
+        pulls: 0,
+    };
+    let one = [quota.clone()];
+    let admitted = |v: &[Verdict]| v.iter().filter(|v| v.decisions[0].allowed).count();
+    // Four requests, then a lease of the six left.
+    let four: Vec<&[Check]> = vec![&one; 4];
+    let lease = Ask {
+        check: quota.clone(),
+        want: 6,
+        ret: 0,
+        until: 0,
+        spent: 0,
+        report: 0,
+    };
+    let (v, g, _) = redis
+        .decide_leasing(&four, &asks("x", vec![lease]))
+        .await
+        .unwrap();
+    assert_eq!((admitted(&v), g[0].tokens), (4, 6));
+    // X spends all six and is cut off past its hold, unreported.
+    clock.advance(1_000_000);
+    let req: Vec<&[Check]> = vec![&one];
+    let (v, _, _) = redis
+        .decide_leasing(&req, &asks("x", vec![]))
+        .await
+        .unwrap();
+    assert_eq!(admitted(&v), 0, "X's own call took its holding back");
+    // Another holder's call does, and X's late report is charged again.
+    let (v, _, _) = redis
+        .decide_leasing(&req, &asks("y", vec![]))
+        .await
+        .unwrap();
+    assert_eq!(admitted(&v), 1, "a dead holder's holding comes back");
+    let report = Ask {
+        check: quota.clone(),
+        want: 0,
+        ret: 0,
+        until: span.end,
+        spent: 6,
+        report: 1,
+    };
+    redis
+        .decide_leasing(&[], &asks("x", vec![report]))
+        .await
+        .unwrap();
+    let (v, _, _) = redis
+        .decide_leasing(&req, &asks("x", vec![]))
+        .await
+        .unwrap();
+    assert_eq!(admitted(&v), 0, "11 counted: the late report charged again");
 }
 
 /// A lease section that names a bucket that cannot be leased, or does not

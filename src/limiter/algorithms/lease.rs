@@ -202,19 +202,25 @@ pub fn reads_ledger(alg: &Algorithm, state: Option<&State>, cost: u64, leased: b
 }
 
 /// Gives the holdings whose time is up back to the count (never below
-/// zero); returns the tokens given back.
+/// zero); returns the tokens given back. The caller's own holding
+/// (`caller`: the holder making the call) is not among them: a holder
+/// that calls is alive and reports what it spent, and taking its holding
+/// back first would let the call's own requests be admitted against
+/// tokens it already spent (a replica back from a silent outage, its
+/// reports still on their way, admitted one over its quota so).
 pub fn reclaim(
     alg: &Algorithm,
     ledger: &mut Ledger,
     state: &mut Option<State>,
     now: Micros,
+    caller: Option<&str>,
 ) -> u64 {
     let Algorithm::Calendar { end, .. } = *alg else {
         return 0;
     };
     let mut back = 0;
-    ledger.retain(|_, h| {
-        if h.out > 0 && h.reclaim_at <= now {
+    ledger.retain(|holder, h| {
+        if h.out > 0 && h.reclaim_at <= now && caller != Some(holder.as_str()) {
             if let Some(State::Window { window, count }) = state {
                 if *window == end {
                     let b = h.out.min(*count);
@@ -554,9 +560,11 @@ mod tests {
         let (back, _) = give_back(&q, &mut s, NOW + 5, r, b.until);
         settle_return(&mut l, "b", back);
         assert_eq!(available(&q, s.as_ref(), NOW), 70);
-        // Before A's time is up nothing comes back; after, its 18.
-        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 199), 0);
-        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200), 18);
+        // Before A's time is up nothing comes back; after, its 18, but
+        // not to a call of A's own (alive, it reports what it spent).
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 199, None), 0);
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200, Some("a")), 0);
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200, Some("b")), 18);
         assert_eq!(available(&q, s.as_ref(), NOW), 88);
         assert!(l.is_empty(), "both holdings settled: {l:?}");
         // A was only cut off: its late return takes back nothing, and the
@@ -592,7 +600,7 @@ mod tests {
         assert_eq!(l["a"].out, 30);
         assert_eq!(available(&q, s.as_ref(), NOW), 60);
         // A is cut off past its hold: its 30 come back, its number stays.
-        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200), 30);
+        assert_eq!(reclaim(&q, &mut l, &mut s, NOW + 200, None), 30);
         assert_eq!((l["a"].out, l["a"].told), (0, 1));
         // Back, it tells report 1 again (counted: nothing) and report 2,
         // 5 spent since: charged again, as a late report is.
@@ -619,9 +627,9 @@ mod tests {
         );
         assert_eq!(read.len(), 1, "malformed fields left out: {read:?}");
         assert_eq!((read["b"].out, read["b"].told), (7, 3));
-        assert_eq!(reclaim(&q, &mut l, &mut s, at - 1), 0);
+        assert_eq!(reclaim(&q, &mut l, &mut s, at - 1, None), 0);
         assert_eq!(l["a"].told, 2);
-        assert_eq!(reclaim(&q, &mut l, &mut s, at), 0);
+        assert_eq!(reclaim(&q, &mut l, &mut s, at, None), 0);
         assert!(l.is_empty(), "forgotten a day later: {l:?}");
     }
 

@@ -385,7 +385,7 @@ async fn read_state(
                 .await
                 .map_err(redis_err)?;
         let mut ledger = lease::parse_ledger(fields);
-        lease::reclaim(&c.algorithm, &mut ledger, &mut state, now);
+        lease::reclaim(&c.algorithm, &mut ledger, &mut state, now, None);
     }
     Ok(state)
 }

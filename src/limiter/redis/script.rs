@@ -169,7 +169,9 @@ pub(super) async fn run_script(
     for q in request_shapes {
         cmd.arg(q);
     }
-    if !asks.is_empty() {
+    // With leases on, the holder goes even with nothing to ask: Redis
+    // then never takes the caller's own quota holding back (`lease::reclaim`).
+    if !asks.is_empty() || !asks.holder.is_empty() {
         cmd.arg(asks.asks.len())
             .arg(asks.replicas)
             .arg(asks.min)
