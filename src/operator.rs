@@ -124,12 +124,12 @@ pub fn run(config: Config, credentials: &Credentials, ask: &Ask) -> Result<Value
                     // each replica's share lives in that replica.
                     let shares = config.limiter.shares;
                     let cut = |c: &crate::limiter::Check| {
-                        shares.enabled && crate::limiter::standing::cuts(c, shares.fraction)
+                        config.shares_used() && crate::limiter::standing::cuts(c, &shares)
                     };
-                    let peeked: Vec<_> = match shares.enabled {
+                    let peeked: Vec<_> = match config.shares_used() {
                         true => checks
                             .iter()
-                            .map(|c| crate::limiter::standing::pool_check(c, shares.fraction))
+                            .map(|c| crate::limiter::standing::pool_check(c, &shares))
                             .collect(),
                         false => checks.clone(),
                     };

@@ -65,6 +65,7 @@ impl RouteRule {
         );
         rule.cost = l.cost;
         rule.shards = k;
+        rule.charged = l.charged;
         let (shards, next_shard) = if k > 1 {
             let names = (0..k).map(|i| shard_name(&rule.prefix, i, k)).collect();
             (names, dealer(&rule.prefix))
@@ -163,6 +164,10 @@ pub(super) struct Rule {
     pub(super) cost: u64,
     /// How many sub-buckets share the rule (`algorithm` is one's share).
     pub(super) shards: u64,
+    /// Counts the units a `charge` route reads (`cost = "response"`): a
+    /// property of the bucket, so every request of it (a CORS preflight
+    /// too) is leased and cut the same way.
+    pub(super) charged: bool,
     pub(super) prefix: String,
 }
 
@@ -181,6 +186,7 @@ impl Rule {
             shadow,
             cost: 1,
             shards: 1,
+            charged: false,
         }
     }
 
@@ -198,7 +204,7 @@ impl Rule {
             cost: self.cost,
             shards: self.shards,
             pool: false,
-            charged: false,
+            charged: self.charged,
         }
     }
 }

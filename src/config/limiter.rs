@@ -22,7 +22,7 @@ pub const LIMITER_KEYS: &[&str] = &[
     "quota_retention_days",
 ];
 pub const LEASES_KEYS: &[&str] = &["enabled", "period_ms"];
-pub const SHARES_KEYS: &[&str] = &["enabled", "fraction"];
+pub const SHARES_KEYS: &[&str] = &["enabled", "fraction", "charged"];
 
 pub(super) fn read(
     r: &mut Reader<'_>,
@@ -143,8 +143,12 @@ fn shares(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<SharesSettings> {
         }
         Some(f)
     });
+    let charged = opt(r, t, p, "charged", d.charged, |r, path, v| {
+        r.boolean(path, v)
+    });
     Some(SharesSettings {
         enabled: enabled?,
         fraction: fraction?,
+        charged: charged?,
     })
 }

@@ -283,6 +283,11 @@ pub struct SharesSettings {
     /// The part of each cut bucket's capacity and rate the replicas own
     /// between them; Redis keeps the rest (the pool).
     pub fraction: f64,
+    /// Token buckets counting charged units (`cost = "response"`) are cut
+    /// even when `enabled` is false: such a bucket is never leased (its
+    /// settlements would cut other replicas' lease returns), so without a
+    /// share it costs a Redis call per request batch.
+    pub charged: bool,
 }
 
 impl Default for SharesSettings {
@@ -290,7 +295,16 @@ impl Default for SharesSettings {
         SharesSettings {
             enabled: false,
             fraction: 0.25,
+            charged: true,
         }
+    }
+}
+
+impl SharesSettings {
+    /// Whether any bucket may be cut: every big token bucket, or (only
+    /// `charged`) those counting charged units, when the config has any.
+    pub fn used(&self, config_charges: bool) -> bool {
+        self.enabled || (self.charged && config_charges)
     }
 }
 

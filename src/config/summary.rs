@@ -143,7 +143,7 @@ impl Config {
         );
         let _ = writeln!(
             s,
-            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} shares.enabled={} shares.fraction={} quota_time_zone={} quota_retention_days={}",
+            "limiter: backend={backend} on_redis_failure={on_failure} instances={} headers={headers} retry_after_jitter_ms={} local_max_entries={} leases.enabled={} leases.period_ms={} shares.enabled={} shares.fraction={} shares.charged={} (cutting: {}) quota_time_zone={} quota_retention_days={}",
             l.instances,
             l.retry_after_jitter_ms,
             l.local_max_entries,
@@ -151,6 +151,12 @@ impl Config {
             l.leases.period_ms,
             l.shares.enabled,
             l.shares.fraction,
+            l.shares.charged,
+            match (l.backend, self.shares_used(), l.shares.enabled) {
+                (Backend::Local, _, _) | (_, false, _) => "nothing",
+                (_, true, true) => "every big token bucket",
+                (_, true, false) => "token buckets counting charged units",
+            },
             l.quota_time_zone.name(),
             l.quota_retention_days
         );

@@ -30,7 +30,7 @@ use super::algorithms::standing::{pool, share, Heard, Membership, Share};
 use super::pulls::{Pull, Pulls, Wanting};
 use super::{Check, Decision, Micros, Tier};
 use crate::clock::{Clock, SystemClock};
-use crate::config::Algorithm;
+use crate::config::{Algorithm, SharesSettings};
 use crate::shard_map::{Room, ShardMap, StillFull};
 
 const SHARDS: usize = 16;
@@ -43,7 +43,8 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const JOIN_MARGIN: Duration = Duration::from_millis(100);
 
 pub struct Standing {
-    fraction: f64,
+    /// `[limiter.shares]`: which buckets are cut, and by how much.
+    settings: SharesSettings,
     /// Shares are cut for at least this many replicas (`limiter.instances`).
     instances: u32,
     /// Monotonic time origin for the membership's clock.
@@ -122,27 +123,33 @@ impl Taken {
     }
 }
 
-/// Whether `fraction` cuts this check's bucket into a pool and shares: a
-/// big token bucket, not a quota, a global limit's sub-bucket or a shadow,
-/// whose requests' cost fits in the pool. A cost the pool cannot hold (nor,
-/// then, any share) would never be admitted once the bucket is cut: such a
-/// bucket is decided whole, as without shares.
-pub fn cuts(c: &Check, fraction: f64) -> bool {
-    !c.shadow
+/// Whether `shares` cut this check's bucket into a pool and shares: a big
+/// token bucket (with only `charged`, one counting charged units), not a
+/// quota, a global limit's sub-bucket or a shadow, whose requests' cost
+/// fits in the pool. A cost the pool cannot hold (nor, then, any share)
+/// would never be admitted once the bucket is cut: such a bucket is
+/// decided whole, as without shares. A charged request's cost is an
+/// estimate whose excess is settled as a debt anyway: it is cut whatever
+/// the estimate, and takes at most the pool's capacity (`pool_check`), so
+/// every request of one bucket decides it the same way.
+pub fn cuts(c: &Check, shares: &SharesSettings) -> bool {
+    (shares.enabled || (shares.charged && c.charged))
+        && !c.shadow
         && c.shards == 1
         && c.tier != Tier::Quota
-        && matches!(pool(&c.algorithm, fraction), Some(Algorithm::TokenBucket { capacity, .. }) if c.cost <= capacity)
+        && matches!(pool(&c.algorithm, shares.fraction), Some(Algorithm::TokenBucket { capacity, .. }) if c.charged || c.cost <= capacity)
 }
 
 /// The check as Redis decides it: a cut bucket's pool (same key).
-pub fn pool_check(c: &Check, fraction: f64) -> Check {
-    match cuts(c, fraction)
-        .then(|| pool(&c.algorithm, fraction))
+pub fn pool_check(c: &Check, shares: &SharesSettings) -> Check {
+    match cuts(c, shares)
+        .then(|| pool(&c.algorithm, shares.fraction))
         .flatten()
     {
         Some(algorithm) => Check {
             algorithm,
             pool: true,
+            cost: c.cost.min(super::algorithms::quota(&algorithm).max(1)),
             charged: false,
             ..c.clone()
         },
@@ -152,9 +159,14 @@ pub fn pool_check(c: &Check, fraction: f64) -> Check {
 
 impl Standing {
     /// `ttl`: how long a heartbeat's announcement lives in Redis.
-    pub fn new(fraction: f64, instances: u32, max_entries: usize, ttl: Duration) -> Self {
+    pub fn new(
+        settings: SharesSettings,
+        instances: u32,
+        max_entries: usize,
+        ttl: Duration,
+    ) -> Self {
         Standing {
-            fraction,
+            settings,
             instances: instances.max(1),
             base: Instant::now(),
             ttl,
@@ -189,7 +201,7 @@ impl Standing {
 
     /// Whether this check's bucket is cut into a pool and shares.
     pub fn cuts(&self, c: &Check) -> bool {
-        cuts(c, self.fraction)
+        cuts(c, &self.settings)
     }
 
     /// The checks as Redis decides them: a cut bucket's pool in its place
@@ -202,7 +214,7 @@ impl Standing {
     }
 
     pub fn pool_check(&self, c: &Check) -> Check {
-        pool_check(c, self.fraction)
+        pool_check(c, &self.settings)
     }
 
     /// A heartbeat sent at `sent` and answered at `answered` counted
@@ -268,7 +280,7 @@ impl Standing {
             return s.rescale(cap, rate, cut.now);
         }
         let grew = cut.grew.and_then(|(when, before)| {
-            share(&c.algorithm, self.fraction, before).map(|(cap, _)| (when, cap))
+            share(&c.algorithm, self.settings.fraction, before).map(|(cap, _)| (when, cap))
         });
         Share::absent(cap, rate, cut.now, cut.ramp_from, grew)
     }
@@ -307,7 +319,7 @@ impl Standing {
     }
 
     fn take_one(&self, c: &Check, cut: &Cut) -> Option<Decision> {
-        let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
+        let (cap, rate) = share(&c.algorithm, self.settings.fraction, cut.n)?;
         let now = cut.now;
         let key = c.key.as_str();
         let mut shard = self.shares.lock(key);
@@ -445,7 +457,7 @@ impl Standing {
         let Some(cut) = self.usable(true) else {
             return;
         };
-        let Some((cap, rate)) = share(&c.algorithm, self.fraction, cut.n) else {
+        let Some((cap, rate)) = share(&c.algorithm, self.settings.fraction, cut.n) else {
             return;
         };
         let credited = change(&self.current(None, c, cap, rate, &cut), now);
@@ -481,7 +493,7 @@ impl Standing {
     /// `c`'s share under `cut`: its tokens (fractional) and capacity. An
     /// absent share is a full one.
     fn level_under(&self, c: &Check, cut: &Cut) -> Option<(f64, u64)> {
-        let (cap, rate) = share(&c.algorithm, self.fraction, cut.n)?;
+        let (cap, rate) = share(&c.algorithm, self.settings.fraction, cut.n)?;
         let key = c.key.as_str();
         let held = self.shares.lock(key).get(key).copied();
         Some((self.current(held, c, cap, rate, cut).level(cut.now), cap))
@@ -521,7 +533,7 @@ mod tests {
     /// polled: the membership's clock is the process's own).
     fn usable(max_entries: usize) -> Standing {
         // Announcements of a second, heard continuously: usable 1.1 s in.
-        let s = Standing::new(0.25, 1, max_entries, Duration::from_secs(1));
+        let s = Standing::new(ON, 1, max_entries, Duration::from_secs(1));
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let t = Instant::now();
@@ -563,6 +575,13 @@ mod tests {
         assert!(covered <= 1000, "then none: {covered}");
     }
 
+    /// Shares on for every big bucket, at a quarter.
+    const ON: SharesSettings = SharesSettings {
+        enabled: true,
+        fraction: 0.25,
+        charged: true,
+    };
+
     /// A cost the pool cannot hold leaves the bucket whole (decided by
     /// Redis as without shares): cut, it could never be admitted.
     #[test]
@@ -571,11 +590,37 @@ mod tests {
         let mut c = check("rl:route:x".into(), 100, 10.0);
         for (cost, cut) in [(1, true), (75, true), (76, false), (200, false)] {
             c.cost = cost;
-            assert_eq!(cuts(&c, 0.25), cut, "cost {cost}");
+            assert_eq!(cuts(&c, &ON), cut, "cost {cost}");
         }
-        assert!(!pool_check(&c, 0.25).pool, "a bucket not cut is no pool");
+        assert!(!pool_check(&c, &ON).pool, "a bucket not cut is no pool");
         c.cost = 1;
-        assert!(pool_check(&c, 0.25).pool);
+        assert!(pool_check(&c, &ON).pool);
+    }
+
+    /// With shares off, a token bucket counting charged units is still cut
+    /// (by default): it is never leased. Whatever a request's estimate, so
+    /// every request of the bucket decides it the same way: the pool takes
+    /// at most its capacity (the rest is settled as a debt).
+    #[test]
+    fn a_charged_bucket_is_cut_whatever_its_estimate() {
+        let off = SharesSettings::default();
+        let mut c = check("rl:route:x".into(), 100, 10.0);
+        assert!(!cuts(&c, &off), "shares off: a request bucket is whole");
+        c.charged = true;
+        for cost in [1, 75, 76, 100] {
+            c.cost = cost;
+            assert!(cuts(&c, &off), "estimate {cost}");
+            let pool = pool_check(&c, &off);
+            assert!(pool.pool && !pool.charged);
+            assert_eq!(pool.cost, cost.min(75), "estimate {cost}");
+        }
+        let not_charged = SharesSettings {
+            charged: false,
+            ..off
+        };
+        assert!(!cuts(&c, &not_charged), "charged = false: whole");
+        c.shadow = true;
+        assert!(!cuts(&c, &off), "a shadow tier is never cut");
     }
 
     /// A give-back that arrives after a rejoin (which emptied every share)

@@ -372,9 +372,9 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
         config.key_prefix(),
         config.limiter.local_max_entries,
         Duration::from_millis(config.server.startup_redis_wait_ms),
-        config.limiter.shares.enabled.then(|| {
+        config.shares_used().then(|| {
             Standing::new(
-                config.limiter.shares.fraction,
+                config.limiter.shares,
                 config.limiter.instances,
                 config.limiter.local_max_entries,
                 Fallback::ANNOUNCEMENT_LIFE,

@@ -244,7 +244,9 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
     );
     assert_eq!(up.count(CHAT), 0, "the upstream saw nothing");
     // Admitted: told what it has left in tokens (the route's bucket of
-    // 200,000 and the month's 5,000,000, less this estimate).
+    // 200,000, cut into standing shares: its pool of 150,000 while this
+    // replica's share is not yet usable, and the month's 5,000,000, less
+    // this estimate).
     let r = c
         .request(
             "POST",
@@ -258,7 +260,7 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
         .header("x-ratelimit-remaining-tokens")
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no remaining tokens: {:?}", r.headers));
-    assert!((199_299..=199_300).contains(&left), "{left}");
+    assert!((149_299..=149_300).contains(&left), "{left}");
     // With a default estimate the same request is admitted on it.
     assert_eq!(
         chat(&mut c, "/v2/chat/completions", r#"{"model":"m"}"#, &[]),
@@ -594,7 +596,8 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
             )
             .replace(
                 "retry_after_jitter_ms = 0\n",
-                "retry_after_jitter_ms = 0\n\n[limiter.leases]\nenabled = true\nperiod_ms = 100\n",
+                "retry_after_jitter_ms = 0\n\n[limiter.leases]\nenabled = true\nperiod_ms = 100\n\n\
+                 [limiter.shares]\ncharged = false\n",
             );
         let g = GatewayGuard::start(&config);
         let mut c = g.client();
@@ -667,9 +670,10 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
         20_000 - 10 * n,
         "the window holds all but what was reported"
     );
-    // A token bucket refilling a token a second: never leased, exact. Its
-    // refunds reach Redis within 100 ms: requests 150 ms apart (ten
-    // estimates of 2,000 back to back would empty it first).
+    // A token bucket refilling a token a second, not cut into shares
+    // (`charged = false`): never leased, exact. Its refunds reach Redis
+    // within 100 ms: requests 150 ms apart (ten estimates of 2,000 back to
+    // back would empty it first).
     let n = 16;
     let (left, refunded) = run(
         r#"algorithm = "token_bucket", capacity = 20000, refill_per_sec = 1"#,
@@ -681,5 +685,92 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
         (20_000 - 10 * n..=20_000 - 10 * n + 8).contains(&left),
         "the bucket holds {left}: 20,000 less the {} reported (and a few refilled)",
         10 * n
+    );
+}
+
+/// Leases on and `[limiter.shares]` off (the defaults): a token bucket
+/// counting charged units is still cut (`shares.charged`), so once this
+/// replica's share is usable its requests are decided and settled on it
+/// with no call: the bucket's pool is never written in Redis, where the
+/// same limit counting requests is leased (a call to start it, and one
+/// per renewal). `gateway check` says what is cut.
+#[test]
+fn a_charged_token_bucket_rides_its_share_with_shares_off() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let limit =
+        r#"algorithm = "token_bucket", capacity = 200000, refill_per_sec = 3333, scope = "client""#;
+    let config = config(&up, &redis)
+        .replace(
+            r#"quotas = [{ limit = 10000, period = "day" }, { limit = 5000000, period = "month", cost = "response" }]"#,
+            "",
+        )
+        + &format!(
+            r#"
+[[routes]]
+name = "plain"
+path_prefix = "/v3/chat/completions"
+methods = ["POST"]
+upstream = "llm"
+require_api_key = true
+limit = {{ {limit} }}
+"#
+        );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("gateway.toml");
+    std::fs::write(
+        &path,
+        config
+            .replace("{listen}", &format!("127.0.0.1:{}", support::free_port()))
+            .replace("{admin}", &format!("127.0.0.1:{}", support::free_port())),
+    )
+    .expect("write");
+    let (code, out, err) = support::gateway_cli(&["check"], &path);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("shares.charged=true (cutting: token buckets counting charged units)"),
+        "{out}"
+    );
+    let g = GatewayGuard::start(&config);
+    wait_for("shares usable", Duration::from_secs(10), || {
+        (g.metric("gateway_shares_usable") == 1.0).then_some(())
+    });
+    // The share starts empty and fills at 833 a second: a few estimates' worth.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut c = g.client();
+    let n = 40;
+    for i in 0..n {
+        let body = format!(r#"{{"max_tokens":100,"stream":{}}}"#, i % 2 == 0);
+        assert_eq!(
+            chat(&mut c, CHAT, &body, &[("x-mock-tokens", "10")]),
+            200,
+            "{i}"
+        );
+    }
+    for i in 0..n {
+        let body = r#"{"max_tokens":100}"#;
+        let path = "/v3/chat/completions";
+        assert_eq!(chat(&mut c, path, body, &[]), 200, "plain {i}");
+    }
+    let route_keys = |route: &str| -> Vec<String> {
+        redis
+            .keys()
+            .into_iter()
+            .filter(|k| k.contains(&format!(":route:{route}:")))
+            .collect()
+    };
+    println!(
+        "FIGURES charged shares-off: {n} charged requests, then {n} plain: charged route keys \
+         in Redis {:?}, plain route keys {:?}",
+        route_keys("chat"),
+        route_keys("plain")
+    );
+    assert!(
+        route_keys("chat").is_empty(),
+        "the charged bucket's pool never reached Redis"
+    );
+    assert!(
+        !route_keys("plain").is_empty(),
+        "the plain bucket is Redis's (leased)"
     );
 }

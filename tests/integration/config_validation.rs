@@ -1069,8 +1069,25 @@ fn shares_are_printed_and_named_on_the_local_backend() {
     );
     let (ok, out, err) = check(&redis);
     assert!(ok, "{err}");
-    assert!(out.contains("shares.enabled=true"), "{out}");
+    assert!(
+        out.contains("shares.enabled=true shares.fraction=0.25 shares.charged=true (cutting: every big token bucket)"),
+        "{out}"
+    );
     assert!(err.is_empty(), "{err}");
+    // Off, with no route counting charged units: nothing is cut; `charged`
+    // is a boolean, named with its line when it is not.
+    let off = redis.replace("enabled = true", "enabled = false\ncharged = false");
+    let (ok, out, err) = check(&off);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(
+            "shares.enabled=false shares.fraction=0.25 shares.charged=false (cutting: nothing)"
+        ),
+        "{out}"
+    );
+    let (ok, _, err) = check(&redis.replace("enabled = true", "charged = \"yes\""));
+    assert!(!ok);
+    assert!(err.contains("limiter.shares.charged (line"), "{err}");
 }
 
 /// `clients.hide_credentials` and `clients.runtime_keys_snapshot`: printed
