@@ -124,9 +124,9 @@ pub fn run(config: Config, credentials: &Credentials, ask: &Ask) -> Result<Value
                     // each replica's share lives in that replica.
                     let shares = config.limiter.shares;
                     let cut = |c: &crate::limiter::Check| {
-                        config.shares_used() && crate::limiter::standing::cuts(c, &shares)
+                        crate::limiter::standing::cuts(c, &shares)
                     };
-                    let peeked: Vec<_> = match config.shares_used() {
+                    let peeked: Vec<_> = match shares.used() {
                         true => checks
                             .iter()
                             .map(|c| crate::limiter::standing::pool_check(c, &shares))

@@ -113,19 +113,6 @@ impl Config {
         self.plans.values().any(|p| !p.quotas.is_empty())
     }
 
-    /// Whether standing shares cut any bucket (`SharesSettings::used`):
-    /// a token bucket counting charged units is cut by default.
-    pub fn shares_used(&self) -> bool {
-        let charged_bucket = |l: &Limit| {
-            l.charged && !l.shadow && matches!(l.algorithm, Algorithm::TokenBucket { .. })
-        };
-        let charges = self.routes.iter().any(|r| {
-            r.limit.as_ref().is_some_and(charged_bucket)
-                || r.limit_by_plan.values().any(charged_bucket)
-        });
-        self.limiter.shares.used(charges)
-    }
-
     /// A problem found after the file was read (by the room that reads a
     /// file the config names), at `path`'s line.
     pub fn error_at(&self, path: &str, message: impl Into<String>) -> ConfigError {

@@ -302,9 +302,11 @@ impl Default for SharesSettings {
 
 impl SharesSettings {
     /// Whether any bucket may be cut: every big token bucket, or (only
-    /// `charged`) those counting charged units, when the config has any.
-    pub fn used(&self, config_charges: bool) -> bool {
-        self.enabled || (self.charged && config_charges)
+    /// `charged`) those counting charged units. Not whether the config has
+    /// such a bucket now: a reload may add one, and every replica must cut
+    /// it alike from its first request.
+    pub fn used(&self) -> bool {
+        self.enabled || self.charged
     }
 }
 

@@ -152,7 +152,7 @@ impl Config {
             l.shares.enabled,
             l.shares.fraction,
             l.shares.charged,
-            match (l.backend, self.shares_used(), l.shares.enabled) {
+            match (l.backend, l.shares.used(), l.shares.enabled) {
                 (Backend::Local, _, _) | (_, false, _) => "nothing",
                 (_, true, true) => "every big token bucket",
                 (_, true, false) => "token buckets counting charged units",

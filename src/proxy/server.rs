@@ -372,7 +372,7 @@ fn build_limiter(config: &Config) -> Result<Arc<Fallback>, String> {
         config.key_prefix(),
         config.limiter.local_max_entries,
         Duration::from_millis(config.server.startup_redis_wait_ms),
-        config.shares_used().then(|| {
+        config.limiter.shares.used().then(|| {
             Standing::new(
                 config.limiter.shares,
                 config.limiter.instances,

@@ -84,8 +84,12 @@ period_ms = 100
 enabled = true
 fraction = 0.25
 
+# A loaded test host must not open the breaker on a healthy Redis: a
+# tier decided on the fallback is settled on its local bucket only, not
+# carried through failback (what the README says it does not cover yet).
 [redis]
 urls = ["{redis}"]
+timeout_ms = 250
 
 [plans.llm]
 {plan}
