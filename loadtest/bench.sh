@@ -25,6 +25,10 @@
 #                         what Pingora itself costs per request
 #   gateway_off           the gateway with no limits configured
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
+#   gateway_traced_001    gateway_local with [tracing] at sample_ratio 0.01, spans
+#                         exported over OTLP/HTTP to a sink of the run's own
+#                         (loadtest/bench/otlp_sink.py: reads each batch, 200)
+#   gateway_traced_1      the same at 1.0: every request traced and exported
 #   gateway_jwt           gateway_local, the client named by a verified RS256 JWT
 #                         (Authorization: Bearer, [auth.jwt] with a key file made
 #                         per run) instead of an API key: the JWT target, its

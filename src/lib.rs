@@ -33,4 +33,5 @@ pub mod proxy;
 pub mod routing;
 pub mod shard_map;
 pub mod top;
+pub mod traces;
 pub mod usage;

@@ -35,6 +35,10 @@ pub fn install() {
             .install_recorder()
             .ok()?;
         describe_counter!(
+            "gateway_trace_spans_total",
+            "Spans of [tracing]: result exported, or dropped with a reason (queue_full: more than the export queue holds while the collector is slow; export_failed: the collector refused or did not answer the batch; stopped)"
+        );
+        describe_counter!(
             "gateway_requests_total",
             "Requests answered, by route and status"
         );
@@ -510,6 +514,18 @@ pub fn replicas(n: u32) {
 pub fn share_pull(asked: u64, granted: u64) {
     counter!("gateway_shares_pulled_tokens_total", "result" => "asked").increment(asked);
     counter!("gateway_shares_pulled_tokens_total", "result" => "granted").increment(granted);
+}
+
+/// Spans of `[tracing]`: exported, or dropped (the queue was full, the
+/// collector failed the batch, or the exporter had stopped).
+pub fn trace_spans(dropped: Option<&'static str>, n: u64) {
+    match dropped {
+        None => counter!("gateway_trace_spans_total", "result" => "exported").increment(n),
+        Some(reason) => {
+            counter!("gateway_trace_spans_total", "result" => "dropped", "reason" => reason)
+                .increment(n)
+        }
+    }
 }
 
 /// A charged request settled: why it was charged what it was, and how much.

@@ -17,6 +17,9 @@ Targets, side by side (see docs/benchmarks.md):
     pingora_bare          Pingora alone: examples/bare_proxy.rs, default settings
     gateway_off           the gateway with no limiter work at all
     gateway_local         all three tiers on the local backend
+    gateway_traced_001    gateway_local with [tracing] at sample_ratio 0.01, spans to an
+                          OTLP/HTTP sink of the run's own (otlp_sink.py)
+    gateway_traced_1      the same at 1.0: every request traced and exported
     gateway_jwt           gateway_local with the client named by a verified RS256 JWT
                           ([auth.jwt], a key file) instead of an API key: one hot client
     gateway_key_padded    gateway_local with a header the token's length beside its key:

@@ -37,6 +37,10 @@ CHECKS = [
     ("jwt_vs_key_cpu",
      "gateway CPU per request, gateway_jwt (RS256 JWT) / gateway_local (API key), hot client (verified JWTs)",
      "<=", 1.1),
+    # Traces: a span per request, sampled at 0.01, exported off the request path.
+    ("traced_001_vs_local_cpu",
+     "gateway CPU per request, gateway_traced_001 ([tracing] at 0.01) / gateway_local (tracing off) (traces)",
+     "<=", 1.05),
 ]
 
 # Standing shares, "the long tail at local speed": with --clients N
@@ -70,6 +74,9 @@ CONTEXT = [
      "gateway_key_padded CPU / gateway_local CPU per request: what a token-sized header costs (verified JWTs)",
      "gateway_key_padded", "gateway_local"),
     ("bare_vs_nginx_cpu", "pingora_bare CPU / nginx_limit_req CPU per request", "pingora_bare", "nginx_limit_req"),
+    ("traced_1_vs_local_cpu",
+     "gateway_traced_1 CPU / gateway_local CPU per request: every request traced and exported (traces)",
+     "gateway_traced_1", "gateway_local"),
 ]
 
 
@@ -302,6 +309,8 @@ def compute_checks(s: dict) -> list[dict]:
         "redis_cpu_us_per_req": get("gateway_redis", "redis_cpu_us_per_req"),
         "redis_cpu_us_per_req_above_idle": get("gateway_redis", "redis_cpu_us_per_req_above_idle"),
         "jwt_vs_key_cpu": ratio(get("gateway_jwt", "cpu_us_per_req"), get("gateway_local", "cpu_us_per_req")),
+        "traced_001_vs_local_cpu": ratio(get("gateway_traced_001", "cpu_us_per_req"),
+                                         get("gateway_local", "cpu_us_per_req")),
         "cluster_vs_standalone_redis_cpu_above_idle": ratio(
             get("gateway_redis_cluster", "redis_cpu_us_per_req_above_idle"),
             get("gateway_redis", "redis_cpu_us_per_req_above_idle")),

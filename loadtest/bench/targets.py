@@ -25,7 +25,8 @@ import common
 import shapes
 from common import (ANCHOR, API_KEY, CLUSTER_TARGETS, GATEWAY_TARGETS, HERE, JWT_TARGETS, LIMITED_TARGETS,
                     NGINX_TARGETS, OVER_PATH, PADDED_TARGETS, PATH, REDIS_TARGETS, SHARES_GAUGE, SHARES_SETTLE_S,
-                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, BenchError, key_prefix, log, warn)
+                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, TRACED_TARGETS, BenchError, key_prefix, log,
+                    warn)
 from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
 # --- processes ------------------------------------------------------------------
@@ -441,6 +442,10 @@ class Targets:
             'upstream = "mock"\n'
             'limit = { algorithm = "token_bucket", capacity = 1, refill_per_sec = 0.000001, scope = "client" }\n'
         )
+        if any(t in TRACED_TARGETS for t in targets):
+            self.sink_port = next(ports)
+            self.procs.start("otlp-sink", [sys.executable, str(HERE / "otlp_sink.py"), str(self.sink_port)],
+                             logs / "otlp-sink.log")
         for t in [t for t in targets if t in GATEWAY_TARGETS]:
             port, admin_port = next(ports), next(ports)
             subs = dict(THREADS=a.threads, LISTEN_ADDR=f"127.0.0.1:{port}", ADMIN_ADDR=f"127.0.0.1:{admin_port}",
@@ -478,6 +483,9 @@ class Targets:
                     if many else "# one client: no trusted proxy",
                     OVER_ROUTE=over_route if many else "",
                     AUTH_SECTION=jwt_section(jwt["public"]) if t in JWT_TARGETS and jwt else "# no [auth.jwt]",
+                    TRACING_SECTION=(f'[tracing]\notlp_endpoint = "http://127.0.0.1:{self.sink_port}"\n'
+                                     f"sample_ratio = {TRACED_TARGETS[t]}\n")
+                    if t in TRACED_TARGETS else "# no [tracing]",
                 )
             chk = subprocess.run([str(self.gateway), "check", "-c", str(dest)], capture_output=True, text=True)
             (logs / f"{t}-check.txt").write_text(chk.stdout + chk.stderr)

@@ -34,6 +34,7 @@ pub const ROOT_KEYS: &[&str] = &[
     "cors",
     "log",
     "auth",
+    "tracing",
 ];
 pub const TIERS_KEYS: &[&str] = &["ip"];
 
@@ -57,6 +58,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
     let admin = super::admin::read(&mut r, admin_t);
     let log_t = section(&mut r, root, "log", false);
     let log = super::log::read(&mut r, log_t);
+    let tracing = section(&mut r, root, "tracing", false).map(|t| super::traces::read(&mut r, t));
     let redis = section(&mut r, root, "redis", false).map(|t| super::redis::read(&mut r, t));
     let limiter_t = section(&mut r, root, "limiter", false);
     let limiter = super::limiter::read(&mut r, limiter_t, redis.is_some());
@@ -187,6 +189,7 @@ pub fn parse(src: &str, check: Option<super::FileCheck<'_>>) -> Result<Config, V
         routes: routes.into_iter().map(|(_, r)| r).collect(),
         cors: cors.flatten(),
         jwt: jwt.flatten(),
+        tracing: tracing.flatten(),
         lines: Arc::new(
             r.spans
                 .iter()

@@ -7,7 +7,7 @@
 
 use super::{
     admin, auth, charge, clients, cors, file, inflight, limiter, limits, log, redis, routes,
-    server, tls, upstreams,
+    server, tls, traces, upstreams,
 };
 
 /// One table of the file: its path as the reference writes it, and the
@@ -41,6 +41,7 @@ pub const TABLES: &[Table] = &[
     table!("server.tls.certificates[]" => tls::CERTIFICATE_KEYS),
     table!("admin" => admin::ADMIN_KEYS),
     table!("log" => log::LOG_KEYS),
+    table!("tracing" => traces::TRACING_KEYS),
     table!("limiter" => limiter::LIMITER_KEYS),
     table!("limiter.leases" => limiter::LEASES_KEYS),
     table!("limiter.shares" => limiter::SHARES_KEYS),

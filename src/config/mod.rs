@@ -22,6 +22,7 @@ pub mod rules;
 mod server;
 mod summary;
 mod tls;
+mod traces;
 mod upstreams;
 mod url;
 
@@ -31,6 +32,7 @@ use std::path::{Path, PathBuf};
 pub use charge::{Charge, CostSource, Estimate};
 pub use clients::KeySnapshot;
 pub use model::*;
+pub use traces::Resolved as TracingResolved;
 pub use url::HttpUrl;
 
 /// One problem in a config file: where it is and what was expected.

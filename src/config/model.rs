@@ -74,9 +74,32 @@ pub struct Config {
     pub log: LogSettings,
     /// `[auth.jwt]`: verified JWTs as the key tier's identity.
     pub jwt: Option<JwtSettings>,
+    /// `[tracing]`: OpenTelemetry traces. `None`: none.
+    pub tracing: Option<TracingSettings>,
     /// Each key's line, by dotted path: for problems found in the files the
     /// config names, once they are read (`Config::error_at`).
     pub lines: std::sync::Arc<std::collections::HashMap<String, usize>>,
+}
+
+/// `[tracing]`: where spans go and how many requests make one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingSettings {
+    /// OTLP over HTTP/protobuf: the collector's base URL (`/v1/traces` is added).
+    pub otlp_endpoint: String,
+    /// Of requests without a sampled parent; a sampled W3C `traceparent`
+    /// is always followed.
+    pub sample_ratio: f64,
+    pub service_name: String,
+}
+
+impl Default for TracingSettings {
+    fn default() -> Self {
+        TracingSettings {
+            otlp_endpoint: "http://127.0.0.1:4318".into(),
+            sample_ratio: 0.01,
+            service_name: "ratelimit-gateway".into(),
+        }
+    }
 }
 
 /// `[auth.jwt]`: the issuers whose tokens name a client, and how many
@@ -286,7 +309,8 @@ pub struct SharesSettings {
     /// Token buckets counting charged units (`cost = "response"`) are cut
     /// even when `enabled` is false: such a bucket is never leased (its
     /// settlements would cut other replicas' lease returns), so without a
-    /// share it costs a Redis call per request batch.
+    /// share it costs a Redis call per request batch. Off by default: a
+    /// client whose estimates exceed a share gets only the pool's rate.
     pub charged: bool,
 }
 
@@ -295,7 +319,7 @@ impl Default for SharesSettings {
         SharesSettings {
             enabled: false,
             fraction: 0.25,
-            charged: true,
+            charged: false,
         }
     }
 }

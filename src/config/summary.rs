@@ -130,6 +130,20 @@ impl Config {
             "log: access={} refusals_per_sec={} (errors and 5xx always)",
             self.log.access, self.log.refusals_per_sec
         );
+        // As the process will run it: the standard OTEL_* variables win.
+        let _ = match self
+            .tracing
+            .as_ref()
+            .map(|t| t.from_env(|n| std::env::var(n).ok()))
+        {
+            None => writeln!(s, "tracing: off (no [tracing])"),
+            Some(Ok(t)) => writeln!(
+                s,
+                "tracing: spans to {} (OTLP/HTTP), sample_ratio={} service_name={}",
+                t.traces_url, t.sample_ratio, t.service_name
+            ),
+            Some(Err(e)) => writeln!(s, "tracing: {e}"),
+        };
     }
 
     /// `[limiter]` and `[redis]`.

@@ -15,6 +15,7 @@ mod local;
 mod pulls;
 mod redis;
 pub mod standing;
+pub mod trail;
 
 use std::fmt;
 

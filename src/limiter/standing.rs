@@ -597,15 +597,19 @@ mod tests {
         assert!(pool_check(&c, &ON).pool);
     }
 
-    /// With shares off, a token bucket counting charged units is still cut
-    /// (by default): it is never leased. Whatever a request's estimate, so
-    /// every request of the bucket decides it the same way: the pool takes
-    /// at most its capacity (the rest is settled as a debt).
+    /// With `charged` alone, a token bucket counting charged units is cut
+    /// (it is never leased), and no other. Whatever a request's estimate,
+    /// so every request of the bucket decides it the same way: the pool
+    /// takes at most its capacity (the rest is settled as a debt).
     #[test]
     fn a_charged_bucket_is_cut_whatever_its_estimate() {
-        let off = SharesSettings::default();
+        let off = SharesSettings {
+            charged: true,
+            ..SharesSettings::default()
+        };
         let mut c = check("rl:route:x".into(), 100, 10.0);
-        assert!(!cuts(&c, &off), "shares off: a request bucket is whole");
+        assert!(!cuts(&c, &SharesSettings::default()), "off by default");
+        assert!(!cuts(&c, &off), "charged only: a request bucket is whole");
         c.charged = true;
         for cost in [1, 75, 76, 100] {
             c.cost = cost;

@@ -28,6 +28,7 @@ mod limits;
 mod reload;
 mod responses;
 pub mod server;
+mod spans;
 mod steps;
 pub mod upstreams;
 
@@ -89,6 +90,8 @@ pub struct Gateway {
     pub limiter: Arc<Fallback>,
     /// Who is being refused (`GET /top`).
     pub top: Arc<crate::top::Top>,
+    /// `[tracing]`: a span per request. None: no spans, no `traceparent` added.
+    pub traces: Option<Arc<crate::traces::Traces>>,
 }
 
 /// Per-request state, made by `new_ctx`.
@@ -130,6 +133,13 @@ pub struct Ctx {
     token_refusal: Option<&'static str>,
     /// A request on a `charge` route: what its answer settles.
     metered: Option<charge::Metered>,
+    /// Its settled cost, and why it was charged so (`charge::settle`).
+    charged: Option<(u64, &'static str)>,
+    /// Its server span (`[tracing]`), and for a sampled one what its
+    /// decision went through and how long it queued for an in-flight slot.
+    span: Option<crate::traces::RequestSpan>,
+    trail: Option<crate::limiter::trail::Trail>,
+    queue_wait: Option<Duration>,
     /// Dropped with the context, after `logging` counted the request.
     _in_flight: crate::metrics::InFlight,
 }
@@ -161,6 +171,10 @@ impl ProxyHttp for Gateway {
             in_flight_refusal: None,
             token_refusal: None,
             metered: None,
+            charged: None,
+            span: None,
+            trail: None,
+            queue_wait: None,
             _in_flight: crate::metrics::InFlight::start(),
         }
     }
@@ -176,6 +190,14 @@ impl ProxyHttp for Gateway {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let live = self.live.load_full();
         ctx.request_id = request_id(session.req_header());
+        if let Some(traces) = &self.traces {
+            let req = session.req_header();
+            let elapsed = ctx.started.elapsed();
+            let span = traces.request(&req.headers, req.method.as_str(), elapsed, || {
+                spans::request_attributes(session)
+            });
+            ctx.span = Some(span);
+        }
         ctx.live = Some(live.clone());
         let policy = &live.policy;
         let cfg = &policy.config;
@@ -285,7 +307,15 @@ impl ProxyHttp for Gateway {
             plan.estimate(estimate);
         }
         let units = plan.units;
-        let outcome = self.limiter.decide(&plan.checks).await;
+        let outcome = match ctx.span.as_ref().is_some_and(|s| s.recording()) {
+            true => {
+                let decision = self.limiter.decide(&plan.checks);
+                let (outcome, trail) = crate::limiter::trail::traced(decision).await;
+                ctx.trail = Some(trail);
+                outcome
+            }
+            false => self.limiter.decide(&plan.checks).await,
+        };
         policy.settle(&plan, &outcome);
         ctx.plan = Some(plan);
         ctx.backend = admission::backend_of(&outcome);
@@ -493,6 +523,13 @@ impl ProxyHttp for Gateway {
             upstream_request.insert_header("x-forwarded-for", xff)?;
         }
         upstream_request.insert_header("x-request-id", ctx.request_id.as_str())?;
+        // The upstream's span is a child of the gateway's (the client's own
+        // `traceparent` is replaced by it).
+        if let (Some(span), Some(traces)) = (&ctx.span, &self.traces) {
+            for (name, value) in span.headers(traces) {
+                upstream_request.insert_header(name, value)?;
+            }
+        }
         let now = Instant::now();
         ctx.upstream_sent = Some(now);
         for slot in Self::slots(ctx) {
@@ -646,6 +683,7 @@ impl ProxyHttp for Gateway {
         let status = ctx
             .replied
             .unwrap_or_else(|| session.response_written().map_or(0, |r| r.status.as_u16()));
+        self.finish_span(session, ctx, status);
         let route = Self::route_name(ctx);
         if let Some(m) = Self::route_metrics(ctx) {
             m.request(status);
@@ -694,11 +732,7 @@ impl ProxyHttp for Gateway {
                 names.join(",")
             }
         };
-        let rejected_by = match (ctx.in_flight_refusal, ctx.token_refusal) {
-            (Some(reason), _) => format!("in_flight:{reason}"),
-            (None, Some(reason)) => format!("token:{reason}"),
-            (None, None) => tiers_with(DecisionLabel::Rejected),
-        };
+        let rejected_by = Self::refused_by(ctx).unwrap_or_else(|| "-".to_string());
         let shadow_rejected_by = tiers_with(DecisionLabel::ShadowRejected);
         let req = session.req_header();
         tracing::info!(

@@ -181,6 +181,21 @@ impl BackgroundService for CertificateReload {
     }
 }
 
+/// At a graceful stop, sends the spans still queued (`[tracing]`), within
+/// the last second Pingora gives blocking tasks.
+struct TraceFlush {
+    traces: Arc<crate::traces::Traces>,
+}
+
+#[async_trait]
+impl BackgroundService for TraceFlush {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let _ = shutdown.changed().await;
+        let traces = self.traces.clone();
+        let _ = tokio::task::spawn_blocking(move || traces.flush(Duration::from_millis(800))).await;
+    }
+}
+
 /// Starts serving; returns only on a start-up error.
 pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), String> {
     // Pingora's TLS connector reads these at start-up and panics when one
@@ -241,10 +256,34 @@ pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), 
         Arc::new(gates),
     )));
     let top = Arc::new(crate::top::Top::default());
+    // The standard OTEL_* variables win over `[tracing]`'s keys.
+    let traces = match &config.tracing {
+        Some(t) => {
+            let settings = t.from_env(|name| std::env::var(name).ok())?;
+            let traces = crate::traces::Traces::start(settings)?;
+            tracing::info!(
+                endpoint = %traces.settings.traces_url,
+                sample_ratio = traces.settings.sample_ratio,
+                service_name = %traces.settings.service_name,
+                "tracing: spans exported over OTLP/HTTP"
+            );
+            Some(Arc::new(traces))
+        }
+        None => None,
+    };
+    if let Some(traces) = &traces {
+        server.add_service(background_service(
+            "trace flush",
+            TraceFlush {
+                traces: traces.clone(),
+            },
+        ));
+    }
     let gateway = Gateway {
         live: live.clone(),
         limiter: limiter.clone(),
         top: top.clone(),
+        traces,
     };
     let mut proxy = pingora::proxy::HttpProxy::new(gateway, server.configuration.clone());
     proxy.handle_init_modules();

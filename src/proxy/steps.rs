@@ -184,6 +184,7 @@ impl Gateway {
                 gates.upstream(&route.upstream),
             ),
         ];
+        let queued = Instant::now();
         for (kind, name, gate) in caps {
             let Some(gate) = gate else { continue };
             let acquired = tokio::select! {
@@ -200,6 +201,7 @@ impl Gateway {
                         "route" => ctx.route_slot = Some(slot),
                         _ => ctx.upstream_slot = Some(slot),
                     }
+                    ctx.queue_wait = Some(queued.elapsed());
                 }
                 Some(Err(shed)) => {
                     crate::metrics::in_flight_refused(kind, name, shed.as_str());

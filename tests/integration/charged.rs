@@ -248,9 +248,7 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
     );
     assert_eq!(up.count(CHAT), 0, "the upstream saw nothing");
     // Admitted: told what it has left in tokens (the route's bucket of
-    // 200,000, cut into standing shares: its pool of 150,000 while this
-    // replica's share is not yet usable, and the month's 5,000,000, less
-    // this estimate).
+    // 200,000 and the month's 5,000,000, less this estimate).
     let r = c
         .request(
             "POST",
@@ -264,7 +262,7 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
         .header("x-ratelimit-remaining-tokens")
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no remaining tokens: {:?}", r.headers));
-    assert!((149_299..=149_300).contains(&left), "{left}");
+    assert!((199_299..=199_300).contains(&left), "{left}");
     // With a default estimate the same request is admitted on it.
     assert_eq!(
         chat(&mut c, "/v2/chat/completions", r#"{"model":"m"}"#, &[]),
@@ -692,14 +690,14 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
     );
 }
 
-/// Leases on and `[limiter.shares]` off (the defaults): a token bucket
-/// counting charged units is still cut (`shares.charged`), so once this
+/// Leases on (the default) and `[limiter.shares] charged = true` without
+/// `enabled`: a token bucket counting charged units is cut, so once this
 /// replica's share is usable its requests are decided and settled on it
 /// with no call: the bucket's pool is never written in Redis, where the
 /// same limit counting requests is leased (a call to start it, and one
 /// per renewal). `gateway check` says what is cut.
 #[test]
-fn a_charged_token_bucket_rides_its_share_with_shares_off() {
+fn a_charged_token_bucket_rides_its_share_with_shares_charged() {
     let redis = RedisGuard::start();
     let up = UpstreamGuard::start();
     let limit =
@@ -708,6 +706,10 @@ fn a_charged_token_bucket_rides_its_share_with_shares_off() {
         .replace(
             r#"quotas = [{ limit = 10000, period = "day" }, { limit = 5000000, period = "month", cost = "response" }]"#,
             "",
+        )
+        .replace(
+            "retry_after_jitter_ms = 0\n",
+            "retry_after_jitter_ms = 0\n\n[limiter.shares]\ncharged = true\n",
         )
         + &format!(
             r#"

@@ -1070,7 +1070,7 @@ fn shares_are_printed_and_named_on_the_local_backend() {
     let (ok, out, err) = check(&redis);
     assert!(ok, "{err}");
     assert!(
-        out.contains("shares.enabled=true shares.fraction=0.25 shares.charged=true (cutting: every big token bucket)"),
+        out.contains("shares.enabled=true shares.fraction=0.25 shares.charged=false (cutting: every big token bucket)"),
         "{out}"
     );
     assert!(err.is_empty(), "{err}");
@@ -1217,29 +1217,29 @@ fn charge_keys_are_checked_and_printed() {
     );
 }
 
-/// The contract's `#>` lines for routes charged by the answer (the `llm`
-/// upstream, the `chat` route's `charge` and `cost = "response"`, the
-/// `llm` plan's quota of units), with their markers taken off as they will
-/// be once the work lands: the file loads and says what it enforces.
-/// (`[tracing]` keeps its markers: its issue is still open.)
+/// The contract's `#>` lines (`[tracing]`; the `llm` upstream, the `chat`
+/// route's `charge` and `cost = "response"`, the `llm` plan's quota of
+/// units), with their markers taken off as they will be once the work
+/// lands: the file loads and says what it enforces.
 #[test]
-fn the_contracts_charged_routes_load_unmarked() {
+fn the_contracts_marked_keys_load_unmarked() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let file = root.join("../shared/spec/gateway.contract.toml");
     let Ok(src) = std::fs::read_to_string(&file) else {
         return; // shared/ sits beside the checkout; CI has it too
     };
-    let tracing = ["[tracing]", "otlp_endpoint", "sample_ratio", "service_name"];
     let unmarked: String = src
         .lines()
         .map(|l| match l.strip_prefix("#>") {
-            Some(rest) if !tracing.iter().any(|t| rest.contains(t)) => {
-                rest.strip_prefix(' ').unwrap_or(rest).to_string()
-            }
-            _ => l.to_string(),
+            Some(rest) => rest.strip_prefix(' ').unwrap_or(rest).to_string(),
+            None => l.to_string(),
         })
         .collect::<Vec<_>>()
         .join("\n");
+    assert!(
+        unmarked.contains("\n[tracing]"),
+        "the contract has [tracing]"
+    );
     assert!(
         unmarked.contains("\ncharge = {"),
         "the contract has a charge line"
@@ -1258,7 +1258,64 @@ fn the_contracts_charged_routes_load_unmarked() {
         "token_bucket capacity=20000 refill_per_sec=333 scope=client cost=response",
         "plan pro: token_bucket capacity=200000 refill_per_sec=3333 scope=client cost=response",
         "key plan llm: token_bucket capacity=60 refill_per_sec=1; quotas: 10000/day, 5000000 units/month",
+        "tracing: spans to http://127.0.0.1:4318/v1/traces (OTLP/HTTP), sample_ratio=0.01 service_name=ratelimit-gateway",
     ] {
         assert!(out.contains(what), "{what}: {out}");
     }
+}
+
+/// `[tracing]`: printed as the process would run it (the standard OTEL_*
+/// variables win over the keys); each bad value named with its key and
+/// line, and a bad variable named too.
+#[test]
+fn tracing_is_checked_and_the_standard_variables_win() {
+    let (ok, out, err) = check(MINIMAL);
+    assert!(ok, "{err}");
+    assert!(out.contains("tracing: off (no [tracing])"), "{out}");
+    let with = |body: &str| format!("{MINIMAL}\n[tracing]\n{body}\n");
+    let (ok, out, err) = check(&with("sample_ratio = 0.25\nservice_name = \"edge\""));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("tracing: spans to http://127.0.0.1:4318/v1/traces (OTLP/HTTP), sample_ratio=0.25 service_name=edge"),
+        "{out}"
+    );
+    let (ok, out, err) = check_with_env(
+        &with("otlp_endpoint = \"http://collector:4318\""),
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel.internal:4318/"),
+            ("OTEL_SERVICE_NAME", "gw-eu"),
+            ("OTEL_TRACES_SAMPLER_ARG", "1"),
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("tracing: spans to http://otel.internal:4318/v1/traces (OTLP/HTTP), sample_ratio=1 service_name=gw-eu"),
+        "{out}"
+    );
+    for (body, want) in [
+        ("sample_ratio = 1.5", "tracing.sample_ratio (line"),
+        ("sample_ratio = \"all\"", "tracing.sample_ratio (line"),
+        (
+            "otlp_endpoint = \"https://collector:4318\"",
+            "tracing.otlp_endpoint (line",
+        ),
+        (
+            "otlp_endpoint = \"collector\"",
+            "tracing.otlp_endpoint (line",
+        ),
+        ("service_name = \"\"", "tracing.service_name (line"),
+        ("exporter = \"grpc\"", "tracing.exporter"),
+    ] {
+        let (ok, _, err) = check(&with(body));
+        assert!(!ok, "{body} was accepted");
+        assert!(err.contains(want), "{body}: {err}");
+    }
+    let (ok, out, _) = check_with_env(&with(""), &[("OTEL_TRACES_SAMPLER_ARG", "lots")]);
+    assert!(ok);
+    assert!(
+        out.contains(
+            "tracing: OTEL_TRACES_SAMPLER_ARG: expected a number from 0 to 1, found \"lots\""
+        ),
+        "{out}"
+    );
 }

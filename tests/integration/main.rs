@@ -39,5 +39,6 @@ mod tiers;
 mod tls;
 mod top;
 mod topology;
+mod traces;
 mod ui;
 mod usage;

@@ -66,6 +66,7 @@ use super::leases::{Leases, Mark};
 use super::ledger::{Doubt, Ledger};
 use super::redis::Persistence;
 use super::standing::Standing;
+use super::trail;
 use super::{
     Backend, Check, Decision, LimiterError, LocalBackend, Lost, Micros, RedisBackend, Sent, Verdict,
 };
@@ -401,7 +402,7 @@ impl Fallback {
         };
         let covered = Covered::shares(&taken);
         if let Some(outcome) = covered.whole(checks, taken.now_us) {
-            metrics::decided_by(DecidedBy::Share);
+            trail::decided(DecidedBy::Share);
             return outcome;
         }
         let rest = covered.rest(checks, pool);
@@ -428,7 +429,7 @@ impl Fallback {
 
     async fn decide_shared_tiers(&self, checks: &Arc<[Check]>) -> Outcome {
         let Some(redis) = &self.redis else {
-            metrics::decided_by(DecidedBy::Local);
+            trail::decided(DecidedBy::Local);
             return self.local_outcome(checks.clone()).await;
         };
         if !self.started_fast.load(Ordering::Acquire) {
@@ -444,7 +445,7 @@ impl Fallback {
         let started = Instant::now();
         if up {
             if let Some(outcome) = self.remembered_denial(checks, started, redis.leases()) {
-                metrics::decided_by(DecidedBy::DeniedCache);
+                trail::decided(DecidedBy::DeniedCache);
                 return outcome;
             }
         }
@@ -462,7 +463,7 @@ impl Fallback {
                     Covered::marked_leases(t, checks).whole(checks, SystemClock.now_us())
                 {
                     leases.confirm(checks, t);
-                    metrics::decided_by(DecidedBy::Lease);
+                    trail::decided(DecidedBy::Lease);
                     return outcome;
                 }
             }
@@ -496,9 +497,10 @@ impl Fallback {
                 result = redis.decide_shared(asked.clone(), epoch).await;
             }
             metrics::redis_call(started.elapsed());
+            trail::waited_on_redis(started, result.is_ok());
             match result {
                 Ok(mut verdict) => {
-                    metrics::decided_by(DecidedBy::Redis);
+                    trail::decided(DecidedBy::Redis);
                     let received = Instant::now();
                     // An answer that arrives after the breaker opened must
                     // not overwrite what the fallback has admitted since.
@@ -587,7 +589,7 @@ impl Fallback {
                         if let (Some(t), Some(leases)) = (&taken, leases) {
                             leases.give_back(checks, t);
                         }
-                        metrics::decided_by(DecidedBy::Fallback);
+                        trail::decided(DecidedBy::Fallback);
                         return self.fallback_outcome(checks, None).await;
                     }
                 }
@@ -600,15 +602,15 @@ impl Fallback {
         }
         match self.on_failure {
             OnRedisFailure::Local => {
-                metrics::decided_by(DecidedBy::Fallback);
+                trail::decided(DecidedBy::Fallback);
                 self.fallback_outcome(checks, lost_call).await
             }
             OnRedisFailure::Allow => {
-                metrics::decided_by(DecidedBy::FailOpen);
+                trail::decided(DecidedBy::FailOpen);
                 Outcome::FailOpen
             }
             OnRedisFailure::Deny => {
-                metrics::decided_by(DecidedBy::FailClosed);
+                trail::decided(DecidedBy::FailClosed);
                 Outcome::FailClosed
             }
         }

@@ -8,6 +8,7 @@ pub mod cdp;
 pub mod http;
 pub mod issuer;
 pub mod load;
+pub mod otlp;
 pub mod pki;
 pub mod topology;
 

@@ -1,0 +1,120 @@
+//! OpenTelemetry traces (`[tracing]`): one server span per request, and a
+//! child span for each Redis call the request waited on (none when a lease
+//! or a share decided it). The W3C `traceparent` and `tracestate` a client
+//! sent are continued (a sampled parent is always followed, an unsampled one
+//! never); the upstream receives the gateway's span as its parent.
+//! Requests without a sampled parent are sampled at `sample_ratio`, by
+//! trace id. A span not sampled records nothing: it only carries the ids
+//! on to the upstream.
+//!
+//! Here: the tracer (`Traces`, built once at start-up) and a request's
+//! span (`span`). Spans leave the request path in `ship`: a bounded queue
+//! and a thread that exports batches over OTLP/HTTP; a collector that is
+//! down costs requests nothing, and what it loses is counted.
+//!
+//! The limiter's decision goes under `ratelimit.*` (there is no semantic
+//! convention for rate limiting yet: open-telemetry/semantic-conventions
+//! #3361); the table is in docs/operator/traces.md.
+
+mod ship;
+mod span;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{SpanKind, TraceContextExt, Tracer as _, TracerProvider as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::Resource;
+
+use crate::config::TracingResolved;
+pub use span::{Finish, RequestSpan};
+
+pub struct Traces {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+    propagator: TraceContextPropagator,
+    pub settings: TracingResolved,
+}
+
+impl Traces {
+    /// The tracer, its export thread started. An endpoint that cannot be
+    /// used is an error naming it (the collector need not be up).
+    pub fn start(settings: TracingResolved) -> Result<Traces, String> {
+        let resource = Resource::builder()
+            .with_service_name(settings.service_name.clone())
+            .build();
+        let shipper = ship::Shipper::start(&settings.traces_url, resource.clone())?;
+        let provider = SdkTracerProvider::builder()
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                settings.sample_ratio,
+            ))))
+            .with_resource(resource)
+            .with_span_processor(shipper)
+            .build();
+        let tracer = provider.tracer("ratelimit-gateway");
+        Ok(Traces {
+            provider,
+            tracer,
+            propagator: TraceContextPropagator::new(),
+            settings,
+        })
+    }
+
+    /// A request's server span, started `elapsed` ago, continuing the
+    /// trace its headers carry. `method` names it until its route is known.
+    pub fn request(
+        &self,
+        headers: &http::HeaderMap,
+        method: &str,
+        elapsed: Duration,
+        attributes: impl FnOnce() -> Vec<KeyValue>,
+    ) -> RequestSpan {
+        let parent = self
+            .propagator
+            .extract(&opentelemetry_http::HeaderExtractor(headers));
+        let start = SystemTime::now() - elapsed;
+        let at = Instant::now() - elapsed;
+        let builder = self
+            .tracer
+            .span_builder(method.to_string())
+            .with_kind(SpanKind::Server)
+            .with_start_time(start);
+        let mut span = self.tracer.build_with_context(builder, &parent);
+        // Attributes only for a span that keeps them (the sampler decides
+        // by trace id and parent, never by them).
+        if opentelemetry::trace::Span::is_recording(&span) {
+            opentelemetry::trace::Span::set_attributes(&mut span, attributes());
+        }
+        let cx = parent.with_span(span);
+        RequestSpan::new(cx, start, at)
+    }
+
+    /// Sends the spans queued now, waiting at most `within` (a graceful stop).
+    pub fn flush(&self, within: Duration) {
+        let provider = self.provider.clone();
+        let done = std::thread::spawn(move || provider.force_flush());
+        let deadline = Instant::now() + within;
+        while !done.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn inject(&self, cx: &Context, out: &mut Vec<(&'static str, String)>) {
+        struct Out<'a>(&'a mut Vec<(&'static str, String)>);
+        impl opentelemetry::propagation::Injector for Out<'_> {
+            fn set(&mut self, key: &str, value: String) {
+                let name = match key {
+                    "traceparent" => "traceparent",
+                    "tracestate" => "tracestate",
+                    _ => return,
+                };
+                if !value.is_empty() {
+                    self.0.push((name, value));
+                }
+            }
+        }
+        self.propagator.inject_context(cx, &mut Out(out));
+    }
+}
