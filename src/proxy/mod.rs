@@ -193,10 +193,9 @@ impl ProxyHttp for Gateway {
         if let Some(traces) = &self.traces {
             let req = session.req_header();
             let elapsed = ctx.started.elapsed();
-            let span = traces.request(&req.headers, req.method.as_str(), elapsed, || {
+            ctx.span = traces.request(&req.headers, req.method.as_str(), elapsed, || {
                 spans::request_attributes(session)
             });
-            ctx.span = Some(span);
         }
         ctx.live = Some(live.clone());
         let policy = &live.policy;
