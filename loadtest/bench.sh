@@ -29,6 +29,8 @@
 #                         exported over OTLP/HTTP to a sink of the run's own
 #                         (loadtest/bench/otlp_sink.py: reads each batch, 200)
 #   gateway_traced_1      the same at 1.0: every request traced and exported
+#   gateway_traced_down   the same at 1.0, its collector down (nothing listens
+#                         on its otlp_endpoint): every span counted dropped
 #   gateway_jwt           gateway_local, the client named by a verified RS256 JWT
 #                         (Authorization: Bearer, [auth.jwt] with a key file made
 #                         per run) instead of an API key: the JWT target, its

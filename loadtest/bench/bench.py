@@ -20,6 +20,8 @@ Targets, side by side (see docs/benchmarks.md):
     gateway_traced_001    gateway_local with [tracing] at sample_ratio 0.01, spans to an
                           OTLP/HTTP sink of the run's own (otlp_sink.py)
     gateway_traced_1      the same at 1.0: every request traced and exported
+    gateway_traced_down   the same at 1.0 with its collector down (a port nothing
+                          listens on): every batch fails, every span dropped
     gateway_jwt           gateway_local with the client named by a verified RS256 JWT
                           ([auth.jwt], a key file) instead of an API key: one hot client
     gateway_key_padded    gateway_local with a header the token's length beside its key:

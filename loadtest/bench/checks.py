@@ -77,6 +77,9 @@ CONTEXT = [
     ("traced_1_vs_local_cpu",
      "gateway_traced_1 CPU / gateway_local CPU per request: every request traced and exported (traces)",
      "gateway_traced_1", "gateway_local"),
+    ("traced_down_vs_traced_1_cpu",
+     "gateway_traced_down CPU / gateway_traced_1 CPU per request: the collector down (traces)",
+     "gateway_traced_down", "gateway_traced_1"),
 ]
 
 

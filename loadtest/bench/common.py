@@ -30,6 +30,7 @@ TARGETS = [
     "gateway_local",
     "gateway_traced_001",
     "gateway_traced_1",
+    "gateway_traced_down",
     "gateway_jwt",
     "gateway_key_padded",
     "gateway_redis",
@@ -45,7 +46,8 @@ REDIS_TARGETS = ["gateway_redis", "gateway_redis_unshared", "gateway_redis_clust
 # On the Redis Cluster (three masters) rather than the one standalone Redis.
 CLUSTER_TARGETS = ["gateway_redis_cluster"]
 CLUSTER_NODES = 3  # the masters of gateway_redis_cluster (bench.py --cluster-nodes sets it)
-LIMITED_TARGETS = ["gateway_local", "gateway_traced_001", "gateway_traced_1", "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster",
+LIMITED_TARGETS = ["gateway_local", "gateway_traced_001", "gateway_traced_1", "gateway_traced_down",
+                   "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster",
                    "gateway_redis_denied"]
 # With --clients N, these are sent traffic from N clients (wrk-clients.lua);
 # the others keep one client (the denied target's point is one client over).
@@ -92,8 +94,11 @@ JWT_TARGETS = ["gateway_jwt"]
 PADDED_TARGETS = ["gateway_key_padded"]
 TLS_TARGETS = ["gateway_tls", "nginx_tls"]
 # gateway_local with [tracing] on, at these sample ratios, exporting to an
-# OTLP/HTTP sink of the run's own (targets.py: reads each batch, answers 200).
-TRACED_TARGETS = {"gateway_traced_001": 0.01, "gateway_traced_1": 1.0}
+# OTLP/HTTP sink of the run's own (targets.py: reads each batch, answers 200);
+# gateway_traced_down at 1.0 to a port nothing listens on (a collector that
+# is down: every batch fails, every span is counted dropped).
+TRACED_TARGETS = {"gateway_traced_001": 0.01, "gateway_traced_1": 1.0, "gateway_traced_down": 1.0}
+TRACED_DOWN = "gateway_traced_down"
 API_KEY = "bench-key-0001"
 PATH = "/api/bench"
 # Many-clients mode: the clients over their limit ask for this path, whose

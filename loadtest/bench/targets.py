@@ -25,8 +25,8 @@ import common
 import shapes
 from common import (ANCHOR, API_KEY, CLUSTER_TARGETS, GATEWAY_TARGETS, HERE, JWT_TARGETS, LIMITED_TARGETS,
                     NGINX_TARGETS, OVER_PATH, PADDED_TARGETS, PATH, REDIS_TARGETS, SHARES_GAUGE, SHARES_SETTLE_S,
-                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, TRACED_TARGETS, BenchError, key_prefix, log,
-                    warn)
+                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, TRACED_DOWN, TRACED_TARGETS, BenchError,
+                    key_prefix, log, warn)
 from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
 # --- processes ------------------------------------------------------------------
@@ -444,6 +444,8 @@ class Targets:
         )
         if any(t in TRACED_TARGETS for t in targets):
             self.sink_port = next(ports)
+            # Nothing ever listens here: gateway_traced_down's collector is down.
+            self.down_port = next(ports)
             self.procs.start("otlp-sink", [sys.executable, str(HERE / "otlp_sink.py"), str(self.sink_port)],
                              logs / "otlp-sink.log")
         for t in [t for t in targets if t in GATEWAY_TARGETS]:
@@ -483,7 +485,8 @@ class Targets:
                     if many else "# one client: no trusted proxy",
                     OVER_ROUTE=over_route if many else "",
                     AUTH_SECTION=jwt_section(jwt["public"]) if t in JWT_TARGETS and jwt else "# no [auth.jwt]",
-                    TRACING_SECTION=(f'[tracing]\notlp_endpoint = "http://127.0.0.1:{self.sink_port}"\n'
+                    TRACING_SECTION=(f'[tracing]\notlp_endpoint = "http://127.0.0.1:'
+                                     f'{self.down_port if t == TRACED_DOWN else self.sink_port}"\n'
                                      f"sample_ratio = {TRACED_TARGETS[t]}\n")
                     if t in TRACED_TARGETS else "# no [tracing]",
                 )
