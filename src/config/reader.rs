@@ -162,24 +162,43 @@ impl<'s> Reader<'s> {
 
     /// A number (integer or float) strictly greater than zero and finite.
     pub fn positive_number(&mut self, path: &str, v: &Value<'_>) -> Option<f64> {
+        self.number_where(path, v, "a positive number", |n| n > 0.0)
+    }
+
+    /// A number (integer or float) from 0 to 1, both included.
+    pub fn fraction(&mut self, path: &str, v: &Value<'_>) -> Option<f64> {
+        self.number_where(path, v, "a number from 0 to 1", |n| {
+            (0.0..=1.0).contains(&n)
+        })
+    }
+
+    /// A finite number (integer or float) for which `ok` holds; else an
+    /// error saying what was `expected`.
+    fn number_where(
+        &mut self,
+        path: &str,
+        v: &Value<'_>,
+        expected: &str,
+        ok: impl Fn(f64) -> bool,
+    ) -> Option<f64> {
         let n = match v.get_ref() {
             DeValue::Integer(i) => i64::from_str_radix(i.as_str(), i.radix())
                 .ok()
                 .map(|n| n as f64),
             DeValue::Float(f) => f.as_str().replace('_', "").parse::<f64>().ok(),
             other => {
-                self.mismatch(path, v, "a positive number", other);
+                self.mismatch(path, v, expected, other);
                 return None;
             }
         };
         match n {
-            Some(n) if n.is_finite() && n > 0.0 => Some(n),
+            Some(n) if n.is_finite() && ok(n) => Some(n),
             _ => {
                 let found = describe(v.get_ref());
                 self.error(
                     path,
                     Some(&v.span()),
-                    format!("expected a positive number, found {found}"),
+                    format!("expected {expected}, found {found}"),
                 );
                 None
             }

@@ -25,19 +25,7 @@ pub(super) fn read(r: &mut Reader<'_>, t: &DeTable<'_>) -> Option<TracingSetting
         }
     });
     let ratio = opt(r, t, p, "sample_ratio", d.sample_ratio, |r, path, v| {
-        let n = match v.get_ref() {
-            toml::de::DeValue::Integer(i) if i.as_str() == "0" => 0.0,
-            _ => r.positive_number(path, v)?,
-        };
-        if n > 1.0 {
-            r.error(
-                path,
-                Some(&v.span()),
-                format!("expected a number from 0 to 1, found {n}"),
-            );
-            return None;
-        }
-        Some(n)
+        r.fraction(path, v)
     });
     let service = opt(r, t, p, "service_name", d.service_name, |r, path, v| {
         let s = r.string(path, v)?;

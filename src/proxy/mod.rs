@@ -306,7 +306,8 @@ impl ProxyHttp for Gateway {
             plan.estimate(estimate);
         }
         let units = plan.units;
-        let outcome = match ctx.span.as_ref().is_some_and(|s| s.recording()) {
+        // Only a sampled request has a span (`Traces::request`).
+        let outcome = match ctx.span.is_some() {
             true => {
                 let decision = self.limiter.decide(&plan.checks);
                 let (outcome, trail) = crate::limiter::trail::traced(decision).await;

@@ -63,9 +63,6 @@ impl Gateway {
         let (Some(span), Some(traces)) = (ctx.span.take(), &self.traces) else {
             return;
         };
-        if !span.recording() {
-            return;
-        }
         let refused_by = Self::refused_by(ctx);
         let decision = match (&refused_by, ctx.backend) {
             (Some(by), _) if by.starts_with("in_flight:") => "refused_in_flight",

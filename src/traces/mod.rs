@@ -31,7 +31,9 @@ use crate::config::TracingResolved;
 pub use span::{Finish, RequestSpan};
 
 pub struct Traces {
-    provider: SdkTracerProvider,
+    /// Kept alive with the tracer (spans are shipped through it).
+    _provider: SdkTracerProvider,
+    shipper: ship::Shipper,
     tracer: SdkTracer,
     propagator: TraceContextPropagator,
     pub settings: TracingResolved,
@@ -45,6 +47,8 @@ impl Traces {
             .with_service_name(settings.service_name.clone())
             .build();
         let shipper = ship::Shipper::start(&settings.traces_url, resource.clone())?;
+        // The provider owns one handle to the queue; this one flushes it.
+        let queue = shipper.clone();
         let provider = SdkTracerProvider::builder()
             // Sampled before a span is built (`request`): every span made
             // is kept.
@@ -54,7 +58,8 @@ impl Traces {
             .build();
         let tracer = provider.tracer("ratelimit-gateway");
         Ok(Traces {
-            provider,
+            _provider: provider,
+            shipper: queue,
             tracer,
             propagator: TraceContextPropagator::new(),
             settings,
@@ -102,12 +107,7 @@ impl Traces {
 
     /// Sends the spans queued now, waiting at most `within` (a graceful stop).
     pub fn flush(&self, within: Duration) {
-        let provider = self.provider.clone();
-        let done = std::thread::spawn(move || provider.force_flush());
-        let deadline = Instant::now() + within;
-        while !done.is_finished() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.shipper.flush(within);
     }
 
     fn inject(&self, cx: &Context, out: &mut Vec<(&'static str, String)>) {

@@ -31,7 +31,7 @@ enum Msg {
     Flush(mpsc::Sender<()>),
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Shipper {
     tx: SyncSender<Msg>,
 }

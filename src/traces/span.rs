@@ -46,11 +46,6 @@ impl RequestSpan {
         RequestSpan { cx, start, at }
     }
 
-    /// Sampled: it records, and is exported once finished.
-    pub fn recording(&self) -> bool {
-        self.cx.span().is_recording()
-    }
-
     /// The headers that make the upstream's span a child of this one.
     pub fn headers(&self, traces: &Traces) -> Vec<(&'static str, String)> {
         let mut out = Vec::with_capacity(2);
@@ -60,9 +55,6 @@ impl RequestSpan {
 
     pub fn finish(self, traces: &Traces, method: &str, f: Finish<'_>) {
         let span = self.cx.span();
-        if !span.is_recording() {
-            return;
-        }
         if let Some((prefix, _)) = f.route {
             span.update_name(format!("{method} {prefix}"));
         }

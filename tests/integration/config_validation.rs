@@ -1273,6 +1273,12 @@ fn tracing_is_checked_and_the_standard_variables_win() {
     assert!(ok, "{err}");
     assert!(out.contains("tracing: off (no [tracing])"), "{out}");
     let with = |body: &str| format!("{MINIMAL}\n[tracing]\n{body}\n");
+    // 0 (written either way) traces only sampled parents.
+    for zero in ["sample_ratio = 0", "sample_ratio = 0.0"] {
+        let (ok, out, err) = check(&with(zero));
+        assert!(ok, "{zero}: {err}");
+        assert!(out.contains("sample_ratio=0 "), "{zero}: {out}");
+    }
     let (ok, out, err) = check(&with("sample_ratio = 0.25\nservice_name = \"edge\""));
     assert!(ok, "{err}");
     assert!(
