@@ -545,6 +545,12 @@ pub fn settle_backlog_full() {
     counter!("gateway_settle_backlog_full_total").increment(1);
 }
 
+/// A charged answer of a fallback admission whose debt failback had
+/// already charged (or dropped for room): settled on the local bucket only.
+pub fn settle_after_failback() {
+    counter!("gateway_settle_after_failback_total").increment(1);
+}
+
 /// A call whose answer was lost, settled at failback: whether it had run.
 pub fn lost_answer(ran: bool) {
     counter!("gateway_redis_lost_answers_total", "ran" => if ran { "yes" } else { "no" })

@@ -133,6 +133,23 @@ impl Ledger {
         }
     }
 
+    /// Settles a charged admission recorded here (`Fallback::settle`):
+    /// `delta` more tokens owed at `now`, or `-delta` given back where they
+    /// were taken (`at`), so failback charges what the answer cost, not the
+    /// estimate. False when the bucket holds no debt here (charged already,
+    /// or dropped for room).
+    pub fn settle_charge(&self, key: &str, delta: i64, at: Micros, now: Micros) -> bool {
+        let mut shard = self.debts.lock(key);
+        let Some((shared, debt @ Some(_))) = shard.get_mut(key) else {
+            return false;
+        };
+        match delta {
+            d if d > 0 => outage::record(&shared.algorithm, debt, now, d as u64),
+            d => outage::unrecord(&shared.algorithm, debt, at, d.unsigned_abs()),
+        }
+        true
+    }
+
     /// Drops a bucket's debt (it was reset: nothing is owed to it).
     pub fn forget(&self, key: &str) {
         self.debts.lock(key).remove(key);
@@ -185,6 +202,53 @@ mod tests {
         reset_after_us: 0,
         delay_us: 0,
     };
+
+    /// A charged admission settled before failback: the debt carries what
+    /// the answer cost (an estimate of 500 that cost 120, one of 100 that
+    /// cost 130), and a bucket already charged takes nothing.
+    #[test]
+    fn settled_charges_move_the_debt_failback_charges() {
+        let c = Check {
+            tier: Tier::Quota,
+            key: "rl:quota:month:k:a".into(),
+            algorithm: Algorithm::Calendar {
+                limit: 1_000_000,
+                period: crate::calendar::Period::Month,
+                start: 0,
+                end: 2_000_000_000_000_000,
+            },
+            shadow: false,
+            cost: 500,
+            shards: 1,
+            pool: false,
+            charged: true,
+        };
+        let ledger = Ledger::new(16);
+        let t0 = 1_700_000_000_000_000;
+        let one = std::slice::from_ref(&c);
+        ledger.record(one, one, &[ADMITTED], t0);
+        assert!(ledger.settle_charge(&c.key, -380, t0, t0 + 5));
+        let hundred = Check {
+            cost: 100,
+            ..c.clone()
+        };
+        ledger.record(
+            std::slice::from_ref(&hundred),
+            std::slice::from_ref(&hundred),
+            &[ADMITTED],
+            t0 + 10,
+        );
+        assert!(ledger.settle_charge(&c.key, 30, t0 + 10, t0 + 20));
+        let out = ledger.take();
+        match &out[..] {
+            [(_, Debt::Window { count, .. })] => assert_eq!(*count, 120 + 130),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            !ledger.settle_charge(&c.key, -10, t0, t0 + 30),
+            "charged already"
+        );
+    }
 
     /// A debt put back after a failed charge keeps what was recorded for the
     /// same bucket meanwhile: 50 before the charge + 1 during it = 51.

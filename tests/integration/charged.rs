@@ -11,7 +11,7 @@ use crate::support;
 use std::time::Duration;
 
 use support::http::Client;
-use support::{wait_for, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
+use support::{wait_for, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -84,9 +84,9 @@ period_ms = 100
 enabled = true
 fraction = 0.25
 
-# A loaded test host must not open the breaker on a healthy Redis: a
-# tier decided on the fallback is settled on its local bucket only, not
-# carried through failback (what the README says it does not cover yet).
+# A loaded test host must not open the breaker on a healthy Redis: the
+# test is about three replicas that Redis decides for (an answer ending
+# after failback is settled on its local bucket only).
 [redis]
 urls = ["{redis}"]
 timeout_ms = 250
@@ -688,6 +688,63 @@ fn refunds_stay_in_the_bucket_with_leases_on() {
         "the bucket holds {left}: 20,000 less the {} reported (and a few refilled)",
         10 * n
     );
+}
+
+/// Requests admitted on the fallback (Redis cut off in silence) and
+/// settled there reach Redis at failback at what their answers cost, not
+/// their estimates: the month's units `used` equals what the upstream
+/// reported, before, during and after the outage. (Before, failback
+/// charged each such request its estimate.)
+#[test]
+fn what_the_fallback_admitted_reaches_redis_at_its_settled_cost() {
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let link = ForwarderGuard::start(&redis.url().replace("redis://", ""));
+    let config = config(&up, &redis)
+        .replace(
+            &format!("urls = [\"{}\"]", redis.url()),
+            &format!(
+                "urls = [\"{}\"]\ntimeout_ms = 200\nprobe_interval_ms = 100",
+                link.url()
+            ),
+        )
+        .replace(
+            "retry_after_jitter_ms = 0\n",
+            "retry_after_jitter_ms = 0\non_redis_failure = \"local\"\n\n\
+             [limiter.leases]\nenabled = false\n",
+        );
+    let g = GatewayGuard::start(&config);
+    let send = |n: u64| {
+        for i in 0..n {
+            let body = format!(r#"{{"max_tokens":500,"stream":{}}}"#, i % 2 == 0);
+            assert_eq!(chat(&mut g.client(), CHAT, &body, &[]), 200, "request {i}");
+        }
+    };
+    let reported = || {
+        up.stats_at("/stats/llm")["reported_total"]
+            .as_u64()
+            .expect("total")
+    };
+    send(5);
+    assert_eq!(settled_used(&g, reported()), reported(), "before");
+    link.stop();
+    send(10);
+    assert_ne!(
+        g.admin_get("/readyz").json()["backend"],
+        "redis",
+        "decided on the fallback"
+    );
+    link.resume();
+    g.wait_backend("redis", Duration::from_secs(15));
+    send(5);
+    let want = reported();
+    let used = settled_used(&g, want);
+    println!(
+        "FIGURES charged fallback: month's units used {used} against {want} reported \
+         (20 requests, 10 on the fallback, estimates of 500 each)"
+    );
+    assert_eq!(used, want, "used is what the upstream reported");
+    assert_eq!(g.metric("gateway_settle_after_failback_total"), 0.0);
 }
 
 /// Leases on (the default) and `[limiter.shares] charged = true` without

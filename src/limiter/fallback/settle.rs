@@ -1,8 +1,8 @@
 //! Settling a request charged by its answer (a route's `charge`): it was
 //! admitted on an estimate, and once the answer says what it cost the
 //! difference goes where each tier was decided. A share's difference is
-//! settled on the share at once; a local bucket's on the local bucket; a
-//! leased tier's through its lease (`leases::settle`: a refund back to the
+//! settled on the share at once; a local bucket's on the local bucket and
+//! in the debt failback charges (`Ledger::settle_charge`); a leased tier's through its lease (`leases::settle`: a refund back to the
 //! lease, a debt spent from it), so no refund moves a bucket under a
 //! lease's floor. What is left (a debt its lease could not cover, a refund
 //! of a tier a call decided before this replica's lease, a quota's) is owed
@@ -105,9 +105,16 @@ impl Fallback {
                 }
                 (_, FallbackState::Local) => {
                     // Decided on this replica's part of the bucket: settled
-                    // there. (The admission's debt charged at failback is
-                    // its estimate: the difference is not carried over.)
+                    // there, and in the debt failback charges to Redis (if
+                    // failback has not charged it yet).
                     self.local.settle_at(c, delta, verdict.now_us, now);
+                    if self.redis.is_some()
+                        && !self
+                            .ledger
+                            .settle_charge(&c.key, delta, verdict.now_us, now)
+                    {
+                        metrics::settle_after_failback();
+                    }
                 }
             }
         }
