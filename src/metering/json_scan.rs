@@ -26,6 +26,11 @@ pub enum Found {
     NotNumber,
 }
 
+/// A byte of a number or a literal (`true`, `false`, `null`).
+fn is_atom_byte(b: u8) -> bool {
+    matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E' | b'a'..=b'z')
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Frame {
     Object,
@@ -64,6 +69,8 @@ enum State {
 pub struct JsonScan {
     path: Vec<Box<[u8]>>,
     stack: Vec<Frame>,
+    /// Arrays among `stack` (the target never sits inside one).
+    arrays: usize,
     /// How many open objects, from the root, sit at their path segment's
     /// key: the value being read is the target when it equals the path's
     /// length and every open container is such an object.
@@ -86,6 +93,7 @@ impl JsonScan {
                 .map(|s| s.as_bytes().to_vec().into_boxed_slice())
                 .collect(),
             stack: Vec::new(),
+            arrays: 0,
             matched: 0,
             key_matches: false,
             state: State::Value,
@@ -99,6 +107,7 @@ impl JsonScan {
     /// what was found.
     pub fn reset(&mut self) {
         self.stack.clear();
+        self.arrays = 0;
         self.matched = 0;
         self.key_matches = false;
         self.state = State::Value;
@@ -139,16 +148,33 @@ impl JsonScan {
             match self.state {
                 State::Malformed => return,
                 // Most of an answer is text inside strings: skipped a run
-                // at a time, to the next quote or backslash.
-                State::InString { escaped: false } => {
-                    let rest = &bytes[i..];
-                    match rest.iter().position(|c| *c == b'"' || *c == b'\\') {
-                        Some(n) => {
-                            i += n;
-                            self.byte(bytes[i]);
-                            i += 1;
-                        }
-                        None => return,
+                // at a time, to the next quote or backslash. So is a key
+                // that cannot match its segment.
+                State::InString { escaped: false }
+                | State::InKey {
+                    pos: None,
+                    escaped: false,
+                } => match memchr::memchr2(b'"', b'\\', &bytes[i..]) {
+                    Some(n) => {
+                        i += n;
+                        self.byte(bytes[i]);
+                        i += 1;
+                    }
+                    None => return,
+                },
+                // An atom's bytes a run at a time; the byte that ends it is
+                // read again in the state after it.
+                State::InAtom => {
+                    let run = bytes[i..]
+                        .iter()
+                        .position(|b| !is_atom_byte(*b))
+                        .unwrap_or(bytes.len() - i);
+                    for &b in &bytes[i..i + run] {
+                        self.push_atom(b);
+                    }
+                    i += run;
+                    if i < bytes.len() {
+                        self.end_atom();
                     }
                 }
                 _ => {
@@ -161,11 +187,10 @@ impl JsonScan {
 
     /// Whether a value starting now sits at the path.
     fn at_target(&self) -> bool {
-        self.matched == self.path.len()
-            && self.stack.len() == self.path.len()
-            && self.stack.iter().all(|f| *f == Frame::Object)
+        self.matched == self.path.len() && self.stack.len() == self.path.len() && self.arrays == 0
     }
 
+    #[inline(always)]
     fn byte(&mut self, b: u8) {
         let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match self.state {
@@ -245,23 +270,7 @@ impl JsonScan {
                 }
                 _ => self.state = State::Malformed,
             },
-            State::After => match b {
-                _ if ws => {}
-                b',' => match self.stack.last() {
-                    Some(Frame::Object) => {
-                        self.unmatch_key();
-                        self.state = State::Key { first: false };
-                    }
-                    Some(Frame::Array) => self.state = State::Value,
-                    None => self.state = State::Malformed,
-                },
-                b'}' if self.stack.last() == Some(&Frame::Object) => {
-                    self.unmatch_key();
-                    self.close();
-                }
-                b']' if self.stack.last() == Some(&Frame::Array) => self.close(),
-                _ => self.state = State::Malformed,
-            },
+            State::After => self.after(b, ws),
             State::InString { escaped } => {
                 self.state = match (escaped, b) {
                     (true, _) => State::InString { escaped: false },
@@ -270,21 +279,46 @@ impl JsonScan {
                     _ => State::InString { escaped: false },
                 };
             }
-            State::InAtom => match b {
-                b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E' | b'a'..=b'z' => self.push_atom(b),
-                _ => {
-                    self.end_atom();
-                    if self.state != State::Malformed {
-                        self.byte(b);
-                    }
-                }
-            },
-            State::Done => {
-                if !ws {
-                    self.state = State::Malformed;
+            // `feed` reads atoms a run at a time; this is the byte one by one.
+            State::InAtom if is_atom_byte(b) => self.push_atom(b),
+            State::InAtom => {
+                self.end_atom();
+                match self.state {
+                    State::After => self.after(b, ws),
+                    State::Done => self.done(ws),
+                    _ => {}
                 }
             }
+            State::Done => self.done(ws),
             State::Malformed => {}
+        }
+    }
+
+    /// After a value: `,` or the container's end.
+    fn after(&mut self, b: u8, ws: bool) {
+        match b {
+            _ if ws => {}
+            b',' => match self.stack.last() {
+                Some(Frame::Object) => {
+                    self.unmatch_key();
+                    self.state = State::Key { first: false };
+                }
+                Some(Frame::Array) => self.state = State::Value,
+                None => self.state = State::Malformed,
+            },
+            b'}' if self.stack.last() == Some(&Frame::Object) => {
+                self.unmatch_key();
+                self.close();
+            }
+            b']' if self.stack.last() == Some(&Frame::Array) => self.close(),
+            _ => self.state = State::Malformed,
+        }
+    }
+
+    /// After the document: only whitespace.
+    fn done(&mut self, ws: bool) {
+        if !ws {
+            self.state = State::Malformed;
         }
     }
 
@@ -298,30 +332,39 @@ impl JsonScan {
     }
 
     fn end_atom(&mut self) {
-        let atom = std::mem::take(&mut self.atom);
-        let literal = matches!(&atom[..], b"true" | b"false" | b"null");
-        let number = !literal
-            && atom
-                .first()
-                .is_some_and(|c| *c == b'-' || c.is_ascii_digit());
+        let atom = &self.atom[..];
+        // A number starts with `-` or a digit; anything else must be a
+        // literal (compared byte by byte: no call for a short atom).
+        let number = matches!(atom.first(), Some(b'-' | b'0'..=b'9'));
+        let literal = !number
+            && matches!(
+                atom,
+                [b't', b'r', b'u', b'e']
+                    | [b'f', b'a', b'l', b's', b'e']
+                    | [b'n', b'u', b'l', b'l']
+            );
         if !literal && !number {
             self.state = State::Malformed;
             return;
         }
-        if self.target_atom && &atom[..] == b"null" {
-            self.found = Found::Null;
-        } else if self.target_atom {
-            self.found = match std::str::from_utf8(&atom)
-                .ok()
-                .filter(|_| number && atom.len() <= MAX_NUMBER)
-                .and_then(|s| s.parse::<f64>().ok())
-            {
-                Some(n) => Found::Number(n),
-                None => Found::NotNumber,
+        if self.target_atom {
+            self.found = if literal {
+                match atom {
+                    [b'n', ..] => Found::Null,
+                    _ => Found::NotNumber,
+                }
+            } else {
+                match std::str::from_utf8(atom)
+                    .ok()
+                    .filter(|_| atom.len() <= MAX_NUMBER)
+                    .and_then(|s| s.parse::<f64>().ok())
+                {
+                    Some(n) => Found::Number(n),
+                    None => Found::NotNumber,
+                }
             };
         }
         self.target_atom = false;
-        self.atom = atom;
         self.atom.clear();
         self.state = self.after_value();
     }
@@ -335,6 +378,7 @@ impl JsonScan {
             return;
         }
         self.stack.push(frame);
+        self.arrays += (frame == Frame::Array) as usize;
         self.state = match frame {
             Frame::Object => State::Key { first: true },
             Frame::Array => State::Value,
@@ -342,7 +386,9 @@ impl JsonScan {
     }
 
     fn close(&mut self) {
-        self.stack.pop();
+        if self.stack.pop() == Some(Frame::Array) {
+            self.arrays -= 1;
+        }
         self.state = self.after_value();
     }
 

@@ -1,13 +1,14 @@
 //! Server-sent events fed in pieces: each event's `data` is scanned for the
 //! path (`JsonScan`), and the last event that carries a number there wins
-//! (an LLM stream sends its usage in its last event). Bounded memory: a
-//! line's first five bytes, and the scanner's.
+//! (an LLM stream sends its usage in its last event). Bounded memory: how
+//! much of `data:` a line has matched, and the scanner's.
 
 use super::json_scan::{Found, JsonScan};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Line {
-    /// At a line's start: up to 5 bytes read, to tell `data:` from others.
+    /// At a line's start: the first `len` bytes of `data:` read (a line
+    /// that strays from it is another field's).
     Start { len: usize },
     /// In a `data` field's value; `space`: its one leading space may
     /// still come.
@@ -23,7 +24,6 @@ pub struct SseScan {
     /// `"usage": null` in every event but the last).
     settled: Found,
     line: Line,
-    head: [u8; 5],
     /// The event has data lines (a second one is joined by a newline).
     has_data: bool,
     /// The last byte was `\r` (a following `\n` ends nothing more).
@@ -39,7 +39,6 @@ impl SseScan {
             scan: JsonScan::new(path),
             settled: Found::Nothing,
             line: Line::Start { len: 0 },
-            head: [0; 5],
             has_data: false,
             after_cr: false,
             events: 0,
@@ -60,10 +59,7 @@ impl SseScan {
             if let Line::Data { space } = self.line {
                 if !self.after_cr && b != b'\r' && b != b'\n' {
                     let rest = &bytes[i..];
-                    let end = rest
-                        .iter()
-                        .position(|c| *c == b'\r' || *c == b'\n')
-                        .unwrap_or(rest.len());
+                    let end = memchr::memchr2(b'\r', b'\n', rest).unwrap_or(rest.len());
                     let skip = (space && rest[0] == b' ') as usize;
                     self.scan.feed(&rest[skip..end]);
                     self.line = Line::Data { space: false };
@@ -84,21 +80,16 @@ impl SseScan {
                 continue;
             }
             match self.line {
-                Line::Start { len } => {
-                    self.head[len] = b;
-                    let len = len + 1;
-                    if self.head[..len] != b"data:"[..len] {
-                        self.line = Line::Other;
-                    } else if len == 5 {
-                        if self.has_data {
-                            self.scan.feed(b"\n");
-                        }
-                        self.has_data = true;
-                        self.line = Line::Data { space: true };
-                    } else {
-                        self.line = Line::Start { len };
+                // The bytes before matched already: `len` of "data:".
+                Line::Start { len } if b != b"data:"[len] => self.line = Line::Other,
+                Line::Start { len: 4 } => {
+                    if self.has_data {
+                        self.scan.feed(b"\n");
                     }
+                    self.has_data = true;
+                    self.line = Line::Data { space: true };
                 }
+                Line::Start { len } => self.line = Line::Start { len: len + 1 },
                 Line::Data { space } => {
                     self.line = Line::Data { space: false };
                     if !(space && b == b' ') {
@@ -113,7 +104,7 @@ impl SseScan {
     fn end_line(&mut self) {
         if self.line == (Line::Start { len: 0 }) {
             self.end_event();
-        } else if self.line == (Line::Start { len: 4 }) && self.head[..4] == *b"data" {
+        } else if self.line == (Line::Start { len: 4 }) {
             // `data` alone: an empty data line.
             if self.has_data {
                 self.scan.feed(b"\n");
