@@ -83,6 +83,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     shards: 1,
                     pool: false,
                     charged: false,
+                    most: 0,
                 },
                 Check {
                     tier: Tier::Key,
@@ -93,6 +94,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     shards: 1,
                     pool: false,
                     charged: false,
+                    most: 0,
                 },
                 Check {
                     tier: Tier::Route,
@@ -103,6 +105,7 @@ fn local_three_tiers(c: &mut Criterion) {
                     shards: 1,
                     pool: false,
                     charged: false,
+                    most: 0,
                 },
             ];
             black_box(backend.decide_at(&checks, ratelimit_gateway::clock::Clock::now_us(&*clock)))

@@ -32,6 +32,7 @@ fn checks(who: &str) -> [Check; 3] {
         shards: 1,
         pool: false,
         charged: false,
+        most: 0,
     };
     [
         check(

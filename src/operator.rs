@@ -122,14 +122,16 @@ pub fn run(config: Config, credentials: &Credentials, ask: &Ask) -> Result<Value
                 } else {
                     // With standing shares a cut bucket's key holds its pool;
                     // each replica's share lives in that replica.
-                    let shares = config.limiter.shares;
+                    // Cut as for `limiter.instances` replicas (a charged
+                    // bucket's cut depends on the live count, unknown here).
+                    let (shares, n) = (config.limiter.shares, config.limiter.instances);
                     let cut = |c: &crate::limiter::Check| {
-                        crate::limiter::standing::cuts(c, &shares)
+                        crate::limiter::standing::cuts(c, &shares, n)
                     };
                     let peeked: Vec<_> = match shares.used() {
                         true => checks
                             .iter()
-                            .map(|c| crate::limiter::standing::pool_check(c, &shares))
+                            .map(|c| crate::limiter::standing::pool_check(c, &shares, n))
                             .collect(),
                         false => checks.clone(),
                     };

@@ -83,6 +83,14 @@ impl RouteRule {
         }
     }
 
+    /// A rule counting charged units knows its route's largest cost.
+    pub(super) fn charging(mut self, charge: Option<&crate::config::Charge>) -> Self {
+        if self.rule.charged {
+            self.rule.most = charge.map_or(0, |c| c.max);
+        }
+        self
+    }
+
     /// The check of a request whose bucket is `identity`'s; for a split
     /// global limit, the next sub-bucket in turn.
     pub(super) fn check(&self, identity: &str) -> Check {
@@ -168,6 +176,8 @@ pub(super) struct Rule {
     /// property of the bucket, so every request of it (a CORS preflight
     /// too) is leased and cut the same way.
     pub(super) charged: bool,
+    /// Its route's `charge.max` when `charged` (`Check::most`).
+    pub(super) most: u64,
     pub(super) prefix: String,
 }
 
@@ -187,6 +197,7 @@ impl Rule {
             cost: 1,
             shards: 1,
             charged: false,
+            most: 0,
         }
     }
 
@@ -205,6 +216,7 @@ impl Rule {
             shards: self.shards,
             pool: false,
             charged: self.charged,
+            most: self.most,
         }
     }
 }
@@ -247,7 +259,11 @@ impl Policy {
         let route_rules = config
             .routes
             .iter()
-            .map(|r| r.limit.as_ref().map(|l| RouteRule::new(p, &r.name, l)))
+            .map(|r| {
+                r.limit
+                    .as_ref()
+                    .map(|l| RouteRule::new(p, &r.name, l).charging(r.charge.as_deref()))
+            })
             .collect();
         // A plan's rule is named `route.plan`: its buckets are its own.
         let plan_route_rules = config
@@ -259,7 +275,8 @@ impl Policy {
                     .map(|(plan, l)| {
                         (
                             plan.clone(),
-                            RouteRule::new(p, &format!("{}.{plan}", r.name), l),
+                            RouteRule::new(p, &format!("{}.{plan}", r.name), l)
+                                .charging(r.charge.as_deref()),
                         )
                     })
                     .collect()
@@ -407,6 +424,7 @@ impl Policy {
                 shards: 1,
                 pool: false,
                 charged: false,
+                most: 0,
             });
         }
         charged

@@ -1,4 +1,5 @@
-//! `[admin]`: who may change state through the admin listener.
+//! `[admin]`: who may change state through the admin listener, and
+//! whether it keeps the top-K of refused clients (`/top`).
 
 use toml::de::DeTable;
 
@@ -9,7 +10,7 @@ use super::reader::Reader;
 /// A token shorter than this is refused: it guards bucket resets.
 const MIN_TOKEN_BYTES: usize = 16;
 
-pub const ADMIN_KEYS: &[&str] = &["token"];
+pub const ADMIN_KEYS: &[&str] = &["token", "top"];
 
 pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<AdminSettings> {
     let p = "admin";
@@ -32,5 +33,6 @@ pub(super) fn read(r: &mut Reader<'_>, t: Option<&DeTable<'_>>) -> Option<AdminS
         }
         Some(Some(Secret(token)))
     })?;
-    Some(AdminSettings { token })
+    let top = opt(r, t, p, "top", true, |r, path, v| r.boolean(path, v))?;
+    Some(AdminSettings { token, top })
 }

@@ -212,6 +212,9 @@ impl fmt::Debug for Secret {
 pub struct AdminSettings {
     /// Required by the admin endpoints that change state.
     pub token: Option<Secret>,
+    /// Keep the top-K of refused clients (`/top`, `gateway top`, the
+    /// page's table); off, no request counts in it.
+    pub top: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -309,8 +312,9 @@ pub struct SharesSettings {
     /// Token buckets counting charged units (`cost = "response"`) are cut
     /// even when `enabled` is false: such a bucket is never leased (its
     /// settlements would cut other replicas' lease returns), so without a
-    /// share it costs a Redis call per request batch. Off by default: a
-    /// client whose estimates exceed a share gets only the pool's rate.
+    /// share it costs a Redis call per request batch. On by default; a
+    /// bucket is cut only while a share holds its route's `max`
+    /// (`standing::cuts`).
     pub charged: bool,
 }
 
@@ -319,7 +323,7 @@ impl Default for SharesSettings {
         SharesSettings {
             enabled: false,
             fraction: 0.25,
-            charged: false,
+            charged: true,
         }
     }
 }

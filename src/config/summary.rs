@@ -124,6 +124,11 @@ impl Config {
                 }
             };
             let _ = writeln!(s, "admin: {admin}");
+            let top = match self.admin.top {
+                true => "top=true (the top-K of refused clients: /top, gateway top)",
+                false => "top=false (no top-K: /top answers 404)",
+            };
+            let _ = writeln!(s, "admin: {top}");
         }
         let _ = writeln!(
             s,
@@ -169,7 +174,7 @@ impl Config {
             match (l.backend, l.shares.used(), l.shares.enabled) {
                 (Backend::Local, _, _) | (_, false, _) => "nothing",
                 (_, true, true) => "every big token bucket",
-                (_, true, false) => "token buckets counting charged units",
+                (_, true, false) => "token buckets counting charged units whose route's max fits in a share",
             },
             l.quota_time_zone.name(),
             l.quota_retention_days

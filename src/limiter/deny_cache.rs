@@ -121,6 +121,7 @@ mod tests {
                 shards: 1,
                 pool: true,
                 charged: false,
+                most: 0,
             };
             let (mut state, mut now) = (None, 1_000_000_000i64);
             let mut emptied = 0;

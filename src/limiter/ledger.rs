@@ -222,6 +222,7 @@ mod tests {
             shards: 1,
             pool: false,
             charged: true,
+            most: 0,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
@@ -267,6 +268,7 @@ mod tests {
             shards: 1,
             pool: false,
             charged: false,
+            most: 0,
         };
         let ledger = Ledger::new(16);
         let t0 = 1_700_000_000_000_000;
@@ -303,6 +305,7 @@ mod tests {
             shards: 1,
             pool: false,
             charged: false,
+            most: 0,
         };
         let checks = [check("a", false), check("s", true)];
         let ok = ADMITTED;

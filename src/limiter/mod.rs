@@ -79,6 +79,10 @@ pub struct Check {
     /// estimate, settled once the answer says what it cost. A leased tier
     /// then settles through its lease (`leases::settle`).
     pub charged: bool,
+    /// A charged check's largest cost (its route's `charge.max`): a
+    /// standing share is cut for its bucket only while one such request
+    /// fits in a share (`Standing::cuts`). 0 for every other check.
+    pub most: u64,
 }
 
 impl Check {
@@ -299,6 +303,7 @@ mod tests {
                 shards: 1,
                 pool: false,
                 charged: false,
+                most: 0,
             };
             assert_eq!(c.policy_name(), format!("quota-{name}"));
         }

@@ -226,6 +226,7 @@ mod tests {
             shards: 1,
             pool: false,
             charged: false,
+            most: 0,
         }
     }
 

@@ -123,26 +123,35 @@ impl Taken {
     }
 }
 
-/// Whether `shares` cut this check's bucket into a pool and shares: a big
-/// token bucket (with only `charged`, one counting charged units), not a
-/// quota, a global limit's sub-bucket or a shadow, whose requests' cost
-/// fits in the pool. A cost the pool cannot hold (nor, then, any share)
-/// would never be admitted once the bucket is cut: such a bucket is
-/// decided whole, as without shares. A charged request's cost is an
-/// estimate whose excess is settled as a debt anyway: it is cut whatever
-/// the estimate, and takes at most the pool's capacity (`pool_check`), so
-/// every request of one bucket decides it the same way.
-pub fn cuts(c: &Check, shares: &SharesSettings) -> bool {
+/// Whether `shares` cut this check's bucket into a pool and shares among
+/// `n` replicas: a big token bucket (with only `charged`, one counting
+/// charged units), not a quota, a global limit's sub-bucket or a shadow,
+/// whose requests' cost fits in the pool. A cost the pool cannot hold (nor,
+/// then, any share) would never be admitted once the bucket is cut: such a
+/// bucket is decided whole, as without shares.
+///
+/// A charged bucket is cut by what its route allows, never by one
+/// request's estimate, so every request of it decides it the same way: cut
+/// while a share holds the route's largest request (`Check::most`), whole
+/// otherwise (shares that no request fits would leave their part of the
+/// limit unused). Cut, a request takes at most the pool's capacity
+/// (`pool_check`); the rest is settled as a debt.
+pub fn cuts(c: &Check, shares: &SharesSettings, n: u32) -> bool {
+    let fits = |capacity: u64| match c.charged {
+        true => share(&c.algorithm, shares.fraction, n).is_some_and(|(cap, _)| cap >= c.most),
+        false => c.cost <= capacity,
+    };
     (shares.enabled || (shares.charged && c.charged))
         && !c.shadow
         && c.shards == 1
         && c.tier != Tier::Quota
-        && matches!(pool(&c.algorithm, shares.fraction), Some(Algorithm::TokenBucket { capacity, .. }) if c.charged || c.cost <= capacity)
+        && matches!(pool(&c.algorithm, shares.fraction), Some(Algorithm::TokenBucket { capacity, .. }) if fits(capacity))
 }
 
-/// The check as Redis decides it: a cut bucket's pool (same key).
-pub fn pool_check(c: &Check, shares: &SharesSettings) -> Check {
-    match cuts(c, shares)
+/// The check as Redis decides it among `n` replicas: a cut bucket's pool
+/// (same key).
+pub fn pool_check(c: &Check, shares: &SharesSettings, n: u32) -> Check {
+    match cuts(c, shares, n)
         .then(|| pool(&c.algorithm, shares.fraction))
         .flatten()
     {
@@ -201,7 +210,16 @@ impl Standing {
 
     /// Whether this check's bucket is cut into a pool and shares.
     pub fn cuts(&self, c: &Check) -> bool {
-        cuts(c, &self.settings)
+        cuts(c, &self.settings, self.replicas())
+    }
+
+    /// The replicas shares are cut for now: the membership's count, never
+    /// fewer than `limiter.instances`.
+    fn replicas(&self) -> u32 {
+        self.view
+            .load()
+            .as_deref()
+            .map_or(self.instances, |v| v.n.max(self.instances))
     }
 
     /// The checks as Redis decides them: a cut bucket's pool in its place
@@ -214,7 +232,7 @@ impl Standing {
     }
 
     pub fn pool_check(&self, c: &Check) -> Check {
-        pool_check(c, &self.settings)
+        pool_check(c, &self.settings, self.replicas())
     }
 
     /// A heartbeat sent at `sent` and answered at `answered` counted
@@ -526,6 +544,7 @@ mod tests {
             shards: 1,
             pool: false,
             charged: false,
+            most: 0,
         }
     }
 
@@ -590,41 +609,47 @@ mod tests {
         let mut c = check("rl:route:x".into(), 100, 10.0);
         for (cost, cut) in [(1, true), (75, true), (76, false), (200, false)] {
             c.cost = cost;
-            assert_eq!(cuts(&c, &ON), cut, "cost {cost}");
+            assert_eq!(cuts(&c, &ON, 1), cut, "cost {cost}");
         }
-        assert!(!pool_check(&c, &ON).pool, "a bucket not cut is no pool");
+        assert!(!pool_check(&c, &ON, 1).pool, "a bucket not cut is no pool");
         c.cost = 1;
-        assert!(pool_check(&c, &ON).pool);
+        assert!(pool_check(&c, &ON, 1).pool);
     }
 
-    /// With `charged` alone, a token bucket counting charged units is cut
-    /// (it is never leased), and no other. Whatever a request's estimate,
-    /// so every request of the bucket decides it the same way: the pool
-    /// takes at most its capacity (the rest is settled as a debt).
+    /// With `charged` (on by default) and not `enabled`, a token bucket
+    /// counting charged units is cut (it is never leased), and no other,
+    /// while a share holds its route's largest request (`most`): whatever
+    /// a request's estimate, so every request of the bucket decides it the
+    /// same way; the pool takes at most its capacity (the rest is settled
+    /// as a debt). Shares no request fits in would leave their part unused.
     #[test]
-    fn a_charged_bucket_is_cut_whatever_its_estimate() {
-        let off = SharesSettings {
-            charged: true,
-            ..SharesSettings::default()
-        };
-        let mut c = check("rl:route:x".into(), 100, 10.0);
-        assert!(!cuts(&c, &SharesSettings::default()), "off by default");
-        assert!(!cuts(&c, &off), "charged only: a request bucket is whole");
+    fn a_charged_bucket_is_cut_while_a_share_holds_its_largest_request() {
+        let charged_only = SharesSettings::default();
+        assert!(charged_only.charged && !charged_only.enabled);
+        // 1,000 cut by a quarter: a pool of 750, shares of 250 / n.
+        let mut c = check("rl:route:x".into(), 1000, 10.0);
+        assert!(!cuts(&c, &charged_only, 1), "a request bucket is whole");
         c.charged = true;
-        for cost in [1, 75, 76, 100] {
+        c.most = 250;
+        for cost in [1, 250, 750, 1000] {
             c.cost = cost;
-            assert!(cuts(&c, &off), "estimate {cost}");
-            let pool = pool_check(&c, &off);
+            assert!(cuts(&c, &charged_only, 1), "estimate {cost}");
+            let pool = pool_check(&c, &charged_only, 1);
             assert!(pool.pool && !pool.charged);
-            assert_eq!(pool.cost, cost.min(75), "estimate {cost}");
+            assert_eq!(pool.cost, cost.min(750), "estimate {cost}");
         }
-        let not_charged = SharesSettings {
+        // Two replicas: shares of 125 hold no request of 250.
+        assert!(!cuts(&c, &charged_only, 2));
+        assert!(!pool_check(&c, &charged_only, 2).pool);
+        c.most = 125;
+        assert!(cuts(&c, &charged_only, 2));
+        let off = SharesSettings {
             charged: false,
-            ..off
+            ..charged_only
         };
-        assert!(!cuts(&c, &not_charged), "charged = false: whole");
+        assert!(!cuts(&c, &off, 1), "charged = false: whole");
         c.shadow = true;
-        assert!(!cuts(&c, &off), "a shadow tier is never cut");
+        assert!(!cuts(&c, &charged_only, 1), "a shadow tier is never cut");
     }
 
     /// A give-back that arrives after a rejoin (which emptied every share)

@@ -119,6 +119,13 @@ impl ServeHttp for Admin {
                 extra.push(("cache-control", "no-cache"));
                 (200, ctype, body.as_bytes().to_vec())
             }
+            "/top" if !self.top.enabled() => (
+                404,
+                "application/json",
+                serde_json::json!({ "error": "the top-K of refused clients is off ([admin] top = false)" })
+                    .to_string()
+                    .into_bytes(),
+            ),
             "/top" => {
                 let query = session.req_header().uri.query().unwrap_or("");
                 match crate::top::Ask::parse(query) {

@@ -273,6 +273,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             l0.on_redis_failure != l1.on_redis_failure,
         ),
         ("limiter.instances", l0.instances != l1.instances),
+        ("admin.top", old.admin.top != new.admin.top),
         (
             "limiter.local_max_entries",
             l0.local_max_entries != l1.local_max_entries,

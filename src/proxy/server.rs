@@ -255,7 +255,7 @@ pub fn run(config: Config, credentials: Credentials, path: &Path) -> Result<(), 
         Arc::new(pools),
         Arc::new(gates),
     )));
-    let top = Arc::new(crate::top::Top::default());
+    let top = Arc::new(crate::top::Top::new(config.admin.top));
     // The standard OTEL_* variables win over `[tracing]`'s keys.
     let traces = match &config.tracing {
         Some(t) => {

@@ -109,14 +109,27 @@ pub struct Top {
     /// The slot of the last refusal: a request after a quiet window skips
     /// everything.
     last_refusal: AtomicI64,
+    /// `[admin] top`: off, nothing is counted and `/top` says so.
+    enabled: bool,
 }
 
 impl Default for Top {
     fn default() -> Self {
+        Top::new(true)
+    }
+}
+
+impl Top {
+    pub fn new(enabled: bool) -> Self {
         Top {
             rings: RwLock::new(HashMap::new()),
             last_refusal: AtomicI64::new(i64::MIN),
+            enabled,
         }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 }
 
@@ -182,7 +195,9 @@ impl Top {
     /// counted: an admitted one only while someone was refused within the
     /// last window (else it would find no one to count it for).
     pub fn wants(&self, refused: bool, now_us: i64) -> bool {
-        refused || self.last_refusal.load(Ordering::Relaxed) >= slot_of(now_us) - SLOTS as i64
+        self.enabled
+            && (refused
+                || self.last_refusal.load(Ordering::Relaxed) >= slot_of(now_us) - SLOTS as i64)
     }
 
     /// Counts one decided request: per tier, its kind and what it was told

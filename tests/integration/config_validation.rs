@@ -1070,7 +1070,7 @@ fn shares_are_printed_and_named_on_the_local_backend() {
     let (ok, out, err) = check(&redis);
     assert!(ok, "{err}");
     assert!(
-        out.contains("shares.enabled=true shares.fraction=0.25 shares.charged=false (cutting: every big token bucket)"),
+        out.contains("shares.enabled=true shares.fraction=0.25 shares.charged=true (cutting: every big token bucket)"),
         "{out}"
     );
     assert!(err.is_empty(), "{err}");

@@ -76,6 +76,7 @@ fn check(tier: Tier, rule: &str, alg: Algorithm, who: &str) -> Check {
         shards: 1,
         pool: false,
         charged: false,
+        most: 0,
     }
 }
 

@@ -286,3 +286,33 @@ fn memory_does_not_grow_with_the_clients() {
 fn memory_does_not_grow_with_a_million_clients() {
     memory_flat_over(1_000_000);
 }
+
+/// `[admin] top = false`: nothing is counted, `/top` answers 404 saying
+/// why, and `gateway top` passes that on; refusals are served as before.
+#[test]
+fn the_top_k_can_be_turned_off() {
+    let up = UpstreamGuard::start();
+    let g = GatewayGuard::start(&config(&up, 5, "\n[admin]\ntop = false\n"));
+    assert_eq!(
+        spray(&g, vec!["192.0.2.9".to_string(); 9], 1),
+        (5, 4, 0),
+        "limited as with it on"
+    );
+    let (code, out, _) = gateway_cli(&["check"], &g.config_path);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains("admin: top=false (no top-K: /top answers 404)"),
+        "{out}"
+    );
+    let r = g.admin_get("/top");
+    assert_eq!(r.status, 404);
+    assert!(r.text().contains("[admin] top = false"), "{}", r.text());
+    let (code, _, err) = gateway_cli(&["top", "--admin", &g.admin.to_string()], &g.config_path);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains(
+            "the gateway answered 404: the top-K of refused clients is off ([admin] top = false)"
+        ),
+        "{err}"
+    );
+}

@@ -21,6 +21,7 @@ fn check(key: &str, cost: u64) -> Check {
         shards: 1,
         pool: false,
         charged: false,
+        most: 0,
     }
 }
 
