@@ -25,6 +25,9 @@
 #                         what Pingora itself costs per request
 #   gateway_off           the gateway with no limits configured
 #   gateway_local         all three tiers (ip, API key plan, route) on the local backend
+#   gateway_local_notop   gateway_local with [admin] top = false (no top-K of
+#                         refused clients): beside gateway_local with
+#                         --clients N --over P, what the top-K costs
 #   gateway_traced_001    gateway_local with [tracing] at sample_ratio 0.01, spans
 #                         exported over OTLP/HTTP to a sink of the run's own
 #                         (loadtest/bench/otlp_sink.py: reads each batch, 200)

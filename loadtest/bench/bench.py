@@ -17,6 +17,8 @@ Targets, side by side (see docs/benchmarks.md):
     pingora_bare          Pingora alone: examples/bare_proxy.rs, default settings
     gateway_off           the gateway with no limiter work at all
     gateway_local         all three tiers on the local backend
+    gateway_local_notop   gateway_local with [admin] top = false (no top-K of refused
+                          clients); with --clients N --over P, what the top-K costs
     gateway_traced_001    gateway_local with [tracing] at sample_ratio 0.01, spans to an
                           OTLP/HTTP sink of the run's own (otlp_sink.py)
     gateway_traced_1      the same at 1.0: every request traced and exported

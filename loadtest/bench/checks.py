@@ -58,6 +58,12 @@ CLIENTS_CHECKS = [
      "many clients (standing shares)", "<=", 0.25, "clients_unshared_cpu_vs_anchor"),
     ("clients_script_calls_per_req", "script calls per request, gateway_redis, many clients (standing shares)",
      "<=", 0.01, "clients_unshared_script_calls_per_req"),
+    # The top-K of refused clients: --over P% of the crowd is refused, each
+    # refusal counted in gateway_local's top-K and in nothing else in
+    # gateway_local_notop's ([admin] top = false).
+    ("clients_top_vs_notop_cpu",
+     "gateway CPU per request, gateway_local (top-K on) / gateway_local_notop ([admin] top = false), many clients, "
+     "--over of them refused (top-K)", "<=", 1.03, None),
     ("clients_cluster_vs_standalone_redis_cpu_above_idle",
      "Redis CPU per request above idle, gateway_redis_cluster (summed over its nodes) / gateway_redis, "
      "many clients (standing shares)", "<=", 1.3, None),
@@ -328,6 +334,8 @@ def compute_checks(s: dict) -> list[dict]:
         "clients_redis_cpu_vs_anchor": ratio(get("gateway_redis", "redis_cpu_us_per_req"), anchor16),
         "clients_unshared_cpu_vs_anchor": ratio(get("gateway_redis_unshared", "redis_cpu_us_per_req"), anchor16),
         "clients_script_calls_per_req": get("gateway_redis", "script_calls_per_req"),
+        "clients_top_vs_notop_cpu": ratio(get("gateway_local", "cpu_us_per_req"),
+                                          get("gateway_local_notop", "cpu_us_per_req")),
         "clients_unshared_script_calls_per_req": get("gateway_redis_unshared", "script_calls_per_req"),
         "clients_cluster_vs_standalone_redis_cpu_above_idle": vals["cluster_vs_standalone_redis_cpu_above_idle"],
     })

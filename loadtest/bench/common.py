@@ -28,6 +28,7 @@ TARGETS = [
     "pingora_bare",
     "gateway_off",
     "gateway_local",
+    "gateway_local_notop",
     "gateway_traced_001",
     "gateway_traced_1",
     "gateway_traced_down",
@@ -46,12 +47,12 @@ REDIS_TARGETS = ["gateway_redis", "gateway_redis_unshared", "gateway_redis_clust
 # On the Redis Cluster (three masters) rather than the one standalone Redis.
 CLUSTER_TARGETS = ["gateway_redis_cluster"]
 CLUSTER_NODES = 3  # the masters of gateway_redis_cluster (bench.py --cluster-nodes sets it)
-LIMITED_TARGETS = ["gateway_local", "gateway_traced_001", "gateway_traced_1", "gateway_traced_down",
+LIMITED_TARGETS = ["gateway_local", "gateway_local_notop", "gateway_traced_001", "gateway_traced_1", "gateway_traced_down",
                    "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster",
                    "gateway_redis_denied"]
 # With --clients N, these are sent traffic from N clients (wrk-clients.lua);
 # the others keep one client (the denied target's point is one client over).
-MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster"]
+MANY_CLIENTS_TARGETS = ["gateway_local", "gateway_local_notop", "gateway_redis", "gateway_redis_unshared", "gateway_redis_cluster"]
 # These run with [limiter.shares] enabled = true (standing shares: part of
 # every big token bucket decided by the replica itself, no Redis call);
 # gateway_redis_unshared is gateway_redis without it, the "before" in the same run.
@@ -99,6 +100,10 @@ TLS_TARGETS = ["gateway_tls", "nginx_tls"]
 # is down: every batch fails, every span is counted dropped).
 TRACED_TARGETS = {"gateway_traced_001": 0.01, "gateway_traced_1": 1.0, "gateway_traced_down": 1.0}
 TRACED_DOWN = "gateway_traced_down"
+# gateway_local with [admin] top = false: no top-K of refused clients. Beside
+# gateway_local with --clients N --over P (P% of the crowd refused, each
+# refusal counted in gateway_local's top-K): what the top-K costs.
+NO_TOP_TARGETS = ["gateway_local_notop"]
 API_KEY = "bench-key-0001"
 PATH = "/api/bench"
 # Many-clients mode: the clients over their limit ask for this path, whose

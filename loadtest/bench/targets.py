@@ -25,7 +25,7 @@ import common
 import shapes
 from common import (ANCHOR, API_KEY, CLUSTER_TARGETS, GATEWAY_TARGETS, HERE, JWT_TARGETS, LIMITED_TARGETS,
                     NGINX_TARGETS, OVER_PATH, PADDED_TARGETS, PATH, REDIS_TARGETS, SHARES_GAUGE, SHARES_SETTLE_S,
-                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, TRACED_DOWN, TRACED_TARGETS, BenchError,
+                    SHARES_TARGETS, SHARES_WAIT_S, TLS_TARGETS, TRACED_DOWN, TRACED_TARGETS, NO_TOP_TARGETS, BenchError,
                     key_prefix, log, warn)
 from lt.procs import free_ports  # after common, which puts loadtest/ on sys.path
 
@@ -485,6 +485,8 @@ class Targets:
                     if many else "# one client: no trusted proxy",
                     OVER_ROUTE=over_route if many else "",
                     AUTH_SECTION=jwt_section(jwt["public"]) if t in JWT_TARGETS and jwt else "# no [auth.jwt]",
+                    ADMIN_SECTION="[admin]\ntop = false   # no top-K of refused clients"
+                    if t in NO_TOP_TARGETS else "# [admin] top: on (the default)",
                     TRACING_SECTION=(f'[tracing]\notlp_endpoint = "http://127.0.0.1:'
                                      f'{self.down_port if t == TRACED_DOWN else self.sink_port}"\n'
                                      f"sample_ratio = {TRACED_TARGETS[t]}\n")

@@ -95,6 +95,17 @@ impl Ring {
     }
 }
 
+/// One tier's verdict for `client`, into the ring's current slot.
+fn count(ring: &mut Ring, seen: Seen, client: &str, now_us: i64) {
+    let s = ring.slot(now_us);
+    match seen {
+        Seen::Refused => s.refused(client, now_us),
+        Seen::Admitted => {
+            s.admitted(client, now_us);
+        }
+    }
+}
+
 fn slot_of(now_us: i64) -> i64 {
     now_us.div_euclid(SLOT_SECS * 1_000_000)
 }
@@ -217,6 +228,23 @@ impl Top {
             self.last_refusal
                 .fetch_max(slot_of(now_us), Ordering::Relaxed);
         }
+        // Every ring the request needs is there (all but the first refusal
+        // on a route and tier): one read of the routes for all its tiers.
+        {
+            let rings = self.rings.read();
+            if let Some(per) = rings.get(route).filter(|per| {
+                tiers
+                    .iter()
+                    .all(|(kind, seen)| *seen == Seen::Admitted || per[kind.index()].is_some())
+            }) {
+                for &(kind, seen) in tiers {
+                    if let Some(ring) = &per[kind.index()] {
+                        count(&mut ring.lock(), seen, client(kind), now_us);
+                    }
+                }
+                return;
+            }
+        }
         for &(kind, seen) in tiers {
             let ring = match seen {
                 Seen::Refused => self.ring_or_new(route, kind.index()),
@@ -225,14 +253,7 @@ impl Top {
                     None => continue,
                 },
             };
-            let mut ring = ring.lock();
-            let s = ring.slot(now_us);
-            match seen {
-                Seen::Refused => s.refused(client(kind), now_us),
-                Seen::Admitted => {
-                    s.admitted(client(kind), now_us);
-                }
-            }
+            count(&mut ring.lock(), seen, client(kind), now_us);
         }
     }
 

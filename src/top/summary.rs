@@ -11,7 +11,7 @@
 //!
 //! Pure: time is the caller's (`now_us`), so tests need no clock.
 
-use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
 
 /// One key's counts while it is held.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,25 +27,42 @@ pub struct Counter {
     pub last_us: i64,
 }
 
+/// The counters and, beside them, each key's hash: a lookup hashes the key
+/// once and scans `k` numbers (no map to keep in step, one allocation for
+/// a key taken in).
 #[derive(Debug)]
 pub struct Summary {
     k: usize,
-    index: HashMap<String, usize>,
+    hasher: RandomState,
+    hashes: Vec<u64>,
     counters: Vec<Counter>,
 }
 
 impl Summary {
     pub fn new(k: usize) -> Self {
+        let k = k.max(1);
         Summary {
-            k: k.max(1),
-            index: HashMap::with_capacity(k),
+            k,
+            hasher: RandomState::new(),
+            hashes: Vec::with_capacity(k),
             counters: Vec::with_capacity(k),
         }
     }
 
+    /// The counter holding `key`, whose hash is `h`.
+    fn find(&self, h: u64, key: &str) -> Option<usize> {
+        self.hashes
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| **x == h)
+            .map(|(i, _)| i)
+            .find(|&i| self.counters[i].key == key)
+    }
+
     /// Counts a refusal of `key`.
     pub fn refused(&mut self, key: &str, now_us: i64) {
-        if let Some(&i) = self.index.get(key) {
+        let h = self.hasher.hash_one(key);
+        if let Some(i) = self.find(h, key) {
             let c = &mut self.counters[i];
             c.refused += 1;
             c.last_us = now_us;
@@ -60,7 +77,7 @@ impl Summary {
             last_us: now_us,
         };
         if self.counters.len() < self.k {
-            self.index.insert(key.to_string(), self.counters.len());
+            self.hashes.push(h);
             self.counters.push(fresh(1, 0));
             return;
         }
@@ -73,15 +90,15 @@ impl Summary {
             .min_by_key(|(_, c)| (c.refused, c.last_us))
             .map(|(i, c)| (i, c.refused))
             .unwrap_or((0, 0));
-        self.index.remove(&self.counters[i].key);
-        self.index.insert(key.to_string(), i);
+        self.hashes[i] = h;
         self.counters[i] = fresh(least + 1, least);
     }
 
     /// Counts an admission of `key` if it is held; whether it was.
     pub fn admitted(&mut self, key: &str, now_us: i64) -> bool {
-        match self.index.get(key) {
-            Some(&i) => {
+        let h = self.hasher.hash_one(key);
+        match self.find(h, key) {
+            Some(i) => {
                 let c = &mut self.counters[i];
                 c.admitted += 1;
                 c.last_us = now_us;
@@ -100,7 +117,7 @@ impl Summary {
     }
 
     pub fn clear(&mut self) {
-        self.index.clear();
+        self.hashes.clear();
         self.counters.clear();
     }
 }
