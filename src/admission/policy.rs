@@ -423,7 +423,7 @@ impl Policy {
                 cost: 1,
                 shards: 1,
                 pool: false,
-                charged: false,
+                charged: q.charged,
                 most: 0,
             });
         }

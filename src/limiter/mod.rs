@@ -103,10 +103,16 @@ impl Check {
             && algorithms::lease::leasable(&self.algorithm)
     }
 
-    /// The limit's name in `RateLimit-Policy` and a 429's
-    /// `violated-policies`: the tier's, a quota's with its period.
+    /// The limit's name in `RateLimit-Policy`, a 429's
+    /// `violated-policies` and `/limits`: the tier's, a quota's with its
+    /// period, and a quota of charged units' with `-units` (a plan may
+    /// have both of one period: policy names are keys of one dictionary).
     pub fn policy_name(&self) -> &'static str {
-        self.kind().as_str()
+        let kind = self.kind();
+        match (self.tier, self.charged) {
+            (Tier::Quota, true) => LimitKind::UNITS_NAMES[kind.index() - 4],
+            _ => kind.as_str(),
+        }
     }
 
     /// Which kind of limit this is, for metrics and the access log.
@@ -143,6 +149,14 @@ impl LimitKind {
         "quota-month",
     ];
     pub const COUNT: usize = Self::NAMES.len();
+    /// A quota of charged units' policy names, by period (`policy_name`).
+    const UNITS_NAMES: [&'static str; 5] = [
+        "quota-minute-units",
+        "quota-hour-units",
+        "quota-day-units",
+        "quota-week-units",
+        "quota-month-units",
+    ];
 
     /// The kinds every route reports from the start (a quota's, once seen).
     pub const FIRST: [LimitKind; 3] = [LimitKind(0), LimitKind(1), LimitKind(2)];
@@ -306,6 +320,12 @@ mod tests {
                 most: 0,
             };
             assert_eq!(c.policy_name(), format!("quota-{name}"));
+            let units = Check {
+                charged: true,
+                ..c.clone()
+            };
+            assert_eq!(units.policy_name(), format!("quota-{name}-units"));
+            assert_eq!(units.kind(), c.kind(), "one metric label for both");
         }
     }
 }

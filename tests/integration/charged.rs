@@ -136,7 +136,7 @@ fn settled_used(g: &GatewayGuard, want: u64) -> u64 {
         "the settlements to reach Redis",
         Duration::from_secs(10),
         || {
-            last = g.quota_used("tenant-a", "quota-month");
+            last = g.quota_used("tenant-a", "quota-month-units");
             (last == want).then_some(())
         },
     );
@@ -400,10 +400,10 @@ limit = { algorithm = "token_bucket", capacity = 20000, refill_per_sec = 333.333
     // Every reported token in the month's count, exactly, once the
     // settlements and leases are in.
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let mut used = gs[0].quota_used("tenant-a", "quota-month");
+    let mut used = gs[0].quota_used("tenant-a", "quota-month-units");
     while used != reported && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
-        used = gs[0].quota_used("tenant-a", "quota-month");
+        used = gs[0].quota_used("tenant-a", "quota-month-units");
     }
     assert_eq!(
         used, reported,
@@ -565,14 +565,14 @@ fn a_month_of_tokens_through_a_sigterm_and_a_sigkill() {
         .map(|(_, _, est, cost)| est - cost)
         .sum();
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    let mut used = gs[2].quota_used("tenant-a", "quota-month");
+    let mut used = gs[2].quota_used("tenant-a", "quota-month-units");
     while used.abs_diff(reported) > lost_bound && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
-        used = gs[2].quota_used("tenant-a", "quota-month");
+        used = gs[2].quota_used("tenant-a", "quota-month-units");
     }
     // Leases the killed replica held come back when Redis takes them.
     std::thread::sleep(Duration::from_millis(500));
-    used = gs[2].quota_used("tenant-a", "quota-month");
+    used = gs[2].quota_used("tenant-a", "quota-month-units");
     println!(
         "FIGURES charged SIGTERM and SIGKILL: {} requests, {reported} tokens reported, used {used} ({:+}), bound of the kill {lost_bound}",
         sent.len(),
