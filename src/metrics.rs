@@ -545,6 +545,12 @@ pub fn settle_backlog_full() {
     counter!("gateway_settle_backlog_full_total").increment(1);
 }
 
+/// A batch of settlements whose call may have run (its answer lost): sent
+/// again under its marker, so it is settled once.
+pub fn settle_in_doubt() {
+    counter!("gateway_settle_in_doubt_total").increment(1);
+}
+
 /// A charged answer of a fallback admission whose debt failback had
 /// already charged (or dropped for room): settled on the local bucket only.
 pub fn settle_after_failback() {

@@ -10,6 +10,10 @@ ARGV[1]  now in microseconds since the epoch, or "" to use Redis's own TIME,
 ARGV[2]  this replica's id: a log entry is named by its time, this id and
          its rank among entries of the same time, so two replicas' entries
          stay apart and charging the same debt twice adds nothing
+ARGV[3]  a marker, or "": a call with a marker writes it (for ten minutes)
+         with what it writes, and a call whose marker is already there
+         writes nothing and returns 0: it ran before, and its answer was
+         lost (a settlement sent again under the same marker)
 then per bucket (KEYS[k], in order): kind, p1, p2 (as in limiter.lua), then
 n, the number of debt values, then the values:
          kind 1, 2 (GCRA)     count, tat   tat: the arrival time of these
@@ -31,7 +35,7 @@ Returns the number of buckets written.
 Worked example: 4 requests admitted locally from a token bucket of 20 at 10/s
 between 1700000000000000 and 1700000000000300 (tat 1700000000400000), the
 shared bucket holding tat 1700000000900000, charged at 1700000000000400:
-  EVALSHA <sha> 1 rl:key:free:tb-20-10:k:demo 1700000000000400 t1
+  EVALSHA <sha> 1 rl:key:free:tb-20-10:k:demo 1700000000000400 t1 ""
           1 20 10  2 4 1700000000400000
   -> the bucket holds max(1700000000900000 + 4 * 100000, 1700000000400000)
      = 1700000001300000, and 1 is returned.
@@ -63,6 +67,8 @@ end
 -- (the gateway builds the script with limiter.quota_retention_days).
 local QUOTA_KEEP_US = 60000000
 local tag = ARGV[2]
+local marker = ARGV[3]
+local MARK_PX = 600000
 
 local function bad(why)
   return redis.error_reply('charge.lua: ' .. why)
@@ -80,7 +86,7 @@ local function roll(win, prev, cur, n)
 end
 
 -- Checked whole first: a malformed call writes nothing.
-local a, plan = 3, {}
+local a, plan = 4, {}
 for k = 1, #KEYS do
   local kind, p1, p2, n = tonum(ARGV[a]), tonum(ARGV[a + 1]), tonum(ARGV[a + 2]), tonum(ARGV[a + 3])
   if kind == nil or kind < 1 or kind > 6 or kind % 1 ~= 0 or p1 == nil or p2 == nil
@@ -99,6 +105,9 @@ for k = 1, #KEYS do
   a = a + 4 + n
 end
 if a ~= #ARGV + 1 then return bad('arguments left over') end
+if marker ~= '' and not call('SET', marker, '1', 'NX', 'PX', MARK_PX) then
+  return 0
+end
 
 local written = 0
 for k = 1, #KEYS do

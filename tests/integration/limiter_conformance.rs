@@ -1195,7 +1195,7 @@ async fn settlements_agree() {
             }
             p.local.settle_at(&c, delta, at, p.now());
             p.redis
-                .settle(&[(c.clone(), delta, at)], "r1")
+                .settle(&[(c.clone(), delta, at)], "r1", None)
                 .await
                 .expect("charge.lua");
             p.decide(std::slice::from_ref(&c)).await;
@@ -1205,4 +1205,42 @@ async fn settlements_agree() {
         debts > 50 && refunds > 50,
         "debts {debts}, refunds {refunds}"
     );
+}
+
+/// A batch of settlements sent again under its marker (its first call ran
+/// and its answer was lost: `RedisBackend::settle_marker`) is settled once;
+/// under another marker, it is settled again. Checked against the local
+/// backend settling each once: both then decide alike.
+#[tokio::test]
+async fn a_settlement_sent_again_under_its_marker_is_settled_once() {
+    let p = Pair::new();
+    let alg = Algorithm::FixedWindow {
+        limit: 100,
+        window_secs: 3600,
+    };
+    let mut c = check(Tier::Route, "marked", alg, "global");
+    c.cost = 50;
+    let at = p.now();
+    assert!(p.decide(std::slice::from_ref(&c)).await[0].allowed);
+    let owed = [(c.clone(), 30, at)];
+    for marker in ["ct:settled:1", "ct:settled:1", "ct:settled:1"] {
+        p.redis
+            .settle(&owed, "r1", Some(marker))
+            .await
+            .expect("charge.lua");
+    }
+    p.local.settle_at(&c, 30, at, p.now());
+    c.cost = 1;
+    let d = p.decide(std::slice::from_ref(&c)).await;
+    assert_eq!(d[0].remaining, 100 - 50 - 30 - 1, "settled once: {d:?}");
+    let refund = [(c.clone(), -20, at)];
+    for marker in ["ct:settled:2", "ct:settled:2"] {
+        p.redis
+            .settle(&refund, "r1", Some(marker))
+            .await
+            .expect("charge.lua");
+    }
+    p.local.settle_at(&c, -20, at, p.now());
+    let d = p.decide(std::slice::from_ref(&c)).await;
+    assert_eq!(d[0].remaining, 100 - 50 - 30 - 1 + 20 - 1, "{d:?}");
 }

@@ -23,12 +23,20 @@ pub const SETTLE_EVERY: Duration = Duration::from_millis(100);
 /// still kept, never dropped.
 const MOST_PENDING: usize = 100_000;
 
+/// One bucket's settlement: its check, tokens (positive: a debt), and when
+/// the first settlement's request was admitted.
+type Settlement = (Check, i64, Micros);
+
 /// What this replica owes Redis per bucket: tokens (positive: a debt) and
 /// when the first settlement's request was admitted (a refund counts in
 /// the window it was taken in).
 #[derive(Default)]
 pub(super) struct Owed {
-    by_key: Mutex<HashMap<String, (Check, i64, Micros)>>,
+    by_key: Mutex<HashMap<String, Settlement>>,
+    /// A batch whose call may have run (its answer was lost), with its
+    /// marker: sent again as it was before anything new, so it is
+    /// settled once (`RedisBackend::settle`).
+    in_doubt: Mutex<Option<(String, Vec<Settlement>)>>,
 }
 
 impl Owed {
@@ -43,11 +51,11 @@ impl Owed {
 
     /// Whether anything is owed.
     pub(super) fn any(&self) -> bool {
-        !self.by_key.lock().is_empty()
+        !self.by_key.lock().is_empty() || self.in_doubt.lock().is_some()
     }
 
     /// What is owed, taken to be sent.
-    fn take(&self) -> Vec<(Check, i64, Micros)> {
+    fn take(&self) -> Vec<Settlement> {
         std::mem::take(&mut *self.by_key.lock())
             .into_values()
             .filter(|(_, d, _)| *d != 0)
@@ -133,13 +141,28 @@ impl Fallback {
     }
 
     /// What is owed to Redis now, sent in `charge.lua`'s batches. A call
-    /// that fails leaves what it did not write owed.
+    /// that fails before it runs leaves what it did not write owed; one
+    /// that may have run (its answer lost) leaves its whole batch in doubt,
+    /// sent again under the same marker next time: the calls that ran
+    /// write nothing then (settled once), the others write. Without a
+    /// marker (a cluster), what was not written is owed again, and a call
+    /// that ran is settled twice.
     pub(super) async fn send_owed(&self, redis: &RedisBackend) {
-        let owed = self.owed.take();
-        if owed.is_empty() {
-            return;
-        }
-        match redis.settle(&owed, &self.replica_id).await {
+        let again = self.owed.in_doubt.lock().take();
+        let (marker, owed) = match again {
+            Some((marker, owed)) => (Some(marker), owed),
+            None => {
+                let owed = self.owed.take();
+                if owed.is_empty() {
+                    return;
+                }
+                (redis.settle_marker(), owed)
+            }
+        };
+        match redis
+            .settle(&owed, &self.replica_id, marker.as_deref())
+            .await
+        {
             Ok(_) => {
                 let debt = owed.iter().filter(|o| o.1 > 0).map(|o| o.1 as u64).sum();
                 let back = owed
@@ -149,8 +172,10 @@ impl Fallback {
                     .sum();
                 metrics::settled(debt, back);
             }
-            // Those not written are owed again (a call that ran and whose
-            // answer was lost is settled twice).
+            Err((_, e)) if e.may_have_run() && marker.is_some() => {
+                metrics::settle_in_doubt();
+                *self.owed.in_doubt.lock() = marker.map(|m| (m, owed));
+            }
             Err((written, _)) => {
                 for (c, n, at) in owed.into_iter().skip(written) {
                     self.owed.add(&c, n, at);

@@ -520,18 +520,31 @@ impl RedisBackend {
                 (c, values)
             })
             .collect();
-        self.charge_values(&items, replica).await
+        self.charge_values(&items, replica, None).await
+    }
+
+    /// A marker for one batch of settlements (`settle`): standalone and
+    /// Sentinel only (a cluster's calls carry none, like `Marks`).
+    pub fn settle_marker(&self) -> Option<String> {
+        self.inner.marks.as_ref().map(|m| {
+            let n = m.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            format!("{}:settled:{n}", m.name)
+        })
     }
 
     /// Settles charged answers (`charge`): per bucket, tokens owed beyond
     /// the estimates (positive) or given back (negative; in the window they
     /// were taken in, `at`), in `charge.lua`'s batches. A token or leaky
     /// bucket goes below empty for a debt, and back no further than full for
-    /// a refund; a count never below zero.
+    /// a refund; a count never below zero. With a `marker`
+    /// (`settle_marker`), each batch call writes it, and a batch whose
+    /// marker is already there writes nothing: the same settlements sent
+    /// again, after a call whose answer was lost, are settled once.
     pub async fn settle(
         &self,
         owed: &[(Check, i64, Micros)],
         replica: &str,
+        marker: Option<&str>,
     ) -> Result<usize, (usize, LimiterError)> {
         let now = match &self.inner.clock {
             Some(clock) => clock.now_us(),
@@ -541,13 +554,14 @@ impl RedisBackend {
             .iter()
             .filter_map(|(c, delta, at)| Some((c, settle_values(&c.algorithm, *delta, *at, now)?)))
             .collect();
-        self.charge_values(&items, replica).await
+        self.charge_values(&items, replica, marker).await
     }
 
     async fn charge_values(
         &self,
         items: &[(&Check, Vec<String>)],
         replica: &str,
+        marker: Option<&str>,
     ) -> Result<usize, (usize, LimiterError)> {
         let mut conn = self.inner.probe_connection().map_err(|e| (0, e))?;
         let per_call = match conn {
@@ -570,6 +584,12 @@ impl RedisBackend {
                 (None, None) => inv.arg(""),
             };
             inv.arg(replica);
+            // Each batch call its own marker: a retry of the whole sends
+            // the calls that ran again, and they write nothing.
+            match marker {
+                Some(m) => inv.arg(format!("{m}:{i}")),
+                None => inv.arg(""),
+            };
             for (c, values) in chunk {
                 inv.key(c.key.as_str());
                 let (kind, p1, p2) = script_args(&c.algorithm);
