@@ -88,7 +88,9 @@ function limitsQuery(c) {
   return "key=" + encodeURIComponent(name);
 }
 
-function drawTop(top) {
+// `top`: /top's answer; off (`[admin] top = false`) it says so instead.
+function drawTop({ status, body: top }) {
+  $("top-note").textContent = status === 200 ? "" : top.error || `/top answered ${status}`;
   fill("top", (top.clients || []).map((c) => ({
     client: c,
     cells: [[c.client], [c.route], [c.tier], [String(c.refused), true], [String(c.admitted), true],
@@ -169,7 +171,7 @@ async function tick() {
     const [ready, metrics, top] = await Promise.all([
       json("/readyz").then((r) => r.body),
       fetch("/metrics").then((r) => r.text()).then(parseMetrics),
-      json("/top?limit=20").then((r) => r.body),
+      json("/top?limit=20"),
     ]);
     drawDecisions(metrics, at);
     drawTop(top);
