@@ -228,50 +228,52 @@ impl Top {
             self.last_refusal
                 .fetch_max(slot_of(now_us), Ordering::Relaxed);
         }
-        // Every ring the request needs is there (all but the first refusal
-        // on a route and tier): one read of the routes for all its tiers.
-        {
-            let rings = self.rings.read();
-            if let Some(per) = rings.get(route).filter(|per| {
-                tiers
-                    .iter()
-                    .all(|(kind, seen)| *seen == Seen::Admitted || per[kind.index()].is_some())
-            }) {
-                for &(kind, seen) in tiers {
-                    if let Some(ring) = &per[kind.index()] {
-                        count(&mut ring.lock(), seen, client(kind), now_us);
-                    }
+        // Every ring the request needs is there but for a first refusal on
+        // a route and tier: that one makes its ring, then counts as any.
+        if !self.count_each(route, tiers, &client, now_us) {
+            for &(kind, seen) in tiers {
+                if seen == Seen::Refused {
+                    self.make_ring(route, kind.index());
                 }
-                return;
             }
+            self.count_each(route, tiers, &client, now_us);
+        }
+    }
+
+    /// Counts each tier into its ring, under one read of the routes; false
+    /// (counting nothing) when a refused tier has no ring yet.
+    fn count_each<'a>(
+        &self,
+        route: &str,
+        tiers: &[(crate::limiter::LimitKind, Seen)],
+        client: &impl Fn(crate::limiter::LimitKind) -> &'a str,
+        now_us: i64,
+    ) -> bool {
+        let rings = self.rings.read();
+        let per = rings.get(route);
+        let has = |kind: crate::limiter::LimitKind| per.is_some_and(|p| p[kind.index()].is_some());
+        if !tiers
+            .iter()
+            .all(|&(kind, seen)| seen == Seen::Admitted || has(kind))
+        {
+            return false;
         }
         for &(kind, seen) in tiers {
-            let ring = match seen {
-                Seen::Refused => self.ring_or_new(route, kind.index()),
-                Seen::Admitted => match self.ring(route, kind.index()) {
-                    Some(r) => r,
-                    None => continue,
-                },
-            };
-            count(&mut ring.lock(), seen, client(kind), now_us);
+            if let Some(ring) = per.and_then(|p| p[kind.index()].as_ref()) {
+                count(&mut ring.lock(), seen, client(kind), now_us);
+            }
         }
+        true
     }
 
-    fn ring(&self, route: &str, kind: usize) -> Option<Arc<Mutex<Ring>>> {
-        self.rings.read().get(route)?[kind].clone()
-    }
-
-    fn ring_or_new(&self, route: &str, kind: usize) -> Arc<Mutex<Ring>> {
-        if let Some(r) = self.ring(route, kind) {
-            return r;
-        }
+    /// Makes `route`'s ring for `kind` if it has none (the first refusal
+    /// there).
+    fn make_ring(&self, route: &str, kind: usize) {
         let mut rings = self.rings.write();
         let per = rings
             .entry(route.to_string())
             .or_insert_with(|| std::array::from_fn(|_| None));
-        per[kind]
-            .get_or_insert_with(|| Arc::new(Mutex::new(Ring::new())))
-            .clone()
+        per[kind].get_or_insert_with(|| Arc::new(Mutex::new(Ring::new())));
     }
 
     /// Forgets everything (a reload may rename routes).
