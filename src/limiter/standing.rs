@@ -210,16 +210,22 @@ impl Standing {
 
     /// Whether this check's bucket is cut into a pool and shares.
     pub fn cuts(&self, c: &Check) -> bool {
-        cuts(c, &self.settings, self.replicas())
+        cuts(c, &self.settings, self.replicas_for(c))
     }
 
-    /// The replicas shares are cut for now: the membership's count, never
-    /// fewer than `limiter.instances`.
-    fn replicas(&self) -> u32 {
-        self.view
-            .load()
-            .as_deref()
-            .map_or(self.instances, |v| v.n.max(self.instances))
+    /// The replicas shares are cut for now, as `cuts` needs them for `c`:
+    /// the membership's count (never fewer than `limiter.instances`) for a
+    /// charged bucket, whose cut depends on it; no read of the membership
+    /// for any other (on every request's path).
+    fn replicas_for(&self, c: &Check) -> u32 {
+        match c.charged {
+            true => self
+                .view
+                .load()
+                .as_deref()
+                .map_or(self.instances, |v| v.n.max(self.instances)),
+            false => self.instances,
+        }
     }
 
     /// The checks as Redis decides them: a cut bucket's pool in its place
@@ -232,7 +238,7 @@ impl Standing {
     }
 
     pub fn pool_check(&self, c: &Check) -> Check {
-        pool_check(c, &self.settings, self.replicas())
+        pool_check(c, &self.settings, self.replicas_for(c))
     }
 
     /// A heartbeat sent at `sent` and answered at `answered` counted

@@ -2,7 +2,8 @@
 //! admitted on an estimate, and once the answer says what it cost the
 //! difference goes where each tier was decided. A share's difference is
 //! settled on the share at once; a local bucket's on the local bucket and
-//! in the debt failback charges (`Ledger::settle_charge`); a leased tier's through its lease (`leases::settle`: a refund back to the
+//! in the debt failback charges (`Ledger::settle_charge`); a leased tier's
+//! through its lease (`leases::settle`: a refund back to the
 //! lease, a debt spent from it), so no refund moves a bucket under a
 //! lease's floor. What is left (a debt its lease could not cover, a refund
 //! of a tier a call decided before this replica's lease, a quota's) is owed

@@ -164,6 +164,15 @@ struct Marks {
     next: std::sync::atomic::AtomicU64,
 }
 
+impl Marks {
+    /// The next call's marker, `<name>:<kind><n>` (`kind` "" for a call
+    /// deciding requests, "settled:" for a batch of settlements).
+    fn next(&self, kind: &str) -> String {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{}:{kind}{n}", self.name)
+    }
+}
+
 /// How long a call's marker lives: a lost answer is settled by the
 /// failback after it, if Redis answers within this long; after that its
 /// requests are charged twice (the old way, never over a limit).
@@ -526,10 +535,7 @@ impl RedisBackend {
     /// A marker for one batch of settlements (`settle`): standalone and
     /// Sentinel only (a cluster's calls carry none, like `Marks`).
     pub fn settle_marker(&self) -> Option<String> {
-        self.inner.marks.as_ref().map(|m| {
-            let n = m.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            format!("{}:settled:{n}", m.name)
-        })
+        self.inner.marks.as_ref().map(|m| m.next("settled:"))
     }
 
     /// Settles charged answers (`charge`): per bucket, tokens owed beyond
@@ -686,10 +692,7 @@ impl Inner {
             .marks
             .as_ref()
             .filter(|_| requests.iter().any(|r| !r.is_empty()))
-            .map(|m| {
-                let n = m.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                format!("{}:{n}", m.name).into()
-            });
+            .map(|m| m.next("").into());
         // A call that may have run hands its marker to its requests.
         let failed = |e: LimiterError| Failed {
             marker: marker.clone().filter(|_| e.may_have_run()),
