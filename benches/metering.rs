@@ -7,6 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use ratelimit_gateway::config::JsonPath;
 use ratelimit_gateway::metering::json_scan::JsonScan;
 use ratelimit_gateway::metering::sse::SseScan;
 
@@ -37,6 +38,7 @@ fn json_body() -> Vec<u8> {
 }
 
 fn bench(c: &mut Criterion) {
+    let path = JsonPath::from("usage.total_tokens");
     let chunks = sse_chunks();
     let mut g = c.benchmark_group("metering");
     g.bench_function("sse: copy the chunks (baseline)", |b| {
@@ -50,7 +52,7 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("sse: scan the chunks", |b| {
         b.iter(|| {
-            let mut s = SseScan::new("usage.total_tokens");
+            let mut s = SseScan::new(&path);
             for ch in &chunks {
                 s.feed(black_box(ch));
             }
@@ -60,8 +62,20 @@ fn bench(c: &mut Criterion) {
     let body = json_body();
     g.bench_function("json: scan the body", |b| {
         b.iter(|| {
-            let mut s = JsonScan::new("usage.total_tokens");
+            let mut s = JsonScan::new(&path);
             s.feed(black_box(&body));
+            s.finish();
+            s.found()
+        })
+    });
+    // A request's estimate, read before its first byte goes on: the charge
+    // bench's request body.
+    let estimate = JsonPath::from("max_tokens");
+    let request = br#"{"model":"mock","max_tokens":256,"stream":false}"#;
+    g.bench_function("estimate: scan the request body", |b| {
+        b.iter(|| {
+            let mut s = JsonScan::new(&estimate);
+            s.feed(black_box(request));
             s.finish();
             s.found()
         })

@@ -145,14 +145,15 @@ impl Plan {
         if self.units == 0 {
             return;
         }
-        let mut checks = self.checks.to_vec();
+        // The plan's own checks (`classify` shares them with nobody yet):
+        // changed in place, not copied with their keys.
+        let checks = Arc::make_mut(&mut self.checks);
         for (i, c) in checks.iter_mut().enumerate() {
             if self.units & (1 << i) != 0 {
                 c.cost = estimate.clamp(1, crate::limiter::algorithms::quota(&c.algorithm).max(1));
                 c.charged = true;
             }
         }
-        self.checks = checks.into();
     }
 }
 

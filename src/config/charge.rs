@@ -3,6 +3,7 @@
 //! cap. Limits with `cost = "response"` count in these units.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use toml::de::{DeTable, DeValue};
 use toml::Spanned;
@@ -45,16 +46,52 @@ pub enum CostSource {
     /// A response header (lower-case name).
     Header(String),
     /// A field of a JSON body, by object keys (`usage.total_tokens`).
-    Json(String),
+    Json(JsonPath),
     /// That field in the last server-sent event holding it.
-    Sse(String),
+    Sse(JsonPath),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Estimate {
     /// A field of the request's JSON body (`max_tokens`).
-    Json(String),
+    Json(JsonPath),
     Fixed(u64),
+}
+
+/// Object keys from a JSON document's root (`usage.total_tokens`), split
+/// once when the config is read: a request's scanners share them rather
+/// than splitting the text again before the first byte goes on.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JsonPath {
+    text: Box<str>,
+    keys: Arc<[Box<[u8]>]>,
+}
+
+impl JsonPath {
+    pub fn keys(&self) -> &Arc<[Box<[u8]>]> {
+        &self.keys
+    }
+}
+
+impl From<&str> for JsonPath {
+    fn from(text: &str) -> Self {
+        JsonPath {
+            text: text.into(),
+            keys: text.split('.').map(|k| k.as_bytes().into()).collect(),
+        }
+    }
+}
+
+impl std::fmt::Display for JsonPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::fmt::Debug for JsonPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.text)
+    }
 }
 
 pub(super) fn read(
@@ -220,12 +257,12 @@ fn source(s: &str) -> Result<CostSource, String> {
 }
 
 /// Object keys joined by dots: `usage.total_tokens`.
-fn json_path(s: &str) -> Result<String, String> {
+fn json_path(s: &str) -> Result<JsonPath, String> {
     if !s.is_empty()
         && s.split('.')
             .all(|k| !k.is_empty() && !k.contains(['"', '\\']))
     {
-        Ok(s.to_string())
+        Ok(JsonPath::from(s))
     } else {
         Err(format!(
             "expected a path of object keys joined by dots (usage.total_tokens), found \"{s}\""

@@ -29,7 +29,7 @@ mod url;
 use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
-pub use charge::{Charge, CostSource, Estimate};
+pub use charge::{Charge, CostSource, Estimate, JsonPath};
 pub use clients::KeySnapshot;
 pub use model::*;
 pub use traces::Resolved as TracingResolved;

@@ -2,12 +2,19 @@
 //! whatever the text's size: the value at a path of object keys
 //! (`usage.total_tokens`), as a response body streams past.
 //!
-//! It keeps no part of the document: per open container one byte, the
+//! It keeps no part of the document: per open container one bit, the
 //! number being read (at most `MAX_NUMBER` bytes) and how far the current
 //! key matches its path segment. A key with an escape (`\"`, `\u0041`)
 //! never matches; nesting past `MAX_DEPTH` ends the scan as malformed.
+//! A scan allocates nothing: it runs before a charged request's first
+//! byte goes on (its estimate) and as the answer passes.
 
-/// Nesting deeper than this is refused (a real usage object is shallow).
+use std::sync::Arc;
+
+use crate::config::JsonPath;
+
+/// Nesting deeper than this is refused (a real usage object is shallow);
+/// one bit a level (`Stack`).
 pub const MAX_DEPTH: usize = 128;
 
 /// A number longer than this is not a count.
@@ -66,9 +73,80 @@ enum State {
     Malformed,
 }
 
+/// The open containers, innermost last: bit i set for an array at depth i.
+#[derive(Default)]
+struct Stack {
+    len: usize,
+    arrays: u128,
+}
+
+impl Stack {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn last(&self) -> Option<&Frame> {
+        let top = self.len.checked_sub(1)?;
+        Some(match self.arrays >> top & 1 {
+            1 => &Frame::Array,
+            _ => &Frame::Object,
+        })
+    }
+
+    /// The caller keeps `len` below `MAX_DEPTH`.
+    fn push(&mut self, frame: Frame) {
+        let bit = 1u128 << self.len;
+        match frame {
+            Frame::Array => self.arrays |= bit,
+            Frame::Object => self.arrays &= !bit,
+        }
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<Frame> {
+        let frame = *self.last()?;
+        self.len -= 1;
+        Some(frame)
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// The atom being read: the target's number (one byte past `MAX_NUMBER`
+/// tells a number too long), or enough of another to tell a literal.
+struct Atom {
+    bytes: [u8; MAX_NUMBER + 1],
+    len: usize,
+}
+
+impl Atom {
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn push(&mut self, b: u8) {
+        self.bytes[self.len] = b;
+        self.len += 1;
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
 pub struct JsonScan {
-    path: Vec<Box<[u8]>>,
-    stack: Vec<Frame>,
+    path: Arc<[Box<[u8]>]>,
+    stack: Stack,
     /// Arrays among `stack` (the target never sits inside one).
     arrays: usize,
     /// How many open objects, from the root, sit at their path segment's
@@ -79,25 +157,25 @@ pub struct JsonScan {
     key_matches: bool,
     state: State,
     /// The target's atom, being read.
-    atom: Vec<u8>,
+    atom: Atom,
     target_atom: bool,
     found: Found,
 }
 
 impl JsonScan {
-    /// `path`: object keys from the root, dot-separated (`usage.total_tokens`).
-    pub fn new(path: &str) -> Self {
+    /// A scan for the value at `path` (object keys from the root).
+    pub fn new(path: &JsonPath) -> Self {
         JsonScan {
-            path: path
-                .split('.')
-                .map(|s| s.as_bytes().to_vec().into_boxed_slice())
-                .collect(),
-            stack: Vec::new(),
+            path: path.keys().clone(),
+            stack: Stack::default(),
             arrays: 0,
             matched: 0,
             key_matches: false,
             state: State::Value,
-            atom: Vec::new(),
+            atom: Atom {
+                bytes: [0; MAX_NUMBER + 1],
+                len: 0,
+            },
             target_atom: false,
             found: Found::Nothing,
         }
@@ -332,7 +410,7 @@ impl JsonScan {
     }
 
     fn end_atom(&mut self) {
-        let atom = &self.atom[..];
+        let atom = self.atom.as_slice();
         // A number starts with `-` or a digit; anything else must be a
         // literal (compared byte by byte: no call for a short atom).
         let number = matches!(atom.first(), Some(b'-' | b'0'..=b'9'));
@@ -417,7 +495,7 @@ mod tests {
     use super::*;
 
     fn scan(path: &str, text: &str) -> (Found, bool) {
-        let mut s = JsonScan::new(path);
+        let mut s = JsonScan::new(&path.into());
         s.feed(text.as_bytes());
         s.finish();
         (s.found(), s.malformed())
@@ -427,7 +505,7 @@ mod tests {
     fn scan_split(path: &str, text: &str) -> (Found, bool) {
         let whole = scan(path, text);
         for i in 0..=text.len() {
-            let mut s = JsonScan::new(path);
+            let mut s = JsonScan::new(&path.into());
             s.feed(&text.as_bytes()[..i]);
             s.feed(&text.as_bytes()[i..]);
             s.finish();
@@ -509,8 +587,33 @@ mod tests {
     }
 
     #[test]
+    fn nesting_up_to_the_deepest_is_read_level_by_level() {
+        // MAX_DEPTH levels, objects and arrays in turn, closed in order:
+        // each close must find its own kind, or the text reads malformed.
+        let (mut open, mut close) = (String::new(), String::new());
+        for i in 0..MAX_DEPTH {
+            if i % 2 == 0 {
+                open.push_str(r#"{"k":"#);
+                close.insert(0, '}');
+            } else {
+                open.push('[');
+                close.insert(0, ']');
+            }
+        }
+        let text = format!("{open}1{close}");
+        assert_eq!(scan("k", &text), (Found::NotNumber, false));
+        // One close of the wrong kind anywhere is malformed.
+        let wrong = format!("{open}1{}]", &close[..close.len() - 1]);
+        assert!(scan("k", &wrong).1);
+        // The target inside the deepest object.
+        let path = vec!["k"; MAX_DEPTH].join(".");
+        let text = format!("{}7{}", r#"{"k":"#.repeat(MAX_DEPTH), "}".repeat(MAX_DEPTH));
+        assert_eq!(scan(&path, &text), (Found::Number(7.0), false));
+    }
+
+    #[test]
     fn a_cut_document_is_incomplete_not_malformed() {
-        let mut s = JsonScan::new("usage.total_tokens");
+        let mut s = JsonScan::new(&"usage.total_tokens".into());
         s.feed(br#"{"usage": {"total_tok"#);
         s.finish();
         assert_eq!(
@@ -530,7 +633,7 @@ mod tests {
 
     #[test]
     fn documents_one_after_another() {
-        let mut s = JsonScan::new("usage.total_tokens");
+        let mut s = JsonScan::new(&"usage.total_tokens".into());
         s.feed(br#"{"usage": {"total_tokens": 7}}"#);
         assert!(s.complete());
         s.reset();

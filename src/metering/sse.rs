@@ -34,7 +34,7 @@ pub struct SseScan {
 }
 
 impl SseScan {
-    pub fn new(path: &str) -> Self {
+    pub fn new(path: &crate::config::JsonPath) -> Self {
         SseScan {
             scan: JsonScan::new(path),
             settled: Found::Nothing,
@@ -145,12 +145,12 @@ mod tests {
 
     fn scan_all_splits(text: &str) -> (Found, u64, u64) {
         let whole = {
-            let mut s = SseScan::new("usage.total_tokens");
+            let mut s = SseScan::new(&"usage.total_tokens".into());
             s.feed(text.as_bytes());
             (s.found(), s.events, s.not_json)
         };
         for i in 0..=text.len() {
-            let mut s = SseScan::new("usage.total_tokens");
+            let mut s = SseScan::new(&"usage.total_tokens".into());
             s.feed(&text.as_bytes()[..i]);
             s.feed(&text.as_bytes()[i..]);
             assert_eq!((s.found(), s.events, s.not_json), whole, "split at {i}");

@@ -7,6 +7,7 @@
 use super::*;
 use crate::config::{Charge, Estimate};
 use crate::metering::{self, Ended, Meter};
+use bytes::{Bytes, BytesMut};
 
 /// The most body Pingora keeps to send on after it was read here (its
 /// retry buffer): a larger or chunked body is not read for its estimate.
@@ -142,8 +143,9 @@ impl Gateway {
 }
 
 /// The request body, when it has a length Pingora's retry buffer keeps
-/// (then sent on to the upstream from there); None otherwise.
-async fn read_small_body(session: &mut Session) -> std::result::Result<Option<Vec<u8>>, Reply> {
+/// (then sent on to the upstream from there); None otherwise. A body read
+/// in one piece (the usual small request) is that piece, not a copy.
+async fn read_small_body(session: &mut Session) -> std::result::Result<Option<Bytes>, Reply> {
     let len = session
         .req_header()
         .headers
@@ -153,20 +155,36 @@ async fn read_small_body(session: &mut Session) -> std::result::Result<Option<Ve
         return Ok(None);
     };
     session.enable_retry_buffering();
-    let mut body = Vec::with_capacity(len as usize);
+    let mut first = Bytes::new();
+    let mut joined: Option<BytesMut> = None;
     loop {
-        match session.read_request_body().await {
-            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+        let read = match session.read_request_body().await {
+            Ok(Some(chunk)) => match &mut joined {
+                None if first.is_empty() => {
+                    first = chunk;
+                    first.len()
+                }
+                None => {
+                    let j = joined.insert(BytesMut::with_capacity(len as usize));
+                    j.extend_from_slice(&first);
+                    j.extend_from_slice(&chunk);
+                    j.len()
+                }
+                Some(j) => {
+                    j.extend_from_slice(&chunk);
+                    j.len()
+                }
+            },
             Ok(None) => break,
             Err(_) => return Err(responses::no_estimate("the request body could not be read")),
-        }
-        if body.len() as u64 > len {
+        };
+        if read as u64 > len {
             return Err(responses::no_estimate(
                 "the request body is longer than its Content-Length",
             ));
         }
     }
-    Ok(Some(body))
+    Ok(Some(joined.map_or(first, BytesMut::freeze)))
 }
 
 /// A line about an answer whose cost was not read, at most one a second

@@ -282,6 +282,44 @@ fn a_request_with_no_estimate_is_refused_before_any_bucket() {
     );
 }
 
+/// A body that arrives in pieces (the field's name cut between two of
+/// them) is read whole for its estimate, and reaches the upstream whole.
+#[test]
+fn a_body_in_pieces_is_read_whole_for_its_estimate() {
+    use std::io::{Read, Write};
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let g = GatewayGuard::start(&config(&up, &redis));
+    // `max_tokens` 1: the mock answers one token only if it read it too.
+    let body = br#"{"model":"m","max_tokens":1}"#;
+    let mut s = std::net::TcpStream::connect(g.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let head = format!(
+        "POST {CHAT} HTTP/1.1\r\nhost: x\r\nx-api-key: tenant-a-secret\r\n\
+         content-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("head");
+    for piece in [&body[..20], &body[20..]] {
+        std::thread::sleep(Duration::from_millis(100));
+        s.write_all(piece).expect("piece");
+    }
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).expect("answer");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.contains("x-ratelimit-remaining-tokens"),
+        "admitted on its estimate: {answer}"
+    );
+    assert!(
+        answer.contains(r#""total_tokens":1}"#),
+        "the upstream read the body whole: {answer}"
+    );
+    assert_eq!(up.count(CHAT), 1, "the upstream saw it once");
+}
+
 /// Three replicas on one Redis, leases and shares on: one client with a
 /// budget of 20,000 tokens a minute (a token bucket of 20,000 refilling
 /// 333.33/s) and a monthly quota of tokens sends streamed and unstreamed
