@@ -24,22 +24,24 @@ charged-sse (`"stream": true`). In rounds (the order forward, then reversed,
    from /proc/PID/stat over the window, over requests); Redis's script calls
    (evalsha and the like, INFO commandstats) and all its commands per
    request; the gateway's charge reasons and decision paths (/metrics).
-2. time to first byte, paired: one client (this process, stdlib sockets, a
-   keep-alive connection per route) sends --pairs pairs, a plain and a
-   charged request one after the other, the order alternating (P C, C P,
-   ...); `x-mock-tokens` fixes the answer (the same on every request), SSE
-   answers with `x-mock-chunk-ms` before each piece. Send -> first byte of
-   the body, and send -> last byte. The round's median of charged - plain
-   (with a distribution-free 95% interval) is what `charge` adds; the noise
-   it is compared with is plain against plain in the same window: each
-   plain request less the plain one before it (1 to 3 requests earlier),
-   the far end from 0 of the 95% interval of that median (the largest
-   median difference two identical routes show in this design).
+2. time to first byte, in paired windows: one client (this process,
+   stdlib sockets, one keep-alive connection for all three) sends
+   --triples triples: the plain request twice (A, B) and the charged one
+   (C), in the six orders in turn; `x-mock-tokens` fixes the answer (the
+   same on every request), SSE answers with `x-mock-chunk-ms` before each
+   piece. Send -> first byte of the body, and send -> last byte. Each
+   --window consecutive triples are a paired window: its median of C - A
+   is what `charge` adds there, its median of B - A how far the plain
+   route lands from itself (the noise). One connection, because two
+   connections can differ by a few µs (the worker thread each lands on)
+   that a route would be blamed for.
 
 Then per round charged / plain (CPU per request, Redis calls per request)
 and the medians over rounds, and the checks: CPU ratio <= --cpu-limit (json
-and sse); the added TTFB (the median of the rounds' medians) at most the
-plain-vs-plain noise (the median of the rounds' figures); Redis script
+and sse); the added TTFB (the median of every window's C - A) at most the
+noise of the paired windows (the 95th percentile of |B - A| over the same
+windows), with every request's C - A pooled and its 95% interval beside it
+(what charge adds, resolved); Redis script
 calls per request beyond the replica's heartbeats (one a second whatever
 the traffic) of charged <= plain's. Writes --out/summary.md, summary.json,
 charge.png, raw/ (each window's wrk JSON and TTFB samples), config/, logs/.
@@ -437,23 +439,31 @@ def raw_request(port, route, kind, a):
             f"x-mock-tokens: {a.ttfb_tokens}\r\n{extra}\r\n").encode() + b
 
 
+# Each of the three requests in each place equally often, and after each
+# other kind equally often.
+ORDERS = ("ABC", "BCA", "CAB", "ACB", "BAC", "CBA")
+
+
 def ttfb_window(port, kind, a, n, tag, out, rng):
-    """n pairs, plain then charged and charged then plain in turn (P C, C P,
-    P C, ...), one request at a time; each kind on its own keep-alive
-    connection. The samples, in send order."""
-    reqs = {"P": raw_request(port, "plain", kind, a), "C": raw_request(port, "charged", kind, a)}
-    conns = {k: Conn(port) for k in reqs}
+    """n triples, one request at a time on one keep-alive connection: A and
+    B the plain route (the same request twice), C the charged one, in the
+    six orders in turn. One connection for all three: two connections can
+    differ by a few µs (which worker thread serves each), which a route
+    would otherwise be blamed for. The samples, in send order."""
+    plain = raw_request(port, "plain", kind, a)
+    reqs = {"A": plain, "B": plain, "C": raw_request(port, "charged", kind, a)}
+    conn = Conn(port)
     rows = []
     bad = 0
     try:
         for i in range(n):
-            order = "PC" if i % 2 == 0 else "CP"
+            order = ORDERS[i % len(ORDERS)]
             rec = {"i": i, "order": order}
             for k in order:
                 try:
-                    status, first, end, resp = conns[k].request(reqs[k])
+                    status, first, end, resp = conn.request(reqs[k])
                 except (OSError, ConnectionError, ValueError):
-                    conns[k].close()
+                    conn.close()
                     status, first, end, resp = 0, None, None, b""
                 ok = status == 200 and (b"[DONE]" in resp if kind == "sse" else b'"usage"' in resp)
                 if not ok:
@@ -465,28 +475,28 @@ def ttfb_window(port, kind, a, n, tag, out, rng):
             if a.gap_ms:
                 time.sleep(a.gap_ms / 1e3 * (0.5 + rng.random()))
     finally:
-        for c in conns.values():
-            c.close()
+        conn.close()
     write_json(out / "raw" / f"ttfb-{tag}.json", rows)
     return rows, bad
 
 
-def pair_diffs(rows, what):
-    """charged - plain of each pair."""
-    return [r[f"C_{what}_ms"] - r[f"P_{what}_ms"] for r in rows
-            if r[f"C_{what}_ms"] is not None and r[f"P_{what}_ms"] is not None]
+def diffs(rows, what, x):
+    """x - A of each triple: C - A what the charged route adds, B - A what
+    the plain route shows against itself."""
+    return [r[f"{x}_{what}_ms"] - r[f"A_{what}_ms"] for r in rows
+            if r[f"{x}_{what}_ms"] is not None and r[f"A_{what}_ms"] is not None]
 
 
-def plain_diffs(rows, what):
-    """Plain against plain: each plain request less the one before it (1 to 3
-    requests apart, as a pair's two are 1 apart). In the stream P C C P P C
-    C P ... a request follows one of its own kind or of the other kind in
-    turn, plain and charged alike; a difference of one against the other
-    (a few µs on JSON answers: the other keep-alive connection was used
-    last) enters these differences with alternating signs, as it enters the
-    pairs' charged - plain, and cancels out in both medians."""
-    p = [r[f"P_{what}_ms"] for r in rows]
-    return [p[j + 1] - p[j] for j in range(len(p) - 1) if p[j] is not None and p[j + 1] is not None]
+def windows(rows, what, size):
+    """The paired windows of a round: each `size` consecutive triples (a
+    last, shorter run is left out), its median of charged - plain and of
+    plain - plain."""
+    out = []
+    for s in range(0, len(rows) - size + 1, size):
+        c, b = diffs(rows[s:s + size], what, "C"), diffs(rows[s:s + size], what, "B")
+        if c and b:
+            out.append((statistics.median(c), statistics.median(b)))
+    return out
 
 
 def median_ci(vals, z=1.96):
@@ -500,20 +510,27 @@ def median_ci(vals, z=1.96):
     return statistics.median(s), s[k], s[min(n - 1, n - 1 - k)]
 
 
-def ttfb_summary(rows):
+def added_and_noise(wins):
+    """What charge adds, the median of the windows' charged - plain, and the
+    noise it is held to: how far from 0 the plain route's own windows land
+    (plain - plain), the 95th percentile of its distance from 0."""
+    if not wins:
+        return None, None
+    return (statistics.median(d for d, _ in wins),
+            percentile([abs(aa) for _, aa in wins], 95))
+
+
+def ttfb_summary(rows, size):
     out = {}
     for what in ("ttfb", "end"):
-        plain = [r[f"P_{what}_ms"] for r in rows]
+        plain = [r[f"{k}_{what}_ms"] for r in rows for k in "AB"]
         charged = [r[f"C_{what}_ms"] for r in rows]
-        d = median_ci(pair_diffs(rows, what))
-        aa = median_ci(plain_diffs(rows, what))
+        wins = windows(rows, what, size)
+        added, noise = added_and_noise(wins)
         out[what] = {
             "plain_p50_ms": percentile(plain, 50), "plain_p99_ms": percentile(plain, 99),
             "charged_p50_ms": percentile(charged, 50), "charged_p99_ms": percentile(charged, 99),
-            "median_diff_ms": d[0], "median_diff_ci_ms": [d[1], d[2]],
-            "plain_plain_median_diff_ms": aa[0], "plain_plain_ci_ms": [aa[1], aa[2]],
-            "plain_plain_ci_half_ms": None if aa[0] is None else (aa[2] - aa[1]) / 2,
-            "plain_plain_reach_ms": None if aa[0] is None else max(abs(aa[1]), abs(aa[2])),
+            "windows": [list(w) for w in wins], "added_ms": added, "noise_ms": noise,
         }
     return out
 
@@ -547,7 +564,7 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                 d = per.setdefault((v, kind), {k: [] for k in (
                     "cpu_ratio", "calls_ratio", "plain_calls", "charged_calls", "plain_calls_above",
                     "charged_calls_above", "plain_cpu", "charged_cpu", "plain_rps", "charged_rps", "rps_ratio",
-                    "ttfb_diff", "ttfb_aa", "ttfb_noise", "end_diff", "end_aa", "end_noise",
+                    "ttfb_windows", "end_windows", "ttfb_added",
                     "plain_ttfb_p50", "charged_ttfb_p50", "plain_ttfb_p99", "charged_ttfb_p99")})
                 d["cpu_ratio"].append(cr)
                 d["calls_ratio"].append(rr)
@@ -560,9 +577,8 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                 t = rd["ttfb"].get(f"{v}/{kind}")
                 if t:
                     for what in ("ttfb", "end"):
-                        d[f"{what}_diff"].append(t[what]["median_diff_ms"])
-                        d[f"{what}_aa"].append(t[what]["plain_plain_median_diff_ms"])
-                        d[f"{what}_noise"].append(t[what]["plain_plain_reach_ms"])
+                        d[f"{what}_windows"] += [tuple(w) for w in t[what]["windows"]]
+                    d["ttfb_added"].append(t["ttfb"]["added_ms"])
                     for side in ("plain", "charged"):
                         d[f"{side}_ttfb_p50"].append(t["ttfb"][f"{side}_p50_ms"])
                         d[f"{side}_ttfb_p99"].append(t["ttfb"][f"{side}_p99_ms"])
@@ -577,24 +593,22 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                                 (f"{fmt(p['redis_script_calls_above_idle_per_req'], 5)} / "
                                  f"{fmt(c['redis_script_calls_above_idle_per_req'], 5)}" if redis_v else ""),
                                 f"{p['other_load_pct']:.0f} / {c['other_load_pct']:.0f}"])
-                if t:
+                if t and t["ttfb"]["windows"]:
                     tt, te = t["ttfb"], t["end"]
                     rows_ttfb.append([rd["round"], v, kind,
                                       f"{fmt(tt['plain_p50_ms'], 3)} / {fmt(tt['plain_p99_ms'], 3)}",
                                       f"{fmt(tt['charged_p50_ms'], 3)} / {fmt(tt['charged_p99_ms'], 3)}",
-                                      f"**{tt['median_diff_ms']:+.3f}** [{tt['median_diff_ci_ms'][0]:+.3f}, "
-                                      f"{tt['median_diff_ci_ms'][1]:+.3f}]",
-                                      f"{tt['plain_plain_median_diff_ms']:+.3f} [{tt['plain_plain_ci_ms'][0]:+.3f}, "
-                                      f"{tt['plain_plain_ci_ms'][1]:+.3f}]",
+                                      ", ".join(f"{w[0]:+.3f}" for w in tt["windows"]),
+                                      ", ".join(f"{w[1]:+.3f}" for w in tt["windows"]),
                                       f"{fmt(te['plain_p50_ms'], 2)} / {fmt(te['charged_p50_ms'], 2)}",
-                                      f"{te['median_diff_ms']:+.3f}",
-                                      f"{te['plain_plain_median_diff_ms']:+.3f} [{te['plain_plain_ci_ms'][0]:+.3f}, "
-                                      f"{te['plain_plain_ci_ms'][1]:+.3f}]",
+                                      f"{te['added_ms']:+.3f} ({te['noise_ms']:.3f})",
                                       t["bad"]])
     checks = []
     medians = {}
     for (v, kind), d in per.items():
-        m = {k: med(vals) for k, vals in d.items()}
+        m = {k: med(vals) for k, vals in d.items() if not k.endswith("_windows")}
+        for what in ("ttfb", "end"):
+            m[f"{what}_diff"], m[f"{what}_noise"] = added_and_noise(d[f"{what}_windows"])
         medians[f"{v}/{kind}"] = m
         redis_v = v != "local"
         rows_ratio.append([v, kind, f"{fmt(m['plain_rps'], 0)} / {fmt(m['charged_rps'], 0)}", fmt(m["rps_ratio"], 3),
@@ -611,20 +625,21 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                        "value": m["cpu_ratio"], "ok": ok,
                        "text": (f"median of the per-round ratios {fmt(m['cpu_ratio'], 3)} "
                                 f"({', '.join(fmt(x, 3) for x in d['cpu_ratio'])})")})
-        if d["ttfb_diff"]:
+        if d["ttfb_windows"]:
             pool = pooled_ttfb[f"{v}/{kind}"]
             ok = m["ttfb_diff"] <= m["ttfb_noise"]
-            checks.append({"name": f"{v} {kind}: time to first byte added by charge within the plain-vs-plain noise",
+            wins = d["ttfb_windows"]
+            checks.append({"name": f"{v} {kind}: time to first byte added by charge within the noise of the paired windows",
                            "value": m["ttfb_diff"], "noise": m["ttfb_noise"], "ok": ok,
-                           "text": (f"charged − plain, the median of the per-round medians, {m['ttfb_diff']:+.3f} ms "
-                                    f"(per round {', '.join(f'{x:+.3f}' for x in d['ttfb_diff'])}) against "
-                                    f"the plain-vs-plain noise {m['ttfb_noise']:.3f} ms, the median over rounds of the far "
-                                    f"end from 0 of the 95% interval of plain − plain's median (per round "
-                                    f"{', '.join(f'{x:.3f}' for x in d['ttfb_noise'])}; "
-                                    f"plain − plain's medians {', '.join(f'{x:+.3f}' for x in d['ttfb_aa'])}); "
-                                    f"pooled over the rounds: charged − plain {pool['ttfb_diff'][0]:+.3f} ms, 95% "
-                                    f"interval [{pool['ttfb_diff'][1]:+.3f}, {pool['ttfb_diff'][2]:+.3f}]; plain − plain "
-                                    f"{pool['ttfb_aa'][0]:+.3f} [{pool['ttfb_aa'][1]:+.3f}, {pool['ttfb_aa'][2]:+.3f}]")})
+                           "text": (f"charged − plain, the median over the {len(wins)} paired windows of "
+                                    f"{a.window} triples, {m['ttfb_diff']:+.3f} ms (windows "
+                                    f"{min(w[0] for w in wins):+.3f} to {max(w[0] for w in wins):+.3f}) against the "
+                                    f"noise {m['ttfb_noise']:.3f} ms, the 95th percentile of how far plain − plain "
+                                    f"lands from 0 in the same windows (windows {min(w[1] for w in wins):+.3f} to "
+                                    f"{max(w[1] for w in wins):+.3f}); every request pooled: charged − plain "
+                                    f"{pool['ttfb_diff'][0]:+.3f} ms, 95% interval [{pool['ttfb_diff'][1]:+.3f}, "
+                                    f"{pool['ttfb_diff'][2]:+.3f}]; plain − plain {pool['ttfb_aa'][0]:+.3f} "
+                                    f"[{pool['ttfb_aa'][1]:+.3f}, {pool['ttfb_aa'][2]:+.3f}]")})
         if redis_v:
             ok = (m["charged_calls_above"] is not None and m["plain_calls_above"] is not None
                   and m["charged_calls_above"] <= m["plain_calls_above"])
@@ -640,8 +655,9 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
              f"{a.rounds} round(s) (order forward, reversed, ...), {meta['wall_s']:.0f} s in all; variants: "
              f"{', '.join(VARIANT_TEXT[v] for v in variants)}. Max throughput: wrk -t{a.wrk_threads} "
              f"-c{a.connections} -d{a.duration}s POSTing `max_tokens` {a.max_tokens} (the mock answers a random "
-             f"count up to it). TTFB: {a.pairs} pairs per round and kind, plain and charged one after the other "
-             f"(P C, C P, ...), one client, `x-mock-tokens: {a.ttfb_tokens}`, SSE with `x-mock-chunk-ms: "
+             f"count up to it). TTFB: {a.triples} triples per round and kind on one keep-alive connection, "
+             f"plain, plain again and charged in the six orders in turn, in paired windows of {a.window} triples, "
+             f"one client, `x-mock-tokens: {a.ttfb_tokens}`, SSE with `x-mock-chunk-ms: "
              f"{a.chunk_ms}`. Load average before {meta['loadavg_before']}, after {meta['loadavg_after']}; other "
              f"processes' CPU during the throughput windows: median {fmt(meta['other_load_pct_median'], 0)} % of "
              f"a core (max {fmt(meta['other_load_pct_max'], 0)} %).", "",
@@ -653,18 +669,18 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                     "script calls/req", "calls ratio", "beyond heartbeats", "other load %"],
                    "rllrrrrrrrr", rows_tp)
     if rows_ttfb:
-        lines += ["", "## Time to first byte, paired, per round (ms)", "",
-                  "Send → first byte of the body (p50 / p99), and send → last byte (end). Δ: the round's median "
-                  "of charged − plain over its pairs, with its 95% interval; plain − plain: each plain request "
-                  "less the plain one before it, its median and 95% interval (the noise: the interval's far end "
-                  "from 0).", ""]
-        lines += table(["round", "variant", "kind", "plain p50 / p99", "charged p50 / p99", "Δ TTFB",
-                        "plain − plain", "end p50 plain / charged", "Δ end", "end plain − plain", "failed"],
-                       "rllrrrrrrrr", rows_ttfb)
+        lines += ["", "## Time to first byte, paired windows, per round (ms)", "",
+                  f"Send → first byte of the body (p50 / p99), and send → last byte (end). Each window: "
+                  f"{a.window} triples (plain A, plain B, charged C on one connection); its median of C − A "
+                  f"(what charge adds) and of B − A (the plain route against itself: the noise).", ""]
+        lines += table(["round", "variant", "kind", "plain p50 / p99", "charged p50 / p99",
+                        "windows' charged − plain", "windows' plain − plain", "end p50 plain / charged",
+                        "Δ end (noise)", "failed"],
+                       "rllrrllrrr", rows_ttfb)
     lines += ["", "## Medians over rounds", ""]
     lines += table(["variant", "kind", "rps plain / charged", "rps ratio", "CPU µs/req plain / charged",
                     "CPU ratio", "script calls/req plain / charged", "beyond heartbeats",
-                    "TTFB p50 ms plain / charged", "Δ TTFB ms (plain−plain noise)", "Δ end ms (noise)"],
+                    "TTFB p50 ms plain / charged", "Δ TTFB ms (windows' noise)", "Δ end ms (noise)"],
                    "llrrrrrrrrr", rows_ratio)
     lines += ["", "## Checks", ""]
     for c in checks:
@@ -728,23 +744,24 @@ def plot(a, out, per):
     ax = axes[1][0]
     for i, key in enumerate(keys):
         d = per[key]
-        if d["ttfb_diff"]:
-            ax.scatter([i - 0.1] * len(d["ttfb_diff"]), d["ttfb_diff"], color="tab:red",
-                       label="charged − plain" if i == 0 else None)
-            ax.scatter([i + 0.1] * len(d["ttfb_noise"]), d["ttfb_noise"], color="tab:gray", marker="_", s=200,
-                       label="plain − plain noise (±)" if i == 0 else None)
-            ax.scatter([i + 0.1] * len(d["ttfb_noise"]), [-x for x in d["ttfb_noise"]], color="tab:gray",
-                       marker="_", s=200)
-            ax.scatter([i + 0.1] * len(d["ttfb_aa"]), d["ttfb_aa"], color="tab:gray",
-                       label="plain − plain median" if i == 0 else None)
+        wins = d["ttfb_windows"]
+        if wins:
+            ax.scatter([i - 0.12] * len(wins), [w[0] for w in wins], color="tab:red", s=12,
+                       label="charged − plain, each window" if i == 0 else None)
+            ax.scatter([i + 0.12] * len(wins), [w[1] for w in wins], color="tab:gray", s=12,
+                       label="plain − plain, each window" if i == 0 else None)
+            added, noise = added_and_noise(wins)
+            ax.hlines([noise, -noise], i - 0.3, i + 0.3, color="tab:gray", linestyle="--",
+                      label="noise (± 95th percentile of |plain − plain|)" if i == 0 else None)
+            ax.hlines([added], i - 0.3, i + 0.3, color="tab:red", linewidth=2,
+                      label="added (median of the windows)" if i == 0 else None)
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_yscale("symlog", linthresh=0.01)
-    lim = max([abs(x) for d in per.values() for x in d["ttfb_diff"] + d["ttfb_noise"] + d["ttfb_aa"]
-               if x is not None] or [0.01])
+    lim = max([abs(x) for d in per.values() for w in d["ttfb_windows"] for x in w] or [0.01])
     ax.set_ylim(-lim * 1.6, lim * 1.6)
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("ms (linear within ±0.01)")
-    ax.set_title("TTFB: per-round median of paired differences")
+    ax.set_title("TTFB: each paired window's median difference")
     ax.legend()
     ax = axes[1][1]
     for i, key in enumerate(keys):
@@ -785,10 +802,11 @@ def main():
     ap.add_argument("--duration", type=int, default=4, help="seconds of each max-throughput window")
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--wrk-threads", type=int, default=1)
-    ap.add_argument("--pairs", type=int, default=200, help="TTFB pairs per round and kind")
+    ap.add_argument("--triples", type=int, default=200, help="TTFB triples per round and kind")
+    ap.add_argument("--window", type=int, default=50, help="triples per paired TTFB window")
     ap.add_argument("--chunk-ms", type=int, default=20, help="x-mock-chunk-ms on the SSE TTFB requests")
     ap.add_argument("--ttfb-tokens", type=int, default=1, help="x-mock-tokens on the TTFB requests")
-    ap.add_argument("--gap-ms", type=float, default=0, help="a random pause (0.5-1.5x) between TTFB pairs")
+    ap.add_argument("--gap-ms", type=float, default=0, help="a random pause (0.5-1.5x) between TTFB triples")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--variants", default="redis", help="redis, leases, local, or several (redis,leases)")
     ap.add_argument("--threads", type=int, default=2, help="gateway worker threads")
@@ -805,13 +823,17 @@ def main():
         out = Path(a.out)
         old = json.loads((out / "summary.json").read_text())
         ra = argparse.Namespace(**old["run"]["args"])
+        if not hasattr(ra, "window"):
+            ap.error(f"{out} was written by the paired design before windows (--pairs); run it again")
         logs_summary = {v: log_summary(out / "logs" / f"gateway-{v}.log") for v in ra.variants}
         sys.exit(0 if report(ra, out, old["run"], old["rounds"], old["pooled_ttfb"], logs_summary) else 1)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     if not a.variants or any(v not in VARIANTS for v in a.variants):
         ap.error("--variants takes redis, leases, local, or several (redis,leases)")
-    if a.rounds < 1 or a.pairs < 0 or a.duration <= 0:
-        ap.error("--rounds >= 1, --pairs >= 0, --duration > 0")
+    if a.rounds < 1 or a.triples < 0 or a.duration <= 0 or a.window < 1:
+        ap.error("--rounds >= 1, --triples >= 0, --window >= 1, --duration > 0")
+    if 0 < a.triples < a.window:
+        ap.error(f"--triples {a.triples} makes no whole window of --window {a.window}")
     out = Path(a.out)
     for d in ("config", "logs", "raw", ".bin"):
         (out / d).mkdir(parents=True, exist_ok=True)
@@ -881,7 +903,7 @@ def main():
         if not a.no_ttfb:
             for v in a.variants:
                 for k in KINDS:
-                    ttfb_window(gws[v]["port"], k, a, 10, f"warmup-{v}-{k}", out, random.Random(0))
+                    ttfb_window(gws[v]["port"], k, a, 12, f"warmup-{v}-{k}", out, random.Random(0))
         rounds = []
         all_ttfb = {}
         rng = random.Random(1)
@@ -904,25 +926,25 @@ def main():
                 if w["non2xx_or_errors"]:
                     warn(f"{name}: {w['errors']} (wrk counts non-2xx/3xx answers as status errors)")
             if not a.no_ttfb:
-                pairs_order = [(v, k) for v in a.variants for k in KINDS]
+                ttfb_order = [(v, k) for v in a.variants for k in KINDS]
                 if not fwd:
-                    pairs_order.reverse()
-                for v, k in pairs_order:
+                    ttfb_order.reverse()
+                for v, k in ttfb_order:
                     t0 = time.monotonic()
                     met0 = gateway_counters(gws[v]["admin"])
-                    rows, bad = ttfb_window(gws[v]["port"], k, a, a.pairs, f"r{rn}-{v}-{k}", out, rng)
-                    s = ttfb_summary(rows)
+                    rows, bad = ttfb_window(gws[v]["port"], k, a, a.triples, f"r{rn}-{v}-{k}", out, rng)
+                    s = ttfb_summary(rows, a.window)
                     s["bad"] = bad
                     s["gateway_metrics"] = delta(met0, gateway_counters(gws[v]["admin"]))
                     off = {x: int(y) for x, y in s["gateway_metrics"].items()
                            if x.startswith(("fallback_to:", "redis_errors:", "decided:redis", "decided:fallback"))}
                     rd["ttfb"][f"{v}/{k}"] = s
                     all_ttfb.setdefault(f"{v}/{k}", []).append(rows)
-                    log(f"  TTFB {v}/{k}: {a.pairs} pairs in {time.monotonic() - t0:.1f} s; p50 plain "
+                    tw = s["ttfb"]["windows"]
+                    log(f"  TTFB {v}/{k}: {a.triples} triples in {time.monotonic() - t0:.1f} s; p50 plain "
                         f"{s['ttfb']['plain_p50_ms']:.3f} ms, charged {s['ttfb']['charged_p50_ms']:.3f} ms; "
-                        f"median charged - plain {s['ttfb']['median_diff_ms']:+.3f} ms, plain - plain "
-                        f"{s['ttfb']['plain_plain_median_diff_ms']:+.3f} (noise {s['ttfb']['plain_plain_reach_ms']:.3f}) ms; "
-                        f"failed {bad}" + (f"; {off}" if off else ""))
+                        f"windows' charged - plain {', '.join(f'{w[0]:+.3f}' for w in tw)} ms, plain - plain "
+                        f"{', '.join(f'{w[1]:+.3f}' for w in tw)} ms; failed {bad}" + (f"; {off}" if off else ""))
             rounds.append(rd)
             log(f"round {rn} done ({time.monotonic() - t_start:.0f} s in all)")
         for v, g in gws.items():
@@ -941,8 +963,8 @@ def main():
     meta["other_load_pct_max"] = max(others) if others else None
     pooled = {}
     for key, per_round in all_ttfb.items():
-        pooled[key] = {f"{what}_{name}": median_ci([x for rows in per_round for x in f(rows, what)])
-                       for what in ("ttfb", "end") for name, f in (("diff", pair_diffs), ("aa", plain_diffs))}
+        pooled[key] = {f"{what}_{name}": median_ci([x for rows in per_round for x in diffs(rows, what, side)])
+                       for what in ("ttfb", "end") for name, side in (("diff", "C"), ("aa", "B"))}
     logs_summary = {v: log_summary(out / "logs" / f"gateway-{v}.log") for v in a.variants}
     ok = report(a, out, meta, rounds, pooled, logs_summary)
     log(f"wrote {out}/summary.md, summary.json, charge.png ({meta['wall_s']:.0f} s)")

@@ -4,13 +4,13 @@
 # one gateway on one mock upstream, measured side by side in one run.
 #
 #   loadtest/charge_bench.sh [--rounds 3] [--duration 4] [--connections 16]
-#                            [--pairs 200] [--chunk-ms 20] [--ttfb-tokens 1]
+#                            [--triples 200] [--window 50] [--chunk-ms 20] [--ttfb-tokens 1]
 #                            [--max-tokens 256] [--variants redis[,local]]
 #                            [--threads 2] [--cpu-limit 1.1] [--no-ttfb]
 #                            [--out DIR]
 #
 #   loadtest/charge_bench.sh                          # 3 rounds, about 3 minutes
-#   loadtest/charge_bench.sh --rounds 1 --pairs 30    # a quick look, under a minute
+#   loadtest/charge_bench.sh --rounds 1 --triples 50  # a quick look, about a minute
 #   loadtest/charge_bench.sh --variants redis,local   # the local backend too (about twice as long)
 #   loadtest/charge_bench.sh --out DIR --report-only  # summary.md, .json and the PNG again from DIR
 #
@@ -18,9 +18,10 @@
 # Each round (the order forward, reversed, ...): max throughput with wrk
 # (rps, the gateway's CPU per request, Redis script calls per request), then
 # time to first byte from one client sending triples (plain, plain,
-# charged, in rotating order). Checks: CPU per request charged / plain <= 1.1;
-# the TTFB charge adds within the plain-vs-plain noise; Redis calls per
-# request of charged <= plain's. loadtest/charge_bench.py's docstring has the
+# charged, in rotating order, on one connection) in paired windows of 50.
+# Checks: CPU per request charged / plain <= 1.1; the TTFB charge adds
+# within the noise of the paired windows (how far plain lands from plain);
+# Redis calls per request of charged <= plain's. loadtest/charge_bench.py's docstring has the
 # details.
 #
 # Writes loadtest/results/charge-<timestamp>/ (summary.md, summary.json,

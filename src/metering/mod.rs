@@ -11,6 +11,7 @@
 pub mod json_scan;
 pub mod sse;
 
+use bytes::Bytes;
 use http::HeaderMap;
 
 use crate::config::{Charge, CostSource};
@@ -84,12 +85,19 @@ pub enum Ended {
 }
 
 /// Reads the cost from an answer as it passes.
+///
+/// A piece is scanned once the next one comes (or the answer ends), not
+/// before it goes on to the client: the client's first byte never waits
+/// for the scan, and one piece is all that is held (a reference to the
+/// bytes Pingora already has, not a copy).
 pub struct Meter {
     header: Found,
     json: Option<JsonScan>,
     sse: Option<SseScan>,
     /// The body scanned: `json` or `sse` (from its content type).
     event_stream: bool,
+    /// The last piece, not scanned yet.
+    held: Option<Bytes>,
 }
 
 impl Meter {
@@ -128,11 +136,22 @@ impl Meter {
             json,
             sse,
             event_stream,
+            held: None,
         }
     }
 
-    /// A piece of the answer's body, on its way to the client.
-    pub fn body(&mut self, chunk: &[u8]) {
+    /// A piece of the answer's body, on its way to the client: the one
+    /// before it is scanned now.
+    pub fn body(&mut self, chunk: &Bytes) {
+        if self.json.is_none() && self.sse.is_none() {
+            return;
+        }
+        if let Some(before) = self.held.replace(chunk.clone()) {
+            self.scan(&before);
+        }
+    }
+
+    fn scan(&mut self, chunk: &[u8]) {
         if let Some(s) = &mut self.json {
             s.feed(chunk);
         }
@@ -144,6 +163,9 @@ impl Meter {
     /// What the answer said it cost, in `charge.response`'s order: the
     /// first source that holds something; None when none does, with why.
     pub fn reading(&mut self, charge: &Charge, ended: Ended) -> Result<f64, Why> {
+        if let Some(last) = self.held.take() {
+            self.scan(&last);
+        }
         let cut = !matches!(ended, Ended::Whole(_));
         let mut first_problem = None;
         for s in &charge.response {

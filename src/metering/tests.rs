@@ -1,3 +1,4 @@
+use bytes::Bytes;
 use http::HeaderMap;
 
 use super::*;
@@ -39,7 +40,7 @@ fn charged_for(content_type: &str, extra: &[(&str, &str)], body: &str, ended: En
     for piece in [1, 7, body.len().max(1)] {
         let mut m = Meter::start(&c, &headers(&h));
         for chunk in body.as_bytes().chunks(piece) {
-            m.body(chunk);
+            m.body(&Bytes::copy_from_slice(chunk));
         }
         let got = charged(&c, 100, ended, m.reading(&c, ended));
         assert!(
