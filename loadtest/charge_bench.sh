@@ -5,7 +5,7 @@
 #
 #   loadtest/charge_bench.sh [--rounds 3] [--duration 4] [--connections 16]
 #                            [--triples 200] [--window 50] [--chunk-ms 20] [--ttfb-tokens 1]
-#                            [--max-tokens 256] [--variants redis[,local]]
+#                            [--max-tokens 256] [--body-pad 0] [--variants redis[,local]]
 #                            [--threads 2] [--cpu-limit 1.1] [--no-ttfb]
 #                            [--out DIR]
 #
