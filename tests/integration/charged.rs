@@ -11,7 +11,9 @@ use crate::support;
 use std::time::Duration;
 
 use support::http::Client;
-use support::{wait_for, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard, SERVER};
+use support::{
+    wait_for, AnswerHold, ForwarderGuard, GatewayGuard, RedisGuard, UpstreamGuard, SERVER,
+};
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -790,6 +792,77 @@ fn what_the_fallback_admitted_reaches_redis_at_its_settled_cost() {
     );
     assert_eq!(used, want, "used is what the upstream reported");
     assert_eq!(g.metric("gateway_settle_after_failback_total"), 0.0);
+}
+
+/// Whether `bytes` hold a `charge.lua` settlement call: its marker names
+/// a batch of settlements (`<prefix>:ran:<replica>:settled:<n>:<i>`).
+fn settlement_call(bytes: &[u8]) -> bool {
+    String::from_utf8_lossy(bytes).contains(":settled:")
+}
+
+/// A batch of settlements whose answer is lost is settled once. The call
+/// runs in Redis, in time, and its answer is held 1.5 s (three times, the
+/// gateway failing over and back each time): the batch is kept whole and
+/// sent again under its marker, which Redis already holds, so it writes
+/// nothing twice. Refunds of 490 a request (estimates of 500, answers of
+/// 10) make a double settlement plain: the month's `used` would fall short
+/// of what the upstream reported by 490 for each request in the batch.
+#[test]
+fn a_lost_settlement_answer_is_settled_once() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let redis = RedisGuard::start();
+    let relay = AnswerHold::start(redis.port, settlement_call);
+    let up = UpstreamGuard::start();
+    let config = config(&up, &redis)
+        .replace(&redis.url(), &relay.url())
+        .replace(
+            "retry_after_jitter_ms = 0\n",
+            "retry_after_jitter_ms = 0\non_redis_failure = \"local\"\n",
+        );
+    let g = GatewayGuard::start(&config);
+    let stop = AtomicBool::new(false);
+    let (sent, admitted) = (AtomicU64::new(0), AtomicU64::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut c = g.client();
+            while !stop.load(Ordering::Relaxed) {
+                let n = sent.fetch_add(1, Ordering::Relaxed);
+                let body = format!(r#"{{"max_tokens":500,"stream":{}}}"#, n % 2 == 0);
+                match chat(&mut c, CHAT, &body, &[("x-mock-tokens", "10")]) {
+                    200 => {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    0 => c = g.client(),
+                    _ => {}
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(700));
+            relay.hold_next("a settlement call");
+            g.wait_backend("redis", Duration::from_secs(15));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let want = up.stats_at("/stats/llm")["reported_total"]
+        .as_u64()
+        .expect("total");
+    let used = settled_used(&g, want);
+    let in_doubt = g.metric("gateway_settle_in_doubt_total");
+    println!(
+        "FIGURES charged lost settlement answer: {} requests, {} admitted, {want} tokens reported, \
+         used {used} ({:+}); settlement batches in doubt {in_doubt}",
+        sent.load(Ordering::Relaxed),
+        admitted.load(Ordering::Relaxed),
+        used as i64 - want as i64
+    );
+    assert!(
+        in_doubt >= 3.0,
+        "each hold lost a settlement call's answer: {in_doubt}"
+    );
+    assert_eq!(used, want, "used is what the upstream reported");
 }
 
 /// Leases on (the default) and `[limiter.shares] charged = true` without

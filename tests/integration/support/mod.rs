@@ -4,6 +4,7 @@
 //! of the processes it started.
 #![allow(dead_code)]
 
+pub mod answer_hold;
 pub mod cdp;
 pub mod http;
 pub mod issuer;
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
+pub use answer_hold::AnswerHold;
 pub use http::{Client, Response};
 
 /// Runs the gateway binary's `args` on the config at `config`: its exit
