@@ -794,6 +794,132 @@ fn what_the_fallback_admitted_reaches_redis_at_its_settled_cost() {
     assert_eq!(g.metric("gateway_settle_after_failback_total"), 0.0);
 }
 
+/// A charged token bucket cut while a share holds its route's `max`, and
+/// decided whole when the replica count makes shares too small: the cut
+/// follows the membership. C = 8,000 at 400/s, `max` 1,000, `fraction`
+/// 0.25: two replicas' shares of 1,000 hold `max` (cut), three replicas'
+/// of 666 do not (whole). Two replicas, then a third joins for 8 s and
+/// stops, while clients on every live replica spend as fast as they may
+/// (estimates equal to costs: nothing to settle). Shares are on for every
+/// bucket and the plan has no quota (never cut), so a request is counted
+/// `share` only while the charged bucket is cut too (the plan's is cut
+/// whatever the count). Over every interval the
+/// upstream's tokens stay within C + r·T plus the documented once per
+/// switch (`fraction` × C); the figure says how much of that was used.
+#[test]
+fn a_charged_bucket_through_a_change_of_replica_count() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let redis = RedisGuard::start();
+    let up = UpstreamGuard::start();
+    let (cap, rate, fc) = (8000.0, 400.0, 2000.0);
+    let config = replicas_config(
+        &up,
+        &redis,
+        "capacity = 1000000000\nrefill_per_sec = 1000000000",
+        r#"charge = { response = ["json:usage.total_tokens"], estimate = "json:max_tokens", max = 1000 }
+limit = { algorithm = "token_bucket", capacity = 8000, refill_per_sec = 400, scope = "client", cost = "response" }"#,
+    )
+    .replace("instances = 3\n", "instances = 1\n")
+    .replace(
+        r#"quotas = [{ limit = 100000000, period = "month", cost = "response" }]"#,
+        "",
+    );
+    let two: Vec<GatewayGuard> = (0..2).map(|_| GatewayGuard::start(&config)).collect();
+    let members = |gs: &[&GatewayGuard], n: f64| {
+        wait_for(&format!("{n} replicas"), Duration::from_secs(15), || {
+            gs.iter()
+                .all(|g| {
+                    g.metric("gateway_limiter_replicas") == n
+                        && g.metric("gateway_shares_usable") == 1.0
+                })
+                .then_some(())
+        });
+    };
+    members(&[&two[0], &two[1]], 2.0);
+    const SHARE: &str = "gateway_limiter_decisions_total{path=\"share\"}";
+    let on_shares = || two.iter().map(|g| g.metric(SHARE)).sum::<f64>();
+    let mut decided = [0.0; 5];
+    let third: std::sync::Mutex<Option<GatewayGuard>> = std::sync::Mutex::new(None);
+    let stop = AtomicBool::new(false);
+    let spend = |addr: std::net::SocketAddr| {
+        let mut c = support::http::Client::connect(addr).expect("connect");
+        let body = r#"{"max_tokens":100}"#;
+        let headers = [("x-mock-tokens", "100")];
+        if chat(&mut c, CHAT, body, &headers) == 0 {
+            c = support::http::Client::connect(addr).expect("reconnect");
+        }
+        drop(c);
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    std::thread::scope(|s| {
+        for g in &two {
+            let (stop, addr) = (&stop, g.addr);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    spend(addr);
+                }
+            });
+        }
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                let addr = third.lock().unwrap().as_ref().map(|g| g.addr);
+                match addr {
+                    Some(addr) => spend(addr),
+                    None => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_secs(8));
+        let cut_before = on_shares();
+        let g3 = GatewayGuard::start(&config);
+        members(&[&two[0], &two[1], &g3], 3.0);
+        let whole_from = on_shares();
+        *third.lock().unwrap() = Some(g3);
+        std::thread::sleep(Duration::from_secs(8));
+        let mut g3 = third.lock().unwrap().take().expect("the third replica");
+        let whole_to = on_shares() + g3.metric(SHARE);
+        g3.terminate(Duration::from_secs(10));
+        members(&[&two[0], &two[1]], 2.0);
+        let cut_from = on_shares();
+        std::thread::sleep(Duration::from_secs(8));
+        stop.store(true, Ordering::Relaxed);
+        decided = [cut_before, whole_from, whole_to, cut_from, on_shares()];
+    });
+    println!(
+        "FIGURES charged cut follows replicas: decisions on a share: {} while two replicas, {} \
+         while three, {} while two again",
+        decided[0],
+        decided[2] - decided[1],
+        decided[4] - decided[3]
+    );
+    assert!(decided[0] > 0.0, "cut while two replicas' shares hold max");
+    assert_eq!(decided[2], decided[1], "decided whole while three replicas");
+    assert!(decided[4] > decided[3], "cut again once the third has left");
+    // Every interval of the upstream's arrivals (100 tokens each): the
+    // most it got beyond r·T, against C.
+    let times = up.times(CHAT);
+    let (mut most, mut low) = (f64::MIN, f64::MAX);
+    for (j, t) in times.iter().enumerate() {
+        let at = |i: usize, t: u64| 100.0 * i as f64 - rate * t as f64 / 1e6;
+        low = low.min(at(j, *t));
+        most = most.max(at(j + 1, *t) - low);
+    }
+    let span = (times.last().unwrap_or(&0) - times.first().unwrap_or(&0)) as f64 / 1e6;
+    println!(
+        "FIGURES charged cut follows replicas: {} requests admitted ({} tokens) over {span:.1} s \
+         (C + r·T = {:.0}), two then three then two replicas; the most in any interval beyond \
+         r·T {most:.0} against C = {cap} (switches' allowance fC = {fc} each, two switches)",
+        times.len(),
+        times.len() * 100,
+        cap + rate * span
+    );
+    assert!(times.len() > 100, "traffic flowed: {}", times.len());
+    assert!(
+        most <= cap + 2.0 * fc,
+        "an interval over C + r·T + 2fC: {most} beyond r·T"
+    );
+}
+
 /// Whether `bytes` hold a `charge.lua` settlement call: its marker names
 /// a batch of settlements (`<prefix>:ran:<replica>:settled:<n>:<i>`).
 fn settlement_call(bytes: &[u8]) -> bool {
