@@ -200,3 +200,9 @@ fn estimates() {
     strict.estimate = Estimate::Fixed(50);
     assert_eq!(estimate(&strict, None), Ok(50));
 }
+
+#[test]
+fn the_metric_knows_every_reason() {
+    let reasons = Why::ALL.map(Why::as_str);
+    assert_eq!(reasons, crate::metrics::CHARGE_REASONS);
+}
