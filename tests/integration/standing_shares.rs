@@ -127,7 +127,7 @@ fn a_hot_key_on_shares_keeps_its_rate_over_every_interval() {
     let (i, share, n) = hot_key(&up, &mut gws, CAPACITY, RATE, 10, |_, _, _| {});
     let on_shares = share_decisions(&gws);
     println!(
-        "FIGURES hot key on shares: {n} admitted, {:.1}% of capacity + rate x span; worst interval {:+.1} over the bound by arrival times, {:+.1} with the first request's transit ({:.1} tokens); decided on shares per replica {on_shares:?}",
+        "FIGURES hot key on shares: {n} admitted, {:.1}% of capacity + rate x span; worst interval {:+.1} over the bound by arrival times, {:+.1} with its earliest decision allowed for ({:.1} tokens); decided on shares per replica {on_shares:?}",
         100.0 * share,
         i.worst_plain,
         i.worst,
