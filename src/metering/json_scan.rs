@@ -73,7 +73,8 @@ enum State {
     Malformed,
 }
 
-/// The open containers, innermost last: bit i set for an array at depth i.
+/// The open containers, innermost last: bit i set for an array at depth i
+/// (and clear above the top, so any bit set is an open array).
 #[derive(Default)]
 struct Stack {
     len: usize,
@@ -89,6 +90,11 @@ impl Stack {
         self.len == 0
     }
 
+    /// Whether an array is open (the target never sits inside one).
+    fn in_array(&self) -> bool {
+        self.arrays != 0
+    }
+
     fn last(&self) -> Option<&Frame> {
         let top = self.len.checked_sub(1)?;
         Some(match self.arrays >> top & 1 {
@@ -99,10 +105,8 @@ impl Stack {
 
     /// The caller keeps `len` below `MAX_DEPTH`.
     fn push(&mut self, frame: Frame) {
-        let bit = 1u128 << self.len;
-        match frame {
-            Frame::Array => self.arrays |= bit,
-            Frame::Object => self.arrays &= !bit,
+        if frame == Frame::Array {
+            self.arrays |= 1u128 << self.len;
         }
         self.len += 1;
     }
@@ -110,11 +114,12 @@ impl Stack {
     fn pop(&mut self) -> Option<Frame> {
         let frame = *self.last()?;
         self.len -= 1;
+        self.arrays &= !(1u128 << self.len);
         Some(frame)
     }
 
     fn clear(&mut self) {
-        self.len = 0;
+        *self = Stack::default();
     }
 }
 
@@ -147,8 +152,6 @@ impl Atom {
 pub struct JsonScan {
     path: Arc<[Box<[u8]>]>,
     stack: Stack,
-    /// Arrays among `stack` (the target never sits inside one).
-    arrays: usize,
     /// How many open objects, from the root, sit at their path segment's
     /// key: the value being read is the target when it equals the path's
     /// length and every open container is such an object.
@@ -168,7 +171,6 @@ impl JsonScan {
         JsonScan {
             path: path.keys().clone(),
             stack: Stack::default(),
-            arrays: 0,
             matched: 0,
             key_matches: false,
             state: State::Value,
@@ -185,7 +187,6 @@ impl JsonScan {
     /// what was found.
     pub fn reset(&mut self) {
         self.stack.clear();
-        self.arrays = 0;
         self.matched = 0;
         self.key_matches = false;
         self.state = State::Value;
@@ -265,7 +266,9 @@ impl JsonScan {
 
     /// Whether a value starting now sits at the path.
     fn at_target(&self) -> bool {
-        self.matched == self.path.len() && self.stack.len() == self.path.len() && self.arrays == 0
+        self.matched == self.path.len()
+            && self.stack.len() == self.path.len()
+            && !self.stack.in_array()
     }
 
     #[inline(always)]
@@ -456,7 +459,6 @@ impl JsonScan {
             return;
         }
         self.stack.push(frame);
-        self.arrays += (frame == Frame::Array) as usize;
         self.state = match frame {
             Frame::Object => State::Key { first: true },
             Frame::Array => State::Value,
@@ -464,9 +466,7 @@ impl JsonScan {
     }
 
     fn close(&mut self) {
-        if self.stack.pop() == Some(Frame::Array) {
-            self.arrays -= 1;
-        }
+        self.stack.pop();
         self.state = self.after_value();
     }
 
