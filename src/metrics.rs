@@ -529,36 +529,20 @@ pub fn trace_spans(dropped: Option<&'static str>, n: u64) {
 }
 
 /// A charged request settled: why it was charged what it was, and how much.
-pub fn charged(reason: &'static str, units: u64) {
-    // Handles cached: this is per charged request (its logging phase, which
-    // a keep-alive connection's next request waits for).
-    static C: OnceLock<([Counter; CHARGE_REASONS.len()], Counter)> = OnceLock::new();
+/// Handles cached: this is per charged request (its logging phase, which a
+/// keep-alive connection's next request waits for).
+pub fn charged(why: crate::metering::Why, units: u64) {
+    use crate::metering::Why;
+    static C: OnceLock<([Counter; Why::ALL.len()], Counter)> = OnceLock::new();
     let (by_reason, units_total) = C.get_or_init(|| {
         (
-            CHARGE_REASONS.map(|r| counter!("gateway_charged_requests_total", "reason" => r)),
+            Why::ALL.map(|w| counter!("gateway_charged_requests_total", "reason" => w.as_str())),
             counter!("gateway_charged_units_total"),
         )
     });
-    match CHARGE_REASONS.iter().position(|r| *r == reason) {
-        Some(i) => by_reason[i].increment(1),
-        None => counter!("gateway_charged_requests_total", "reason" => reason).increment(1),
-    }
+    by_reason[why as usize].increment(1);
     units_total.increment(units);
 }
-
-/// The reasons `gateway_charged_requests_total` counts
-/// (`metering::Why::as_str`, held equal by a test there).
-pub const CHARGE_REASONS: [&str; 9] = [
-    "read",
-    "capped",
-    "missing",
-    "not_json",
-    "not_a_number",
-    "negative",
-    "out_of_range",
-    "cut",
-    "failed",
-];
 
 /// Tokens settled with Redis: owed beyond estimates, and given back.
 pub fn settled(debt: u64, refund: u64) {
