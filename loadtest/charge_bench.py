@@ -575,7 +575,7 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                 d = per.setdefault((v, kind), {k: [] for k in (
                     "cpu_ratio", "calls_ratio", "plain_calls", "charged_calls", "plain_calls_above",
                     "charged_calls_above", "plain_cpu", "charged_cpu", "plain_rps", "charged_rps", "rps_ratio",
-                    "ttfb_windows", "end_windows", "ttfb_added",
+                    "ttfb_windows", "end_windows",
                     "plain_ttfb_p50", "charged_ttfb_p50", "plain_ttfb_p99", "charged_ttfb_p99")})
                 d["cpu_ratio"].append(cr)
                 d["calls_ratio"].append(rr)
@@ -589,7 +589,6 @@ def report(a, out, meta, rounds, pooled_ttfb, logs_summary):
                 if t:
                     for what in ("ttfb", "end"):
                         d[f"{what}_windows"] += [tuple(w) for w in t[what]["windows"]]
-                    d["ttfb_added"].append(t["ttfb"]["added_ms"])
                     for side in ("plain", "charged"):
                         d[f"{side}_ttfb_p50"].append(t["ttfb"][f"{side}_p50_ms"])
                         d[f"{side}_ttfb_p99"].append(t["ttfb"][f"{side}_p99_ms"])
