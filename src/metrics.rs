@@ -529,19 +529,9 @@ pub fn trace_spans(dropped: Option<&'static str>, n: u64) {
 }
 
 /// A charged request settled: why it was charged what it was, and how much.
-/// Handles cached: this is per charged request (its logging phase, which a
-/// keep-alive connection's next request waits for).
-pub fn charged(why: crate::metering::Why, units: u64) {
-    use crate::metering::Why;
-    static C: OnceLock<([Counter; Why::ALL.len()], Counter)> = OnceLock::new();
-    let (by_reason, units_total) = C.get_or_init(|| {
-        (
-            Why::ALL.map(|w| counter!("gateway_charged_requests_total", "reason" => w.as_str())),
-            counter!("gateway_charged_units_total"),
-        )
-    });
-    by_reason[why as usize].increment(1);
-    units_total.increment(units);
+pub fn charged(reason: &'static str, units: u64) {
+    counter!("gateway_charged_requests_total", "reason" => reason).increment(1);
+    counter!("gateway_charged_units_total").increment(units);
 }
 
 /// Tokens settled with Redis: owed beyond estimates, and given back.

@@ -118,7 +118,7 @@ impl Gateway {
             None => Err(metering::Why::Missing),
         };
         let (cost, why) = metering::charged(&charge, m.estimate, ended, reading);
-        crate::metrics::charged(why, cost);
+        crate::metrics::charged(why.as_str(), cost);
         ctx.charged = Some((cost, why.as_str()));
         if !matches!(why, metering::Why::Read | metering::Why::Failed) {
             if let Some(left_out) = unread_line() {
